@@ -1,0 +1,134 @@
+"""Writes the example model repository from fixed-seed numpy weights (needs the `onnx` package).
+
+    python examples/make_models.py [OUT_DIR]      # default: examples/models
+
+tiny         ONNX, y = 2x + 1 on FP32[16]: the latency probe
+mlp          ONNX, 1024 -> 4096 -> 4096 -> 1000 with ReLU: big enough that batching pays on CPU
+postprocess  python backend: softmax and arg-max over 1000 logits
+"""
+
+import os
+import sys
+import textwrap
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IR_VERSION = 8  # readable by onnxruntime builds from 1.10 on, as Ascend hosts may carry
+OPSET = 17
+
+
+def _save(graph, path: str) -> None:
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="gepool")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    onnx.save(model, path)
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(text).lstrip())
+
+
+def make_tiny(repo: str) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 16])
+    y = helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 16])
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    nodes = [helper.make_node("Mul", ["INPUT0", "two"], ["scaled"]),
+             helper.make_node("Add", ["scaled", "one"], ["OUTPUT0"])]
+    _save(helper.make_graph(nodes, "tiny", [x], [y], [two, one]), f"{repo}/tiny/1/model.onnx")
+    _write(f"{repo}/tiny/config.pbtxt", """
+        name: "tiny"
+        platform: "onnxruntime_onnx"
+        max_batch_size: 8
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+        instance_group [ { count: 1 kind: KIND_CPU } ]
+        dynamic_batching { }
+    """)
+
+
+def make_mlp(repo: str, sizes: tuple[int, ...] = (1024, 4096, 4096, 1000)) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1234)
+    x = helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, ["batch", sizes[0]])
+    y = helper.make_tensor_value_info("LOGITS", TensorProto.FLOAT, ["batch", sizes[-1]])
+    nodes, inits, prev = [], [], "INPUT"
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+        w = (rng.standard_normal((n_in, n_out), dtype=np.float32) / np.sqrt(n_in)).astype(np.float32)
+        b = (rng.standard_normal(n_out, dtype=np.float32) * 0.01).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        last = i == len(sizes) - 2
+        out = "LOGITS" if last else f"h{i}"
+        nodes.append(helper.make_node("Gemm", [prev, f"w{i}", f"b{i}"], [out if last else f"g{i}"]))
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"g{i}"], [out]))
+        prev = out
+    _save(helper.make_graph(nodes, "mlp", [x], [y], inits), f"{repo}/mlp/1/model.onnx")
+    _write(f"{repo}/mlp/config.pbtxt", f"""
+        name: "mlp"
+        platform: "onnxruntime_onnx"
+        max_batch_size: 32
+        input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ {sizes[0]} ] }} ]
+        output [ {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {sizes[-1]} ] }} ]
+        instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+        dynamic_batching {{
+          preferred_batch_size: [ 8, 16, 32 ]
+          max_queue_delay_microseconds: 2000
+        }}
+    """)
+
+
+def make_postprocess(repo: str) -> None:
+    _write(f"{repo}/postprocess/1/model.py", '''
+        """Softmax and arg-max over a batch of logits: pre/post-processing in plain numpy."""
+
+        import numpy as np
+
+
+        class Model:
+            def initialize(self, config):
+                self.temperature = float(config["parameters"].get("temperature", "1.0"))
+
+            def execute(self, inputs):
+                logits = inputs["LOGITS"] / self.temperature
+                z = np.exp(logits - logits.max(axis=1, keepdims=True))
+                probs = (z / z.sum(axis=1, keepdims=True)).astype(np.float32)
+                return {"PROBS": probs, "CLASS": probs.argmax(axis=1).astype(np.int64)[:, None]}
+
+            def finalize(self):
+                pass
+    ''')
+    _write(f"{repo}/postprocess/config.pbtxt", """
+        name: "postprocess"
+        backend: "python"
+        max_batch_size: 32
+        input [ { name: "LOGITS" data_type: TYPE_FP32 dims: [ 1000 ] } ]
+        output [
+          { name: "PROBS" data_type: TYPE_FP32 dims: [ 1000 ] },
+          { name: "CLASS" data_type: TYPE_INT64 dims: [ 1 ] }
+        ]
+        dynamic_batching { max_queue_delay_microseconds: 500 }
+        parameters { key: "temperature" value: { string_value: "1.0" } }
+    """)
+
+
+def make_all(repo: str) -> str:
+    make_tiny(repo)
+    make_mlp(repo)
+    make_postprocess(repo)
+    return repo
+
+
+if __name__ == "__main__":
+    out = make_all(sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "models"))
+    print(f"wrote the example repository to {out}")

@@ -1,0 +1,117 @@
+"""What the sync and asyncio clients share: turning numpy inputs into a request and replies into arrays."""
+
+import itertools
+import math
+
+import numpy as np
+
+from gepool import errors
+from gepool.arena import ArenaFull, ClientArena
+from gepool.ipc import dtypes, layout, protocol
+
+_ids = itertools.count(1)
+
+
+def next_id() -> int:
+    return next(_ids)
+
+
+class Outgoing:
+    """One encoded Infer and the arena ranges it holds until its reply arrives."""
+
+    __slots__ = ("req_id", "frames", "ranges")
+
+    def __init__(self, req_id: int, frames: list, ranges: list[tuple[int, int]]) -> None:
+        self.req_id, self.frames, self.ranges = req_id, frames, ranges
+
+
+def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: int | None,
+                 timeout: float | None, arena: tuple[ClientArena, int] | None, out_bytes: int) -> Outgoing:
+    """Tensors go into the arena when one is registered and has room, else as raw frames."""
+    if not isinstance(inputs, dict) or not inputs:
+        raise errors.InvalidArgument("inputs must be a non-empty dict of name -> numpy array")
+    arrays = {}
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        try:
+            dtypes.from_numpy(arr.dtype)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"input '{name}': {exc}") from None
+        arrays[name] = arr
+    req_id = next_id()
+    ranges: list[tuple[int, int]] = []
+    if arena is not None:
+        seg, arena_id = arena
+        total = sum(layout.align(a.nbytes) for a in arrays.values())
+        try:
+            base = seg.alloc(total + out_bytes)
+        except ArenaFull:
+            arena = None
+        else:
+            ranges.append((base, total + out_bytes))
+            refs, pos = [], base
+            for name, arr in arrays.items():
+                np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
+                refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), pos])
+                pos += layout.align(arr.nbytes)
+            msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
+                                 arena_id, base + total, out_bytes)
+            return Outgoing(req_id, [msg.encode()], ranges)
+    refs, frames = [], []
+    for i, (name, arr) in enumerate(arrays.items()):
+        refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
+        frames.append(np.ascontiguousarray(arr))
+    msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
+                         protocol.NO_ARENA, 0, 0)
+    return Outgoing(req_id, [msg.encode(), *frames], ranges)
+
+
+def _version(version: int | None) -> int:
+    return protocol.NO_VERSION if version is None else int(version)
+
+
+def _timeout_us(timeout: float | None) -> int:
+    return 0 if timeout is None else max(1, int(timeout * 1e6))
+
+
+def output_bytes(metadata: dict, inputs: dict) -> int:
+    """Arena room for a request's outputs, when the model's metadata fixes their size (else 0)."""
+    rows = 1
+    if metadata.get("max_batch_size", 0) > 0:
+        first = next(iter(inputs.values()))
+        rows = int(np.shape(first)[0]) if np.ndim(first) else 1
+    total = 0
+    for out in metadata.get("outputs", []):
+        dims = out["shape"][1:] if metadata.get("max_batch_size", 0) > 0 else out["shape"]
+        if any(d < 0 for d in dims) or not dtypes.is_supported(out["datatype"]):
+            return 0
+        total += layout.align(rows * math.prod(dims) * dtypes.itemsize(out["datatype"]))
+    return total
+
+
+def decode(frames: list) -> tuple[object, list]:
+    """(message, tensor frames) of one reply."""
+    return protocol.decode(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]), frames[1:]
+
+
+def result(msg: object, frames: list, arena: ClientArena | None) -> object:
+    """The value a reply stands for: output arrays, a query's body, or the error it carries, raised."""
+    if isinstance(msg, protocol.Error):
+        raise errors.from_code(msg.code, msg.message)
+    if isinstance(msg, protocol.Reply):
+        return msg.body
+    if isinstance(msg, protocol.Welcome):
+        return msg
+    if not isinstance(msg, protocol.Result):
+        raise errors.Internal(f"unexpected reply {type(msg).__name__}")
+    out = {}
+    for name, datatype, shape, where in msg.outputs:
+        dtype = dtypes.to_numpy(datatype)
+        if msg.in_arena:
+            count = math.prod(shape)
+            out[name] = np.frombuffer(arena.buf, dtype, count, where).reshape(shape).copy()
+        else:
+            # Zero-copy: the array is a read-only view that keeps the received ZMQ frame alive.
+            out[name] = np.frombuffer(frames[where].buffer if hasattr(frames[where], "buffer") else frames[where],
+                                      dtype).reshape(shape)
+    return out

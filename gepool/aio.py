@@ -1,0 +1,135 @@
+"""The asyncio client: ``await client.infer(...)``, many requests in flight on one socket."""
+
+import asyncio
+import os
+
+import zmq
+import zmq.asyncio
+
+from gepool import _wire, errors
+from gepool.arena import ClientArena
+from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S
+from gepool.ipc import protocol
+from gepool.ipc.sockets import default_endpoint, make_socket
+
+
+class AsyncClient:
+    """Use ``async with AsyncClient(endpoint) as c:`` or ``await AsyncClient.connect(...)``."""
+
+    def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
+                 arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self._shared_memory, self._arena_bytes = shared_memory, arena_bytes
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._meta: dict[str, dict] = {}
+        self.arena: ClientArena | None = None
+        self._arena_id = protocol.NO_ARENA
+
+    @classmethod
+    async def connect(cls, endpoint: str | None = None, **kwargs) -> "AsyncClient":
+        client = cls(endpoint, **kwargs)
+        await client.start()
+        return client
+
+    async def start(self, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        try:
+            welcome = await self._call(protocol.Hello(_wire.next_id(), protocol.PROTOCOL_VERSION,
+                                                      f"pid{os.getpid()}"), connect_timeout)
+            self.pool_id = welcome.pool_id
+            if self._shared_memory:
+                self.arena = ClientArena(self._arena_bytes)
+                body = await self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name,
+                                                               self.arena.size))
+                self._arena_id = body["arena"]
+                self.arena.segment.unlink()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
+                    version: int | None = None, timeout: float | None = None) -> dict:
+        arena, out_bytes = None, 0
+        if self.arena is not None:
+            if model not in self._meta:
+                self._meta[model] = await self.model_metadata(model)
+            arena, out_bytes = (self.arena, self._arena_id), _wire.output_bytes(self._meta[model], inputs)
+        out = _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes)
+        try:
+            msg, frames = await self._exchange(out.frames, out.req_id, timeout)
+        except errors.PoolUnavailable:
+            return self._orphaned(out)
+        try:
+            return _wire.result(msg, frames, self.arena)
+        finally:
+            for off, size in out.ranges:
+                self.arena.free(off, size)
+
+    def _orphaned(self, out: _wire.Outgoing):
+        # The front may still write this request's outputs into its arena range: never reuse it.
+        raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} in time (request {out.req_id})")
+
+    async def model_metadata(self, model: str) -> dict:
+        return await self._call(protocol.Query(_wire.next_id(), "metadata", {"model": model}))
+
+    async def status(self) -> dict:
+        return await self._call(protocol.Query(_wire.next_id(), "status", {}))
+
+    async def stats(self) -> dict:
+        return await self._call(protocol.Query(_wire.next_id(), "stats", {}))
+
+    async def _call(self, msg, timeout: float | None = None):
+        found, frames = await self._exchange([msg.encode()], msg.req_id, timeout)
+        return _wire.result(found, frames, self.arena)
+
+    async def _exchange(self, frames: list, req_id: int, timeout: float | None):
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        try:
+            await self._sock.send_multipart(frames, copy=False)
+            wait = self.timeout if timeout is None else timeout
+            return await asyncio.wait_for(fut, wait)
+        except TimeoutError:
+            raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} within {wait}s") from None
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg, rest = _wire.decode(frames)
+            except protocol.ProtocolError:
+                continue
+            fut = self._pending.get(getattr(msg, "req_id", None))
+            if fut is not None and not fut.done():
+                fut.set_result((msg, rest))
+
+    async def close(self) -> None:
+        if self.arena is not None and self._arena_id != protocol.NO_ARENA:
+            try:
+                await self._call(protocol.UnregisterArena(_wire.next_id(), self._arena_id), 2.0)
+            except errors.GepoolError:
+                pass
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,55 @@
+"""A client's shared-memory arena: tensors placed here reach the front as offsets, not bytes."""
+
+import threading
+
+from gepool.ipc import layout, naming
+from gepool.ipc.shm import Segment
+
+
+class ArenaFull(Exception):
+    """No free range is large enough; the caller falls back to sending frames."""
+
+
+class ClientArena:
+    """A segment plus a first-fit allocator of 256-byte aligned ranges, safe across threads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = layout.align(size, 4096)
+        self.segment = Segment.create(naming.segment_name(naming.new_owner_id(), "arena"), self.size)
+        self.buf = memoryview(self.segment.buf)
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int:
+        need = layout.align(max(nbytes, 1))
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= need:
+                    if length == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + need, length - need)
+                    return off
+        raise ArenaFull(f"no {need} free bytes in the {self.size}-byte arena")
+
+    def free(self, offset: int, nbytes: int) -> None:
+        size = layout.align(max(nbytes, 1))
+        with self._lock:
+            self._free.append((offset, size))
+            self._free.sort()
+            merged = [self._free[0]]
+            for off, length in self._free[1:]:
+                last_off, last_len = merged[-1]
+                if last_off + last_len == off:
+                    merged[-1] = (last_off, last_len + length)
+                else:
+                    merged.append((off, length))
+            self._free = merged
+
+    def close(self) -> None:
+        self.segment.unlink()
+        try:
+            self.buf.release()
+        except BufferError:
+            pass
+        self.segment.close()

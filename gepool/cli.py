@@ -1,0 +1,110 @@
+"""The ``gepool`` command: start, status, infer, cleanup."""
+
+import argparse
+import json
+import logging
+import sys
+
+import numpy as np
+
+from gepool import errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gepool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("start", help="serve a model repository in the foreground")
+    p.add_argument("--model-repository", required=True, help="folder of <model>/config.pbtxt and <model>/<version>/")
+    p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in your runtime dir)")
+    p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads shared by CPU workers (default: all)")
+    p.add_argument("--log-level", default="INFO")
+
+    p = sub.add_parser("status", help="models and their states")
+    p.add_argument("--endpoint")
+
+    p = sub.add_parser("infer", help="send one request (random inputs unless given)")
+    p.add_argument("model")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--endpoint")
+    p.add_argument("--shared-memory", action="store_true")
+
+    p = sub.add_parser("cleanup", help="remove shared-memory segments left by dead pools")
+    p.add_argument("--dry-run", action="store_true")
+
+    args = parser.parse_args(argv)
+    try:
+        return globals()[f"_cmd_{args.command}"](args)
+    except errors.GepoolError as exc:
+        print(f"gepool {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_start(args) -> int:
+    from gepool.ipc.sockets import default_endpoint
+    from gepool.pool import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    endpoint = args.endpoint or default_endpoint()
+
+    def ready(status: dict) -> None:
+        for name, m in status["models"].items():
+            line = f"model {name}: {m['state']}"
+            line += f" (version {m['version']}, {m['ready_workers']} worker(s))" if m["state"] == "READY" else ""
+            line += f" - {m['reason']}" if m["reason"] else ""
+            print(line, flush=True)
+        print(f"gepool ready on {endpoint}", flush=True)
+
+    print(f"gepool starting on {endpoint}", flush=True)
+    return serve(args.model_repository, endpoint, cpu_threads=args.cpu_threads,
+                 log_level=logging.getLevelName(args.log_level.upper()), on_ready=ready)
+
+
+def _cmd_status(args) -> int:
+    from gepool.client import Client
+
+    with Client(args.endpoint) as c:
+        print(json.dumps(c.status(), indent=2))
+    return 0
+
+
+def _cmd_infer(args) -> int:
+    from gepool.client import Client
+    from gepool.ipc import dtypes
+
+    with Client(args.endpoint, shared_memory=args.shared_memory) as c:
+        meta = c.model_metadata(args.model)
+        given = dict(item.split("=", 1) for item in args.input)
+        inputs = {}
+        rng = np.random.default_rng(0)
+        for t in meta.get("inputs", []):
+            if t["name"] in given:
+                inputs[t["name"]] = np.load(given.pop(t["name"]))
+                continue
+            shape = [args.batch_size if i == 0 and meta["max_batch_size"] > 0 else (d if d > 0 else 1)
+                     for i, d in enumerate(t["shape"])]
+            dtype = dtypes.to_numpy(t["datatype"])
+            inputs[t["name"]] = (rng.random(shape) * 10).astype(dtype)
+        if given:
+            raise errors.InvalidArgument(f"model '{args.model}' has no input {sorted(given)}")
+        outputs = c.infer(args.model, inputs)
+    for name, arr in outputs.items():
+        print(f"{name} {arr.dtype} {list(arr.shape)}")
+        print(np.array2string(arr, threshold=20, edgeitems=3))
+    return 0
+
+
+def _cmd_cleanup(args) -> int:
+    from gepool.ipc import naming
+
+    removed = naming.cleanup_dead(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for name in removed:
+        print(f"{verb} /dev/shm/{name}")
+    print(f"{verb} {len(removed)} segment(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The synchronous library client: blocking ``infer`` per thread, and futures for many in flight."""
+
+import collections
+import concurrent.futures
+import os
+import threading
+import time
+
+import zmq
+
+from gepool import _wire, errors
+from gepool.arena import ClientArena
+from gepool.ipc import protocol
+from gepool.ipc.sockets import default_endpoint, make_socket
+
+DEFAULT_TIMEOUT_S = 120.0  # never wait forever on a pool that vanished
+CONNECT_TIMEOUT_S = 10.0
+DEFAULT_ARENA_BYTES = 64 << 20
+
+
+class Client:
+    """Talks to a pool over ZMQ. ``infer`` blocks its calling thread (each thread gets its own socket,
+    so threads never wait on each other); ``infer_async`` returns a Future served by one I/O thread.
+
+    With ``shared_memory=True`` the client registers an arena with the front and places tensors
+    there, so only offsets cross the socket (same host only). Output arrays that arrive as frames
+    are read-only views of the received message.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
+                 arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._lock = threading.Lock()
+        self._io: _IoThread | None = None
+        self._meta: dict[str, dict] = {}
+        self._orphans: dict[int, _wire.Outgoing] = {}
+        self._closed = False
+        self.arena: ClientArena | None = None
+        self._arena_id = protocol.NO_ARENA
+        try:
+            welcome = self._call(protocol.Hello(_wire.next_id(), protocol.PROTOCOL_VERSION, f"pid{os.getpid()}"),
+                                 connect_timeout, what="connecting")
+            self.pool_id = welcome.pool_id
+            if shared_memory:
+                self.arena = ClientArena(arena_bytes)
+                body = self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size))
+                self._arena_id = body["arena"]
+                self.arena.segment.unlink()  # the front has mapped it: nothing can leak from here on
+        except BaseException:
+            self.close()
+            raise
+
+    # -- requests ------------------------------------------------------------------------
+    def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *, version: int | None = None,
+              timeout: float | None = None) -> dict:
+        """Runs one request and returns {output name: ndarray}; raises a GepoolError subclass on failure."""
+        out = self._encode(model, inputs, outputs, version, timeout)
+        try:
+            msg, frames = self._exchange(out.frames, out.req_id, self._timeout(timeout), f"model '{model}'")
+        except errors.PoolUnavailable:
+            self._orphan(out)
+            raise
+        try:
+            return _wire.result(msg, frames, self.arena)
+        finally:
+            self._release(out)
+
+    def infer_async(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
+                    version: int | None = None, timeout: float | None = None) -> concurrent.futures.Future:
+        """Sends at once; the Future resolves to the outputs or to the error."""
+        out = self._encode(model, inputs, outputs, version, timeout)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._io_thread().submit(out, fut, self._timeout(timeout), self)
+        return fut
+
+    def model_metadata(self, model: str) -> dict:
+        return self._call(protocol.Query(_wire.next_id(), "metadata", {"model": model}))
+
+    def status(self) -> dict:
+        return self._call(protocol.Query(_wire.next_id(), "status", {}))
+
+    def stats(self) -> dict:
+        return self._call(protocol.Query(_wire.next_id(), "stats", {}))
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _encode(self, model, inputs, outputs, version, timeout) -> _wire.Outgoing:
+        if self._closed:
+            raise errors.InvalidArgument("the client is closed")
+        arena, out_bytes = None, 0
+        if self.arena is not None:
+            meta = self._meta.get(model)
+            if meta is None:
+                meta = self._meta[model] = self.model_metadata(model)
+            arena, out_bytes = (self.arena, self._arena_id), _wire.output_bytes(meta, inputs)
+        return _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes)
+
+    def _release(self, out: _wire.Outgoing) -> None:
+        for off, size in out.ranges:
+            self.arena.free(off, size)
+
+    def _orphan(self, out: _wire.Outgoing) -> None:
+        """A request that timed out keeps its arena range: the front may still write its outputs
+        there. The range is freed when the late reply arrives (or never, if it never does)."""
+        if out.ranges:
+            with self._lock:
+                self._orphans[out.req_id] = out
+
+    def _late_reply(self, req_id: object) -> None:
+        with self._lock:
+            out = self._orphans.pop(req_id, None)
+        if out is not None:
+            self._release(out)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _call(self, msg, timeout: float | None = None, what: str = "request"):
+        found, frames = self._exchange([msg.encode()], msg.req_id, self._timeout(timeout), what)
+        return _wire.result(found, frames, self.arena)
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint)
+            with self._lock:
+                self._sockets.append(sock)
+            self._local.sock = sock
+        return sock
+
+    def _exchange(self, frames: list, req_id: int, timeout: float | None, what: str):
+        sock = self._socket()
+        sock.send_multipart(frames, copy=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not sock.poll(wait):
+                raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} within {timeout}s ({what})")
+            msg, rest = _wire.decode(sock.recv_multipart(copy=False))
+            if getattr(msg, "req_id", None) == req_id:
+                return msg, rest
+            self._late_reply(getattr(msg, "req_id", None))  # to a request that timed out here
+
+    def _io_thread(self) -> "_IoThread":
+        with self._lock:
+            if self._io is None:
+                self._io = _IoThread(self._ctx, self.endpoint)
+                self._io.start()
+            return self._io
+
+    def close(self) -> None:
+        """Stops the I/O thread, closes every socket and unmaps the arena. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._io is not None:
+            self._io.stop()
+        if self.arena is not None:
+            if self._arena_id != protocol.NO_ARENA:
+                try:
+                    self._call(protocol.UnregisterArena(_wire.next_id(), self._arena_id), 2.0)
+                except errors.GepoolError:
+                    pass
+            self.arena.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close(0)
+            self._sockets.clear()
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _IoThread(threading.Thread):
+    """Owns one socket; callers hand it encoded requests through a deque and a wake-up pipe."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        super().__init__(name="gepool-client-io", daemon=True)
+        self.ctx, self.endpoint = ctx, endpoint
+        self.outbox: collections.deque = collections.deque()
+        self.pending: dict[int, tuple] = {}
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.stopping = False
+        self.clients: set = set()  # clients with orphaned requests
+
+    def submit(self, out: _wire.Outgoing, fut, timeout: float | None, client: Client) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.outbox.append((out, fut, deadline, client))
+        os.write(self.wake_w, b"x")
+
+    def stop(self) -> None:
+        self.stopping = True
+        os.write(self.wake_w, b"x")
+        self.join()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def run(self) -> None:
+        sock = make_socket(self.ctx, zmq.DEALER, connect=self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
+        try:
+            while not self.stopping:
+                events = dict(poller.poll(self._wait_ms()))
+                if self.wake_r in events:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                while self.outbox:
+                    out, fut, deadline, client = self.outbox.popleft()
+                    self.pending[out.req_id] = (out, fut, deadline, client)
+                    sock.send_multipart(out.frames, copy=False)
+                if sock in events:
+                    self._receive(sock)
+                self._expire()
+        finally:
+            for out, fut, _, client in list(self.pending.values()):
+                client._release(out)
+                fut.set_exception(errors.Unavailable("the client was closed before the reply arrived"))
+            sock.close(0)
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg, rest = _wire.decode(frames)
+            entry = self.pending.pop(getattr(msg, "req_id", None), None)
+            if entry is None:
+                for client in self.clients:
+                    client._late_reply(getattr(msg, "req_id", None))
+                continue
+            out, fut, _, client = entry
+            try:
+                fut.set_result(_wire.result(msg, rest, client.arena))
+            except Exception as exc:
+                fut.set_exception(exc)
+            finally:
+                client._release(out)
+
+    def _wait_ms(self) -> int:
+        deadlines = [d for _, _, d, _ in self.pending.values() if d is not None]
+        if not deadlines:
+            return -1
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for req_id, (out, fut, deadline, client) in list(self.pending.items()):
+            if deadline is not None and deadline <= now:
+                del self.pending[req_id]
+                client._orphan(out)
+                self.clients.add(client)
+                fut.set_exception(errors.PoolUnavailable(
+                    f"no answer from the pool at {self.endpoint} in time (request {req_id})"))

@@ -1,0 +1,240 @@
+"""config.pbtxt -> plain typed objects, parsed by protobuf's own text-format parser.
+
+The objects are frozen dataclasses so they pickle into spawned workers unchanged. Every error
+names the file, the line and the field, so a user can fix a config without reading our code.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from google.protobuf import text_format
+
+from gepool import model_config_pb2 as pb
+from gepool.errors import ConfigError
+from gepool.ipc import dtypes
+
+BACKEND_ONNX = "onnxruntime"
+BACKEND_PYTHON = "python"
+BACKEND_GE = "ge"
+_PLATFORMS = {"onnxruntime_onnx": BACKEND_ONNX}
+_BACKENDS = {BACKEND_ONNX, BACKEND_PYTHON, BACKEND_GE}
+DEFAULT_FILENAMES = {BACKEND_ONNX: "model.onnx", BACKEND_PYTHON: "model.py", BACKEND_GE: "model.om"}
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    name: str
+    datatype: str  # Triton name: "FP32", "INT64", ...
+    dims: tuple[int, ...]  # without the batch dimension when max_batch_size > 0; -1 = variable
+
+    @property
+    def fixed(self) -> bool:
+        return all(d >= 0 for d in self.dims)
+
+    def row_bytes(self) -> int | None:
+        """Bytes of one batch row (the whole tensor when unbatched); None if a dim is variable."""
+        return math.prod(self.dims) * dtypes.itemsize(self.datatype) if self.fixed else None
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    count: int
+    kind: str  # "KIND_CPU", "KIND_GPU", "KIND_ASCEND", ...
+    devices: tuple[int, ...] = ()
+    policy: str = ""
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    preferred_batch_size: tuple[int, ...]
+    max_queue_delay_us: int = 0
+    preserve_ordering: bool = False
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    kind: str = "latest"  # latest | all | specific
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve out of those present, highest first."""
+        ordered = sorted(available, reverse=True)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.versions]
+        return ordered[: self.num_versions]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    backend: str
+    max_batch_size: int
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
+    instance_groups: tuple[InstanceGroup, ...]
+    dynamic_batching: DynamicBatching | None
+    version_policy: VersionPolicy = VersionPolicy()
+    parameters: dict[str, str] = field(default_factory=dict)
+    default_model_filename: str = ""
+    platform: str = ""
+    source: str = ""  # the config.pbtxt path, for messages
+
+    @property
+    def model_filename(self) -> str:
+        return self.default_model_filename or DEFAULT_FILENAMES[self.backend]
+
+    @property
+    def instance_count(self) -> int:
+        return sum(g.count * max(1, len(g.devices)) for g in self.instance_groups)
+
+    def input(self, name: str) -> TensorConfig | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+
+def parse_config(path: str, model_name: str) -> ModelConfig:
+    """Reads and checks one config.pbtxt; raises ConfigError naming file, line and field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(path, None, None, f"cannot read: {exc.strerror}") from None
+    try:
+        msg = text_format.Parse(text, pb.ModelConfig())
+    except text_format.ParseError as exc:
+        line = exc.GetLine() if hasattr(exc, "GetLine") else None
+        detail = re.sub(r"^\d+:\d+ : ", "", str(exc))
+        raise ConfigError(path, line, _field_in(detail), detail) from None
+    return _Checker(path, text, model_name).check(msg)
+
+
+def _field_in(detail: str) -> str | None:
+    m = re.search(r'field named "([^"]+)"|field "?([\w.]+)"?', detail)
+    return (m.group(1) or m.group(2)) if m else None
+
+
+class _Checker:
+    """Semantic checks; protobuf keeps no positions, so a field's line is found in the text."""
+
+    def __init__(self, path: str, text: str, model_name: str) -> None:
+        self.path, self.text, self.model_name = path, text, model_name
+
+    def fail(self, fieldname: str, message: str) -> ConfigError:
+        m = re.search(rf"\b{re.escape(fieldname)}\s*[:{{\[]", self.text)
+        line = self.text.count("\n", 0, m.start()) + 1 if m else None
+        return ConfigError(self.path, line, fieldname, message)
+
+    def check(self, msg: pb.ModelConfig) -> ModelConfig:
+        if msg.name and msg.name != self.model_name:
+            raise self.fail("name", f"'{msg.name}' must equal the model's directory name '{self.model_name}'")
+        backend = self.backend(msg)
+        if msg.max_batch_size < 0:
+            raise self.fail("max_batch_size", f"must be >= 0, got {msg.max_batch_size}")
+        which = msg.WhichOneof("scheduling_choice")
+        if which in ("sequence_batching", "ensemble_scheduling"):
+            raise self.fail(which, "is not supported by gepool yet")
+        inputs = self.tensors(msg.input, "input")
+        outputs = self.tensors(msg.output, "output")
+        return ModelConfig(
+            name=self.model_name,
+            backend=backend,
+            platform=msg.platform,
+            max_batch_size=msg.max_batch_size,
+            inputs=inputs,
+            outputs=outputs,
+            instance_groups=self.groups(msg),
+            dynamic_batching=self.batching(msg) if which == "dynamic_batching" else None,
+            version_policy=self.versions(msg),
+            parameters={k: v.string_value for k, v in msg.parameters.items()},
+            default_model_filename=msg.default_model_filename,
+            source=self.path,
+        )
+
+    def backend(self, msg: pb.ModelConfig) -> str:
+        if msg.backend:
+            if msg.backend not in _BACKENDS:
+                raise self.fail("backend", f"unknown backend '{msg.backend}' (gepool has {sorted(_BACKENDS)})")
+            if msg.platform and _PLATFORMS.get(msg.platform) != msg.backend:
+                raise self.fail("platform", f"platform '{msg.platform}' contradicts backend '{msg.backend}'")
+            return msg.backend
+        if msg.platform:
+            if msg.platform not in _PLATFORMS:
+                raise self.fail("platform", f"unsupported platform '{msg.platform}' (gepool has {sorted(_PLATFORMS)})")
+            return _PLATFORMS[msg.platform]
+        raise self.fail("backend", "set 'backend' (onnxruntime, python, ge) or 'platform' (onnxruntime_onnx)")
+
+    def tensors(self, items, kind: str) -> tuple[TensorConfig, ...]:
+        if not items:
+            raise self.fail(kind, f"the model needs at least one {kind}")
+        seen = set()
+        out = []
+        for t in items:
+            if not t.name:
+                raise self.fail(kind, f"an {kind} has no name")
+            if t.name in seen:
+                raise self.fail(kind, f"{kind} '{t.name}' is declared twice")
+            seen.add(t.name)
+            datatype = pb.DataType.Name(t.data_type).removeprefix("TYPE_")
+            if not dtypes.is_supported(datatype):
+                raise self.fail("data_type", f"{kind} '{t.name}': data_type TYPE_{datatype} is not supported")
+            if not t.dims:
+                raise self.fail("dims", f"{kind} '{t.name}' has no dims")
+            if any(d == 0 or d < -1 for d in t.dims):
+                raise self.fail("dims", f"{kind} '{t.name}': dims must be positive or -1, got {list(t.dims)}")
+            if t.HasField("reshape"):
+                raise self.fail("reshape", f"{kind} '{t.name}': reshape is not supported yet")
+            out.append(TensorConfig(t.name, datatype, tuple(t.dims)))
+        return tuple(out)
+
+    def groups(self, msg: pb.ModelConfig) -> tuple[InstanceGroup, ...]:
+        if not msg.instance_group:
+            return (InstanceGroup(count=1, kind="KIND_CPU"),)
+        out = []
+        for g in msg.instance_group:
+            if g.count < 0:
+                raise self.fail("count", f"instance_group count must be >= 0, got {g.count}")
+            kind = pb.ModelInstanceGroup.Kind.Name(g.kind)
+            if kind == "KIND_AUTO":
+                kind = "KIND_CPU"
+            devices = tuple(g.ascend_devices) or tuple(g.gpus)
+            policy = pb.ModelInstanceGroup.Policy.Name(g.policy) if g.policy else ""
+            out.append(InstanceGroup(count=g.count or 1, kind=kind, devices=devices, policy=policy))
+        return tuple(out)
+
+    def batching(self, msg: pb.ModelConfig) -> DynamicBatching:
+        db = msg.dynamic_batching
+        if msg.max_batch_size == 0:
+            raise self.fail("dynamic_batching", "needs max_batch_size > 0")
+        preferred = tuple(db.preferred_batch_size) or (msg.max_batch_size,)  # Triton's normalisation
+        for p in preferred:
+            if p <= 0 or p > msg.max_batch_size:
+                raise self.fail("preferred_batch_size",
+                                f"{p} must be in 1..max_batch_size ({msg.max_batch_size})")
+        if db.priority_levels or db.HasField("default_queue_policy") or db.priority_queue_policy:
+            raise self.fail("priority_levels" if db.priority_levels else "default_queue_policy",
+                            "queue policies and priority levels are not supported yet")
+        return DynamicBatching(tuple(sorted(set(preferred))), db.max_queue_delay_microseconds, db.preserve_ordering)
+
+    def versions(self, msg: pb.ModelConfig) -> VersionPolicy:
+        if not msg.HasField("version_policy"):
+            return VersionPolicy()
+        which = msg.version_policy.WhichOneof("policy_choice")
+        if which == "all":
+            return VersionPolicy("all")
+        if which == "specific":
+            return VersionPolicy("specific", versions=tuple(msg.version_policy.specific.versions))
+        return VersionPolicy("latest", num_versions=max(1, msg.version_policy.latest.num_versions))
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512M', '65536' -> bytes (binary units, as GE_BACKEND_SHARED_MEMORY_POOL_SIZE writes them)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"'{text}' is not a size (e.g. 65536, 512M, 8G)")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]

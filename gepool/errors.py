@@ -1,0 +1,84 @@
+"""gepool's errors: each a class with a wire code and an HTTP status, rebuilt by code on the client.
+
+Exceptions never cross a process boundary as objects: the front sends (code, message) and the
+client raises the matching class. Anything unexpected reaches a client as INTERNAL while its
+traceback stays in the log of the process where it happened.
+"""
+
+
+class GepoolError(Exception):
+    code = "INTERNAL"
+    http_status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class InvalidArgument(GepoolError):
+    code, http_status = "INVALID_ARGUMENT", 400
+
+
+class ModelNotFound(GepoolError):
+    code, http_status = "MODEL_NOT_FOUND", 400
+
+
+class ModelNotReady(GepoolError):
+    code, http_status = "MODEL_NOT_READY", 503
+
+
+class RequestTooLarge(GepoolError):
+    code, http_status = "REQUEST_TOO_LARGE", 400
+
+
+class Unavailable(GepoolError):
+    code, http_status = "UNAVAILABLE", 503
+
+
+class Timeout(GepoolError):
+    code, http_status = "TIMEOUT", 504
+
+
+class WorkerDied(GepoolError):
+    code, http_status = "WORKER_DIED", 500
+
+
+class ModelError(GepoolError):
+    """The model itself raised while executing a batch."""
+
+    code, http_status = "MODEL_ERROR", 500
+
+
+class ProtocolMismatch(GepoolError):
+    code, http_status = "PROTOCOL", 400
+
+
+class PoolUnavailable(GepoolError):
+    """Raised on the client: no pool answered at the endpoint in time."""
+
+    code, http_status = "POOL_UNAVAILABLE", 503
+
+
+class Internal(GepoolError):
+    code, http_status = "INTERNAL", 500
+
+
+class ConfigError(Exception):
+    """A config.pbtxt that cannot be served, located by file, line and field."""
+
+    def __init__(self, path: str, line: int | None, field: str | None, message: str) -> None:
+        self.path, self.line, self.field, self.message = path, line, field, message
+        where = f"{path}:{line}" if line else path
+        what = f" field '{field}':" if field else ""
+        super().__init__(f"{where}:{what} {message}")
+
+
+_BY_CODE = {cls.code: cls for cls in GepoolError.__subclasses__()}
+
+
+def from_code(code: str, message: str) -> GepoolError:
+    """The exception a client raises for an error reply."""
+    return _BY_CODE.get(code, Internal)(message)

@@ -1,0 +1,56 @@
+"""The model repository: ``<repo>/<model>/config.pbtxt`` and ``<repo>/<model>/<version>/<file>``."""
+
+import os
+from dataclasses import dataclass
+
+from gepool.config import ModelConfig, parse_config
+from gepool.errors import ConfigError
+
+CONFIG_NAME = "config.pbtxt"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model found in the repository: what to serve, or why it cannot be served."""
+
+    name: str
+    config: ModelConfig | None
+    version: int | None = None
+    version_dir: str | None = None
+    error: str | None = None
+
+
+def scan(repository: str) -> list[ModelSource]:
+    """Every model directory in the repository, each loadable or carrying its error."""
+    if not os.path.isdir(repository):
+        raise FileNotFoundError(f"model repository '{repository}' is not a directory")
+    found = []
+    for name in sorted(os.listdir(repository)):
+        path = os.path.join(repository, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue
+        found.append(load_source(repository, name))
+    return found
+
+
+def load_source(repository: str, name: str) -> ModelSource:
+    path = os.path.join(repository, name)
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(cfg_path):
+        return ModelSource(name, None, error=f"{cfg_path}: missing (gepool needs an explicit config)")
+    try:
+        config = parse_config(cfg_path, name)
+    except ConfigError as exc:
+        return ModelSource(name, None, error=str(exc))
+    versions = [int(v) for v in os.listdir(path) if v.isdigit() and os.path.isdir(os.path.join(path, v))]
+    if not versions:
+        return ModelSource(name, config, error=f"{path}: no version directory (e.g. {path}/1/)")
+    selected = config.version_policy.select(versions)
+    if not selected:
+        return ModelSource(name, config, error=f"{path}: version_policy selects none of {sorted(versions)}")
+    version = selected[0]  # the highest selected version is served
+    version_dir = os.path.join(path, str(version))
+    model_file = os.path.join(version_dir, config.model_filename)
+    if not os.path.exists(model_file):
+        return ModelSource(name, config, version, version_dir, error=f"{model_file}: model file missing")
+    return ModelSource(name, config, version, version_dir)

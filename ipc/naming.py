@@ -1,0 +1,65 @@
+"""Names of shared-memory segments, and clean-up of those whose owner process is gone.
+
+Every segment gepool creates is named ``gepool.<owner pid>x<random>.<tag>``: the pid of the
+process that created it comes first, so ``gepool cleanup`` can tell a live pool's segments
+from a dead one's without any registry.
+"""
+
+import os
+import secrets
+
+PREFIX = "gepool."
+SHM_DIR = "/dev/shm"
+
+
+def new_owner_id() -> str:
+    """An id unique on this host for segments this process creates."""
+    return f"{os.getpid()}x{secrets.token_hex(4)}"
+
+
+def segment_name(owner_id: str, tag: str) -> str:
+    """The posix_ipc name (leading slash) of one segment."""
+    return f"/{PREFIX}{owner_id}.{tag}"
+
+
+def owner_pid(entry: str) -> int | None:
+    """The creating pid encoded in a /dev/shm entry name, or None if it is not gepool's."""
+    if not entry.startswith(PREFIX):
+        return None
+    head = entry[len(PREFIX):].split(".", 1)[0]
+    pid, _, _ = head.partition("x")
+    return int(pid) if pid.isdigit() else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_segments() -> list[str]:
+    """Every gepool entry in /dev/shm (names without the leading slash)."""
+    try:
+        return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def cleanup_dead(dry_run: bool = False) -> list[str]:
+    """Unlinks segments whose creating process no longer exists; returns their names."""
+    removed = []
+    for entry in list_segments():
+        pid = owner_pid(entry)
+        if pid is None or pid_alive(pid):
+            continue
+        if not dry_run:
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+            except FileNotFoundError:
+                continue
+        removed.append(entry)
+    return removed

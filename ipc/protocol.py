@@ -1,0 +1,195 @@
+"""The wire types, and nothing else: one frozen dataclass per message, msgpack arrays in field order.
+
+Client <-> front: a multipart message whose first frame is the encoded header; an ``Infer`` may be
+followed by one raw frame per tensor (``TensorRef.where`` is the frame index), or name a registered
+arena (``where`` is a byte offset into it) so that no tensor crosses the socket. Front <-> worker:
+only slot references. The protocol version is checked once, in Hello/Welcome and WorkerReady.
+"""
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+NO_VERSION = -1  # Infer.version: serve the default version
+NO_ARENA = -1  # Infer.arena: tensors ride as frames
+EXIT_LOAD_FAILED = 3  # a worker's exit code when its model cannot load: not restarted
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    INFER = 3
+    RESULT = 4
+    ERROR = 5
+    REGISTER_ARENA = 6
+    UNREGISTER_ARENA = 7
+    QUERY = 8
+    REPLY = 9
+    WORKER_READY = 20
+    WORKER_FAILED = 21
+    RUN = 22
+    DONE = 23
+    STOP = 24
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a message of this protocol."""
+
+
+_BY_TYPE: dict[int, type] = {}
+
+
+def _message(cls: type) -> type:
+    cls = dataclass(frozen=True, slots=True)(cls)
+    cls._FIELDS = tuple(f.name for f in fields(cls))
+    _BY_TYPE[int(cls.TYPE)] = cls
+    return cls
+
+
+class _Base:
+    TYPE: ClassVar[MsgType]
+    _FIELDS: ClassVar[tuple[str, ...]]
+
+    def encode(self) -> bytes:
+        return msgpack.packb([int(self.TYPE), *(getattr(self, f) for f in self._FIELDS)], use_bin_type=True)
+
+
+def decode(frame: bytes | memoryview) -> Any:
+    """The message in one header frame, or ProtocolError saying what is wrong with it."""
+    try:
+        items = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"header is not msgpack: {exc}") from None
+    if not isinstance(items, list) or not items or not isinstance(items[0], int):
+        raise ProtocolError("header must be a msgpack array starting with a message type")
+    cls = _BY_TYPE.get(items[0])
+    if cls is None:
+        raise ProtocolError(f"unknown message type {items[0]}")
+    if len(items) - 1 != len(cls._FIELDS):
+        raise ProtocolError(f"{cls.__name__} needs {len(cls._FIELDS)} fields, got {len(items) - 1}")
+    return cls(*items[1:])
+
+
+# A tensor on the wire: [name, datatype, shape, where]; `where` is a frame index or an arena offset.
+TensorRef = list
+
+
+@_message
+class Hello(_Base):
+    TYPE = MsgType.HELLO
+    req_id: int
+    version: int
+    client: str
+
+
+@_message
+class Welcome(_Base):
+    TYPE = MsgType.WELCOME
+    req_id: int
+    version: int
+    pool_id: str
+    server: str
+
+
+@_message
+class Infer(_Base):
+    TYPE = MsgType.INFER
+    req_id: int
+    model: str
+    version: int
+    inputs: list  # [TensorRef]
+    outputs: list | None  # names wanted; None = all
+    timeout_us: int  # 0 = none
+    priority: int  # 0 = model default
+    arena: int  # NO_ARENA or an id from REGISTER_ARENA
+    out_offset: int  # where in the arena the front may write outputs
+    out_size: int  # how many bytes it may use there (0 = send outputs as frames)
+
+
+@_message
+class Result(_Base):
+    TYPE = MsgType.RESULT
+    req_id: int
+    outputs: list  # [TensorRef]; `where` indexes frames, or the arena when in_arena
+    in_arena: bool
+
+
+@_message
+class Error(_Base):
+    TYPE = MsgType.ERROR
+    req_id: int
+    code: str
+    message: str
+
+
+@_message
+class RegisterArena(_Base):
+    TYPE = MsgType.REGISTER_ARENA
+    req_id: int
+    name: str
+    size: int
+
+
+@_message
+class UnregisterArena(_Base):
+    TYPE = MsgType.UNREGISTER_ARENA
+    req_id: int
+    arena: int
+
+
+@_message
+class Query(_Base):
+    """Metadata and state: what is 'status', 'metadata' (args: model) or 'stats'."""
+
+    TYPE = MsgType.QUERY
+    req_id: int
+    what: str
+    args: dict
+
+
+@_message
+class Reply(_Base):
+    TYPE = MsgType.REPLY
+    req_id: int
+    body: Any
+
+
+@_message
+class WorkerReady(_Base):
+    TYPE = MsgType.WORKER_READY
+    worker: int
+    version: int
+    pid: int
+    info: dict
+
+
+@_message
+class WorkerFailed(_Base):
+    """Sent by a worker whose model could not load, just before it exits."""
+
+    TYPE = MsgType.WORKER_FAILED
+    worker: int
+    reason: str
+
+
+@_message
+class Run(_Base):
+    TYPE = MsgType.RUN
+    slot: int
+    seq: int
+
+
+@_message
+class Done(_Base):
+    TYPE = MsgType.DONE
+    worker: int
+    slot: int
+    seq: int
+
+
+@_message
+class Stop(_Base):
+    TYPE = MsgType.STOP

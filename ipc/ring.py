@@ -1,0 +1,197 @@
+"""The slot ring: fixed-size slots in one shared-memory segment, owned by state, not by locks.
+
+Layout of the segment (``slots`` slots back to back, each ``SLOT_HEADER + data_bytes``)::
+
+    +--------------------------- slot 0 ---------------------------+--- slot 1 ---+ ...
+    | header (4 KiB)                         | data area            |
+    | magic, layout version, STATE, seq,     | inputs, then outputs |
+    | batch, counts, status, timings,        | each 256-B aligned   |
+    | tensor table (32 x descriptor), error  |                      |
+    +----------------------------------------+----------------------+
+
+States and their single writers::
+
+    FREE --front fills inputs--> FILLED --worker--> RUNNING --worker--> DONE | FAILED
+      ^                                                                      |
+      +---------------- front reads outputs, answers requests ---------------+
+
+Each transition has exactly one writer; the ZMQ message sent after a write (RUN from the front,
+DONE from the worker) is the ordering point between processes, so nobody polls a state. The
+payload is always written before the state word, so a reader that sees a state also sees what it
+promises. The sequence number lets the front reject a DONE that names a slot it has since reused.
+"""
+
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from gepool.ipc import dtypes, layout
+from gepool.ipc.shm import Segment
+
+MAGIC = b"GEPS"
+LAYOUT_VERSION = 1
+SLOT_HEADER = 4096
+MAX_TENSORS = 32
+MAX_DIMS = 8
+ERROR_BYTES = 1024
+
+FREE, FILLED, RUNNING, DONE, FAILED = range(5)
+STATE_NAMES = ("FREE", "FILLED", "RUNNING", "DONE", "FAILED")
+
+# magic, layout version, state, seq, batch, n_inputs, n_outputs, status, error length,
+# t_filled, t_started, t_finished (time.monotonic() of the writer: same clock host-wide)
+_FIXED = struct.Struct("<4sHHQIHHiH2xddd")
+_STATE = struct.Struct("<H")
+_STATE_AT = 6
+_N_OUT = struct.Struct("<H")
+_N_OUT_AT = 22
+_STATUS = struct.Struct("<iH")  # status, error length
+_STATUS_AT = 24
+_TIMES = struct.Struct("<dd")  # t_started, t_finished
+_TIMES_AT = 40
+_TENSOR = struct.Struct(f"<BB6xQQ{MAX_DIMS}q")  # dtype code, ndim, offset, nbytes, shape
+_TABLE_AT = 64
+_ERROR_AT = _TABLE_AT + MAX_TENSORS * _TENSOR.size
+assert _FIXED.size <= _TABLE_AT and _FIXED.size == _TIMES_AT + _TIMES.size and _ERROR_AT + ERROR_BYTES <= SLOT_HEADER
+
+
+class TensorDesc(NamedTuple):
+    """One tensor in a slot's data area (offset relative to the data area)."""
+
+    datatype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RingHandle:
+    """What a worker needs to map a ring the front created."""
+
+    name: str
+    slots: int
+    data_bytes: int
+
+
+class Slot:
+    """A view of one slot; methods are named for the side that may call them."""
+
+    def __init__(self, buf: memoryview, index: int, data_bytes: int) -> None:
+        self.index = index
+        self.header = buf[:SLOT_HEADER]
+        self.data = buf[SLOT_HEADER:SLOT_HEADER + data_bytes]
+        self.data_bytes = data_bytes
+
+    @property
+    def state(self) -> int:
+        return _STATE.unpack_from(self.header, _STATE_AT)[0]
+
+    def set_state(self, state: int) -> None:
+        _STATE.pack_into(self.header, _STATE_AT, state)
+
+    # front ---------------------------------------------------------------------------
+    def fill(self, seq: int, batch: int, inputs: list[TensorDesc], t_filled: float) -> None:
+        """Records the batch whose inputs the front has copied in; moves FREE -> FILLED."""
+        _FIXED.pack_into(self.header, 0, MAGIC, LAYOUT_VERSION, self.state, seq, batch, len(inputs), 0, 0, 0,
+                         t_filled, 0.0, 0.0)
+        self._write_table(0, inputs)
+        self.set_state(FILLED)  # last: the payload above is what FILLED promises
+
+    def release(self) -> None:
+        """DONE/FAILED -> FREE once every request of the batch is answered."""
+        self.set_state(FREE)
+
+    # worker --------------------------------------------------------------------------
+    def read(self) -> tuple[int, int, list[TensorDesc]]:
+        """(seq, batch size, input descriptors) of a FILLED slot."""
+        magic, version, _, seq, batch, n_in, _, _, _, _, _, _ = _FIXED.unpack_from(self.header, 0)
+        if magic != MAGIC or version != LAYOUT_VERSION:
+            raise ValueError(f"slot {self.index}: bad magic {magic!r} or layout version {version}")
+        return seq, batch, self._read_table(0, n_in)
+
+    def finish(self, n_inputs: int, outputs: list[TensorDesc], t_started: float, t_finished: float) -> None:
+        """Records the outputs the worker wrote; moves RUNNING -> DONE."""
+        self._write_table(n_inputs, outputs)
+        _N_OUT.pack_into(self.header, _N_OUT_AT, len(outputs))
+        _STATUS.pack_into(self.header, _STATUS_AT, 0, 0)
+        _TIMES.pack_into(self.header, _TIMES_AT, t_started, t_finished)
+        self.set_state(DONE)
+
+    def fail(self, message: str, t_started: float, t_finished: float) -> None:
+        """Records why the batch failed; moves RUNNING -> FAILED."""
+        text = message.encode("utf-8", "replace")[:ERROR_BYTES]
+        self.header[_ERROR_AT:_ERROR_AT + len(text)] = text
+        _STATUS.pack_into(self.header, _STATUS_AT, 1, len(text))
+        _TIMES.pack_into(self.header, _TIMES_AT, t_started, t_finished)
+        self.set_state(FAILED)
+
+    # both ----------------------------------------------------------------------------
+    def result(self) -> tuple[int, list[TensorDesc], str, tuple[float, float, float]]:
+        """(seq, output descriptors, error text, (t_filled, t_started, t_finished))."""
+        _, _, _, seq, _, n_in, n_out, status, err_len, t0, t1, t2 = _FIXED.unpack_from(self.header, 0)
+        error = bytes(self.header[_ERROR_AT:_ERROR_AT + err_len]).decode("utf-8", "replace") if status else ""
+        return seq, self._read_table(n_in, n_out), error, (t0, t1, t2)
+
+    def array(self, desc: TensorDesc) -> np.ndarray:
+        """A numpy view of one tensor; it keeps the mapping alive, so drop it before closing."""
+        dtype = dtypes.to_numpy(desc.datatype)
+        count = desc.nbytes // dtype.itemsize
+        return np.frombuffer(self.data, dtype, count, desc.offset).reshape(desc.shape)
+
+    def _write_table(self, first: int, descs: list[TensorDesc]) -> None:
+        if first + len(descs) > MAX_TENSORS:
+            raise ValueError(f"a slot holds at most {MAX_TENSORS} tensors")
+        for i, d in enumerate(descs):
+            if len(d.shape) > MAX_DIMS:
+                raise ValueError(f"a slot tensor has at most {MAX_DIMS} dims, got {len(d.shape)}")
+            shape = tuple(d.shape) + (0,) * (MAX_DIMS - len(d.shape))
+            _TENSOR.pack_into(self.header, _TABLE_AT + (first + i) * _TENSOR.size,
+                              dtypes.CODES[d.datatype], len(d.shape), d.offset, d.nbytes, *shape)
+
+    def _read_table(self, first: int, count: int) -> list[TensorDesc]:
+        out = []
+        for i in range(first, first + count):
+            code, ndim, offset, nbytes, *shape = _TENSOR.unpack_from(self.header, _TABLE_AT + i * _TENSOR.size)
+            if offset + nbytes > self.data_bytes:
+                raise ValueError(f"slot {self.index}: tensor {i} lies past the data area")
+            out.append(TensorDesc(dtypes.DATATYPES[code], tuple(shape[:ndim]), offset, nbytes))
+        return out
+
+
+class Ring:
+    """``slots`` slots in one segment; the front creates it, one worker attaches."""
+
+    def __init__(self, segment: Segment, slots: int, data_bytes: int) -> None:
+        self.segment = segment
+        self.data_bytes = data_bytes
+        stride = SLOT_HEADER + data_bytes
+        mv = memoryview(segment.buf)
+        self.slots = [Slot(mv[i * stride:(i + 1) * stride], i, data_bytes) for i in range(slots)]
+
+    @classmethod
+    def create(cls, name: str, slots: int, data_bytes: int) -> "Ring":
+        data_bytes = layout.align(max(data_bytes, 1), 4096)
+        seg = Segment.create(name, slots * (SLOT_HEADER + data_bytes))
+        ring = cls(seg, slots, data_bytes)
+        for slot in ring.slots:
+            _FIXED.pack_into(slot.header, 0, MAGIC, LAYOUT_VERSION, FREE, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
+        return ring
+
+    @classmethod
+    def attach(cls, handle: RingHandle) -> "Ring":
+        return cls(Segment.attach(handle.name), handle.slots, handle.data_bytes)
+
+    def handle(self) -> RingHandle:
+        return RingHandle(self.segment.name, len(self.slots), self.data_bytes)
+
+    def close(self) -> None:
+        """Drops the slot views, then the mapping (views first, or unmapping is refused)."""
+        for slot in self.slots:
+            for view in (slot.header, slot.data):
+                try:
+                    view.release()
+                except BufferError:  # a numpy view still points here; the mapping outlives it
+                    pass
+        self.slots = []
+        self.segment.close()

@@ -1,0 +1,142 @@
+"""Batches in and out of slots: route a batch to a worker, copy it in, answer its requests."""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+from gepool.ipc import dtypes, layout, protocol
+from gepool.ipc.ring import TensorDesc
+from gepool.scheduler.models import Model
+from gepool.scheduler.requests import Arena, Request
+from gepool.scheduler.supervisor import READY, Worker
+
+from gepool import errors
+
+log = logging.getLogger("gepool.dispatch")
+
+
+@dataclass(slots=True)
+class Batch:
+    slot: int
+    seq: int
+    requests: list[Request]
+    rows: int
+
+
+class Dispatcher:
+    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: dict[int, Arena]) -> None:
+        self.clients, self.workers, self.arenas = clients, workers, arenas
+
+    def schedule(self, model: Model) -> None:
+        """Hands out batches while a worker can take one and the batcher says go."""
+        while len(model.batcher):
+            worker, idle = _pick(model)
+            if worker is None:
+                return
+            pending = model.batcher.next_batch(idle=idle)
+            if pending is None:
+                return
+            room = worker.slot_bytes - (len(model.config.inputs) + len(model.config.outputs)) * layout.ALIGN
+            used = 0
+            for i, p in enumerate(pending):
+                if i and used + p.item.nbytes > room:  # variable shapes: the slot cannot hold them all
+                    model.batcher.push_front(pending[i:])
+                    pending = pending[:i]
+                    break
+                used += p.item.nbytes
+            self._run(model, worker, [p.item for p in pending])
+
+    def _run(self, model: Model, w: Worker, reqs: list[Request]) -> None:
+        now = time.monotonic()
+        cfg = model.config
+        index = w.free.pop()
+        slot = w.ring.slots[index]
+        rows = sum(r.rows for r in reqs)
+        sizes = [sum(len(r.inputs[i]) for r in reqs) for i in range(len(cfg.inputs))]
+        offsets, _ = layout.pack(sizes)
+        descs = []
+        for i, t in enumerate(cfg.inputs):
+            first = reqs[0].shapes[i]
+            shape = (rows,) + first[1:] if cfg.max_batch_size > 0 else first
+            pos = offsets[i]
+            for r in reqs:  # the one copy batching needs
+                buf = r.inputs[i]
+                slot.data[pos:pos + len(buf)] = buf
+                pos += len(buf)
+            descs.append(TensorDesc(t.datatype, shape, offsets[i], sizes[i]))
+        model.seq += 1
+        slot.fill(model.seq, rows, descs, now)
+        w.inflight[index] = Batch(index, model.seq, reqs, rows)
+        w.rows += rows
+        st = model.stats
+        st.batches += 1
+        st.rows += rows
+        st.batch_sizes[rows] += 1
+        st.queue_us += sum(now - r.arrived for r in reqs) * 1e6
+        self.workers.send_multipart([b"w%d" % w.id, protocol.Run(index, model.seq).encode()])
+
+    def complete(self, model: Model, w: Worker, done: protocol.Done) -> None:
+        batch = w.inflight.pop(done.slot, None)
+        if batch is None or batch.seq != done.seq:
+            log.error("worker %d reported slot %d seq %d, which is not in flight", w.id, done.slot, done.seq)
+            return
+        w.rows -= batch.rows
+        slot = w.ring.slots[done.slot]
+        seq, outs, error, (_, t_start, t_end) = slot.result()
+        model.stats.compute_us += (t_end - t_start) * 1e6
+        if error or seq != batch.seq:
+            self.fail_batch(model, batch, errors.ModelError(
+                f"model '{model.name}' failed: {error or 'slot sequence mismatch'}"))
+        else:
+            arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
+            row = 0
+            for req in batch.requests:
+                self._respond(model, req, arrays, row)
+                row += req.rows
+            model.stats.requests += len(batch.requests)
+            del arrays  # views into the slot: gone before the slot is reused
+        slot.release()
+        w.free.append(done.slot)
+
+    def _respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
+        batched = model.config.max_batch_size > 0
+        names = [t.name for t in model.config.outputs if req.outputs is None or t.name in req.outputs]
+        pieces = [arrays[n][row:row + req.rows] if batched else arrays[n] for n in names]
+        arena = self.arenas.get(req.arena) if req.out_size > 0 else None
+        if arena is not None:
+            offsets, _ = layout.pack([p.nbytes for p in pieces], req.out_offset)
+            end = offsets[-1] + pieces[-1].nbytes if pieces else req.out_offset
+            if 0 <= req.out_offset and end <= min(req.out_offset + req.out_size, len(arena.view)):
+                refs = []
+                for n, p, off in zip(names, pieces, offsets, strict=True):
+                    np.copyto(np.frombuffer(arena.view, p.dtype, p.size, off).reshape(p.shape), p)
+                    refs.append([n, dtypes.from_numpy(p.dtype), list(p.shape), off])
+                self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, True).encode()])
+                return
+        refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
+        self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, False).encode(), *pieces])
+
+    def fail_batch(self, model: Model, batch: Batch, err: errors.GepoolError) -> None:
+        for req in batch.requests:
+            self._error(model, req, err)
+
+    def fail_queued(self, model: Model, err: errors.GepoolError) -> None:
+        for p in model.batcher.take_all():
+            self._error(model, p.item, err)
+
+    def _error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
+        model.stats.failures += 1
+        self.clients.send_multipart([req.identity, protocol.Error(req.req_id, err.code, err.message).encode()])
+
+
+def _pick(model: Model) -> tuple[Worker | None, bool]:
+    """The least loaded worker (rows outstanding) with a free slot; idle workers first."""
+    ready = [w for w in model.workers if w.state == READY and w.free]
+    if not ready:
+        return None, False
+    idle = [w for w in ready if not w.inflight]
+    if idle:
+        return min(idle, key=lambda w: w.rows), True
+    return min(ready, key=lambda w: w.rows), False

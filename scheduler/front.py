@@ -1,0 +1,356 @@
+"""The front process: one zmq.Poller loop over clients, workers, worker sentinels and signals.
+
+Every blocking wait is that one poll; its timeout is the nearest batch deadline or restart time.
+Signal handlers only write to a wake-up pipe; the loop does the work, including the shutdown
+sequence (running -> draining -> stopping) with a deadline.
+"""
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+from gepool.ipc import naming, protocol
+from gepool.ipc.sockets import make_socket
+from gepool.scheduler.dispatch import Dispatcher
+from gepool.scheduler.models import Model
+from gepool.scheduler.requests import Arena, admit
+from gepool.scheduler.supervisor import READY, STARTING, Supervisor, Worker
+
+from gepool import errors
+from gepool.repository import ModelSource, scan
+
+log = logging.getLogger("gepool.front")
+
+DRAIN_TIMEOUT_S = 30.0
+MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
+SERVER_NAME = "gepool"
+
+
+@dataclass
+class FrontOptions:
+    repository: str
+    endpoint: str
+    owner_id: str
+    cpu_threads: int = 0  # the CPU thread budget shared by CPU workers; 0 = every core
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    log_level: int = logging.INFO
+
+
+class Front:
+    def __init__(self, options: FrontOptions, start_worker: Callable, on_ready: Callable[[dict], None] | None = None):
+        self.opts = options
+        self.on_ready = on_ready
+        self.models: dict[str, Model] = {}
+        self.arenas: dict[int, Arena] = {}
+        self._next_arena = 0
+        self.ctx = zmq.Context()
+        self.worker_endpoint = f"ipc://{_runtime_dir()}/gepool-{options.owner_id}.workers"
+        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level)
+        self.by_sentinel: dict[int, Worker] = {}
+        self.stopping = False
+        self.drain_deadline: float | None = None
+        self._announced = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Serves until SIGINT/SIGTERM; returns the process exit code."""
+        _refuse_live_pool(self.ctx, self.opts.endpoint)
+        self.clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint)
+        self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
+        self.dispatch = Dispatcher(self.clients, self.workers, self.arenas)
+        self.poller = zmq.Poller()
+        self.poller.register(self.clients, zmq.POLLIN)
+        self.poller.register(self.workers, zmq.POLLIN)
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.poller.register(wake_r, zmq.POLLIN)
+        old_fd = signal.set_wakeup_fd(wake_w)
+        old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._load_all()
+            self._loop(wake_r)
+        finally:
+            self._shutdown()
+            signal.set_wakeup_fd(old_fd)
+            for s, h in old.items():
+                signal.signal(s, h)
+            os.close(wake_r)
+            os.close(wake_w)
+        return 0
+
+    def _load_all(self) -> None:
+        sources = scan(self.opts.repository)
+        cpu_instances = sum(s.config.instance_count for s in sources if s.config and not s.error)
+        threads = max(1, (self.opts.cpu_threads or os.cpu_count() or 1) // max(1, cpu_instances))
+        for src in sources:
+            self._load(src, threads)
+
+    def _load(self, src: ModelSource, threads: int) -> None:
+        model = Model(src)
+        self.models[src.name] = model
+        if src.error:
+            log.error("model %s unavailable: %s", src.name, src.error)
+            return
+        for group in src.config.instance_groups:
+            devices = [f"cpu:{d}" for d in group.devices] or ["cpu"]
+            for device in devices:
+                for _ in range(group.count):
+                    w = self.supervisor.add(src.name, device, threads, model.slots_per_worker, model.slot_bytes)
+                    model.workers.append(w)
+                    self._spawn(w)
+
+    def _spawn(self, w: Worker) -> None:
+        model = self.models[w.model]
+        self.supervisor.spawn(w, model.config, model.source.version_dir)
+        self.by_sentinel[w.sentinel] = w
+        self.poller.register(w.sentinel, zmq.POLLIN)
+
+    def _loop(self, wake_r: int) -> None:
+        while True:
+            for sock, _ in self.poller.poll(self._timeout_ms()):
+                if sock is self.clients:
+                    self._drain(self.clients, self._on_client)
+                elif sock is self.workers:
+                    self._drain(self.workers, self._on_worker)
+                elif sock == wake_r:
+                    _read_all(wake_r)
+                    self._begin_stop()
+                elif sock in self.by_sentinel:
+                    self._on_worker_exit(self.by_sentinel.pop(sock))
+            now = time.monotonic()
+            self._restart_due(now)
+            for model in self.models.values():
+                if len(model.batcher):
+                    self.dispatch.schedule(model)
+            self._announce_ready()
+            if self.stopping and self._drained(now):
+                return
+
+    def _timeout_ms(self) -> int:
+        deadlines = [m.deadline() for m in self.models.values()]
+        deadlines += [w.restart_at for w in self.supervisor.workers.values() if w.restart_at is not None]
+        if self.drain_deadline is not None:
+            deadlines.append(self.drain_deadline)
+        deadlines = [d for d in deadlines if d is not None]
+        if not deadlines:
+            return -1
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list], None]) -> None:
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    # -- clients -------------------------------------------------------------------------
+    def _on_client(self, frames: list) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            return
+        try:
+            msg = protocol.decode(frames[1].buffer)
+        except protocol.ProtocolError as exc:
+            log.warning("dropping a bad message: %s", exc)
+            self._send(identity, protocol.Error(0, errors.ProtocolMismatch.code, str(exc)))
+            return
+        req_id = getattr(msg, "req_id", 0)
+        try:
+            reply = self._handle(identity, msg, frames[2:])
+        except errors.GepoolError as exc:
+            reply = protocol.Error(req_id, exc.code, exc.message)
+        except Exception as exc:  # a bug must not take the pool down; the client hears INTERNAL
+            log.exception("internal error handling %s", type(msg).__name__)
+            reply = protocol.Error(req_id if isinstance(req_id, int) else 0, "INTERNAL", f"internal error: {exc}")
+        if reply is not None:
+            self._send(identity, reply)
+
+    def _handle(self, identity: bytes, msg, frames: list):
+        if isinstance(msg, protocol.Infer):
+            return self._infer(identity, msg, frames)
+        if isinstance(msg, protocol.Hello):
+            if msg.version != protocol.PROTOCOL_VERSION:
+                raise errors.ProtocolMismatch(f"client speaks protocol {msg.version}, "
+                                              f"this pool {protocol.PROTOCOL_VERSION}")
+            return protocol.Welcome(msg.req_id, protocol.PROTOCOL_VERSION, self.opts.owner_id, SERVER_NAME)
+        if isinstance(msg, protocol.Query):
+            return protocol.Reply(msg.req_id, self._query(msg.what, msg.args))
+        if isinstance(msg, protocol.RegisterArena):
+            return protocol.Reply(msg.req_id, self._register_arena(identity, msg))
+        if isinstance(msg, protocol.UnregisterArena):
+            arena = self.arenas.pop(msg.arena, None)
+            if arena is not None:
+                arena.view.release()
+                arena.segment.close()
+            return protocol.Reply(msg.req_id, {"unregistered": arena is not None})
+        raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
+
+    def _infer(self, identity: bytes, msg: protocol.Infer, frames: list) -> None:
+        if not isinstance(msg.req_id, int) or not isinstance(msg.model, str):
+            raise errors.InvalidArgument("req_id must be an integer and model a string")
+        if self.stopping:
+            raise errors.Unavailable("the pool is shutting down")
+        model = self.models.get(msg.model)
+        if model is None:
+            raise errors.ModelNotFound(f"unknown model '{msg.model}'; this pool serves {sorted(self.models)}")
+        model.check_servable(msg.version)
+        req = admit(msg, identity, frames, model.config, model.slot_bytes, self.arenas, time.monotonic())
+        model.batcher.add(req, req.rows, req.key)
+        return None
+
+    def _register_arena(self, identity: bytes, msg: protocol.RegisterArena) -> dict:
+        from gepool.ipc.shm import Segment
+
+        if not isinstance(msg.name, str) or not msg.name.startswith("/" + naming.PREFIX):
+            raise errors.InvalidArgument(f"arena name must start with '/{naming.PREFIX}', got {msg.name!r}")
+        try:
+            seg = Segment.attach(msg.name)
+        except Exception as exc:
+            raise errors.InvalidArgument(f"cannot map arena {msg.name}: {exc}") from None
+        if seg.size < msg.size:
+            seg.close()
+            raise errors.InvalidArgument(f"arena {msg.name} has {seg.size} bytes, fewer than the {msg.size} declared")
+        self._next_arena += 1
+        self.arenas[self._next_arena] = Arena(seg, identity, memoryview(seg.buf))
+        return {"arena": self._next_arena}
+
+    def _query(self, what: str, args: dict) -> dict:
+        if what == "status":
+            return self.status()
+        if what == "stats":
+            return {name: m.stats.as_dict() for name, m in self.models.items()}
+        if what == "metadata":
+            name = args.get("model") if isinstance(args, dict) else None
+            model = self.models.get(name)
+            if model is None:
+                raise errors.ModelNotFound(f"unknown model '{name}'; this pool serves {sorted(self.models)}")
+            return model.metadata()
+        raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata)")
+
+    def status(self) -> dict:
+        return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint, "stopping": self.stopping,
+                "models": {name: m.summary() for name, m in self.models.items()}}
+
+    def _send(self, identity: bytes, msg, frames: list = ()) -> None:
+        self.clients.send_multipart([identity, msg.encode(), *frames], copy=False)
+
+    # -- workers -------------------------------------------------------------------------
+    def _on_worker(self, frames: list) -> None:
+        try:
+            msg = protocol.decode(frames[1].buffer)
+        except (protocol.ProtocolError, IndexError) as exc:
+            log.error("bad message from a worker: %s", exc)
+            return
+        w = self.supervisor.workers.get(getattr(msg, "worker", -1))
+        if w is None:
+            return
+        if isinstance(msg, protocol.Done):
+            self.dispatch.complete(self.models[w.model], w, msg)
+        elif isinstance(msg, protocol.WorkerReady):
+            self.supervisor.on_ready(w, msg)
+            self._refresh(self.models[w.model])
+            log.info("worker %d (%s) ready", w.id, w.model)
+        elif isinstance(msg, protocol.WorkerFailed):
+            w.reason = msg.reason
+
+    def _on_worker_exit(self, w: Worker) -> None:
+        self.poller.unregister(w.sentinel)
+        model = self.models[w.model]
+        lost = self.supervisor.on_exit(w, time.monotonic(), self.stopping)
+        for batch in lost.values():
+            self.dispatch.fail_batch(model, batch, errors.WorkerDied(
+                f"the worker running model '{w.model}' died ({w.reason}) while executing this request"))
+        self._refresh(model)
+
+    def _restart_due(self, now: float) -> None:
+        if self.stopping:
+            return
+        for w in list(self.supervisor.workers.values()):
+            if w.restart_at is not None and w.restart_at <= now:
+                self._spawn(w)
+
+    def _announce_ready(self) -> None:
+        if self._announced or any(w.state == STARTING for w in self.supervisor.workers.values()):
+            return
+        self._announced = True
+        if self.on_ready is not None:
+            self.on_ready(self.status())
+
+    def _refresh(self, model: Model) -> None:
+        model.refresh_state()
+        if model.state == "UNAVAILABLE" and len(model.batcher):
+            reason = f"model '{model.name}' is unavailable: {model.reason}"
+            self.dispatch.fail_queued(model, errors.ModelNotReady(reason))
+
+    # -- shutdown ------------------------------------------------------------------------
+    def _begin_stop(self) -> None:
+        if not self.stopping:
+            log.info("stopping: draining requests in flight")
+            self.stopping = True
+            self.drain_deadline = time.monotonic() + self.opts.drain_timeout_s
+
+    def _drained(self, now: float) -> bool:
+        busy = any(len(m.batcher) for m in self.models.values()) or any(
+            w.inflight for w in self.supervisor.workers.values())
+        if busy and now < self.drain_deadline and any(w.state == READY for w in self.supervisor.workers.values()):
+            return False
+        return True
+
+    def _shutdown(self) -> None:
+        unavailable = errors.Unavailable("the pool stopped before this request ran")
+        for model in self.models.values():
+            if not hasattr(self, "dispatch"):
+                break
+            self.dispatch.fail_queued(model, unavailable)
+            for w in model.workers:
+                for batch in list(w.inflight.values()):
+                    self.dispatch.fail_batch(model, batch, unavailable)
+                w.inflight.clear()
+        self.supervisor.stop_all(lambda w: self.workers.send_multipart(
+            [b"w%d" % w.id, protocol.Stop().encode()]))
+        for arena in self.arenas.values():
+            arena.view.release()
+            arena.segment.close()
+        self.arenas.clear()
+        for sock in (getattr(self, "clients", None), getattr(self, "workers", None)):
+            if sock is not None:
+                sock.close(0)
+        self.ctx.term()
+        for endpoint in (self.opts.endpoint, self.worker_endpoint):
+            if endpoint.startswith("ipc://"):
+                try:
+                    os.unlink(endpoint[len("ipc://"):])
+                except FileNotFoundError:
+                    pass
+
+
+def _runtime_dir() -> str:
+    from gepool.ipc.sockets import default_endpoint
+
+    return os.path.dirname(default_endpoint()[len("ipc://"):])
+
+
+def _read_all(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _refuse_live_pool(ctx: zmq.Context, endpoint: str) -> None:
+    """An ipc socket file may be a dead pool's leftover or a live pool: ask before replacing it."""
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    if not path or not os.path.exists(path):
+        return
+    probe = make_socket(ctx, zmq.DEALER, connect=endpoint)
+    try:
+        probe.send(protocol.Hello(0, protocol.PROTOCOL_VERSION, "probe").encode())
+        if probe.poll(500):
+            raise errors.Unavailable(f"a pool is already serving on {endpoint}")
+    finally:
+        probe.close(0)

@@ -1,0 +1,89 @@
+"""The front's view of one model: its state, queue, workers and statistics."""
+
+from gepool.ipc import layout, protocol
+from gepool.scheduler.batcher import DynamicBatcher
+from gepool.scheduler.stats import ModelStats
+from gepool.scheduler.supervisor import FAILED, READY, STARTING
+
+from gepool import errors
+from gepool.config import ModelConfig, parse_size
+from gepool.repository import ModelSource
+
+SLOTS_PER_WORKER = 2  # one batch runs while the next is copied in
+DEFAULT_VARIABLE_SLOT_BYTES = 64 << 20  # tmpfs pages cost nothing until touched
+
+LOADING, AVAILABLE, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"
+
+
+def slot_bytes_for(config: ModelConfig) -> int:
+    """Room for a full batch: max rows x bytes per row of every tensor, plus alignment."""
+    if "slot_bytes" in config.parameters:
+        return parse_size(config.parameters["slot_bytes"])
+    tensors = config.inputs + config.outputs
+    if not all(t.fixed for t in tensors):
+        return DEFAULT_VARIABLE_SLOT_BYTES
+    rows = max(1, config.max_batch_size)
+    return rows * sum(t.row_bytes() for t in tensors) + len(tensors) * layout.ALIGN
+
+
+class Model:
+    def __init__(self, source: ModelSource) -> None:
+        self.name, self.source, self.config = source.name, source, source.config
+        self.state = UNAVAILABLE if source.error else LOADING
+        self.reason = source.error or ""
+        self.workers: list = []
+        self.stats = ModelStats()
+        self.seq = 0
+        self.slots_per_worker = SLOTS_PER_WORKER
+        if self.config is not None and not source.error:
+            db = self.config.dynamic_batching
+            self.batcher = DynamicBatcher(self.config.max_batch_size, db.preferred_batch_size if db else (),
+                                          db.max_queue_delay_us if db else 0, enabled=db is not None)
+            self.slot_bytes = slot_bytes_for(self.config)
+        else:
+            self.batcher = DynamicBatcher(0)
+            self.slot_bytes = 0
+
+    def deadline(self) -> float | None:
+        """The batcher's deadline, if a worker could take the batch when it comes."""
+        if not len(self.batcher) or not any(w.state == READY and w.free for w in self.workers):
+            return None
+        return self.batcher.deadline()
+
+    def check_servable(self, version: int) -> None:
+        if self.state != AVAILABLE:
+            why = f": {self.reason}" if self.reason else ""
+            raise errors.ModelNotReady(f"model '{self.name}' is {self.state}{why}")
+        if version != protocol.NO_VERSION and version != self.source.version:
+            raise errors.ModelNotFound(f"model '{self.name}' has no version {version} ready "
+                                       f"(serving version {self.source.version})")
+
+    def refresh_state(self) -> None:
+        states = [w.state for w in self.workers]
+        if READY in states:
+            self.state, self.reason = AVAILABLE, ""
+        elif STARTING in states or any(w.restart_at is not None for w in self.workers):
+            self.state = LOADING
+        elif states:
+            self.state = UNAVAILABLE
+            self.reason = "; ".join(sorted({w.reason for w in self.workers if w.state == FAILED and w.reason})) \
+                or "every worker stopped"
+
+    def summary(self) -> dict:
+        return {"state": self.state, "reason": self.reason, "version": self.source.version,
+                "workers": len(self.workers), "ready_workers": sum(w.state == READY for w in self.workers),
+                "queued": len(self.batcher)}
+
+    def metadata(self) -> dict:
+        if self.config is None:
+            return {"name": self.name, "state": self.state, "reason": self.reason, "versions": []}
+        batch = [-1] if self.config.max_batch_size > 0 else []
+        return {
+            "name": self.name, "state": self.state, "reason": self.reason, "backend": self.config.backend,
+            "versions": [str(self.source.version)] if self.state == AVAILABLE else [],
+            "max_batch_size": self.config.max_batch_size,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                       for t in self.config.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                        for t in self.config.outputs],
+        }

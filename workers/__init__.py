@@ -1,0 +1,1 @@
+"""Worker processes: one model instance each, executing batches in place in a slot ring."""

@@ -1,0 +1,74 @@
+"""onnxruntime on CPU: inputs are numpy views of the slot, outputs are bound to the slot (I/O binding)."""
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+from gepool.workers.backends.base import Backend
+
+from gepool.config import ModelConfig
+
+# Spinning threads burn a core while idle; on small hosts the front and clients need it more.
+DEFAULT_ALLOW_SPINNING = "0"
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64", "tensor(int8)": "INT8", "tensor(int16)": "INT16", "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64", "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+}
+
+
+class OnnxBackend(Backend):
+    def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int) -> None:
+        super().__init__(config, version_dir, device, threads)
+        params = config.parameters
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(params.get("intra_op_thread_count", threads))
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.add_session_config_entry("session.intra_op.allow_spinning",
+                                      params.get("allow_spinning", DEFAULT_ALLOW_SPINNING))
+        path = os.path.join(version_dir, config.model_filename)
+        self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        self._check(self.session.get_inputs(), config.inputs, "input")
+        self._check(self.session.get_outputs(), config.outputs, "output")
+
+    def _check(self, args, declared, kind: str) -> None:
+        """Config and model must agree, or every request would fail later with a worse message."""
+        actual = {a.name: a for a in args}
+        for t in declared:
+            arg = actual.get(t.name)
+            if arg is None:
+                raise ValueError(f"{kind} '{t.name}' of config.pbtxt is not in the model (it has {sorted(actual)})")
+            dtype = _ORT_TYPES.get(arg.type)
+            if dtype != t.datatype:
+                raise ValueError(f"{kind} '{t.name}': config says TYPE_{t.datatype}, the model has {arg.type}")
+            shape = list(arg.shape)
+            expect = ([-1] if self.config.max_batch_size > 0 else []) + list(t.dims)
+            if len(shape) != len(expect):
+                raise ValueError(f"{kind} '{t.name}': config gives rank {len(expect)} (with batch dim), "
+                                 f"the model has shape {shape}")
+            for want, have in zip(expect, shape, strict=True):
+                if want != -1 and isinstance(have, int) and have != want:
+                    raise ValueError(f"{kind} '{t.name}': config dims {expect} do not match model shape {shape}")
+        if kind == "input" and len(actual) != len(declared):
+            missing = sorted(set(actual) - {t.name for t in declared})
+            raise ValueError(f"the model has inputs the config does not declare: {missing}")
+
+    def execute(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        binding = self.session.io_binding()
+        for name, arr in inputs.items():
+            arr = np.ascontiguousarray(arr)
+            binding.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        for name, view in outputs.items():
+            if view is not None:
+                binding.bind_output(name, "cpu", 0, view.dtype, view.shape, view.ctypes.data)
+            else:
+                binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        produced = binding.get_outputs()
+        result = {}
+        for i, (name, view) in enumerate(outputs.items()):
+            result[name] = view if view is not None else produced[i].numpy()
+        return result
+
+

@@ -1,0 +1,157 @@
+"""The worker process: map the ring, load the model, then execute each slot the front names."""
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+from gepool.ipc import dtypes, layout, protocol
+from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
+from gepool.ipc.sockets import make_socket
+from gepool.workers.backends import create_backend
+from gepool.workers.backends.base import Backend
+
+from gepool.config import ModelConfig
+
+LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # distinct, so a model that cannot load is not restarted
+PARENT_CHECK_MS = 500
+FAREWELL_LINGER_MS = 2000  # let the load-failure message reach the front before exiting
+
+log = logging.getLogger("gepool.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker is started with: plain values and handles, never live objects."""
+
+    worker_id: int
+    config: ModelConfig
+    version_dir: str
+    device: str
+    threads: int
+    ring: RingHandle
+    endpoint: str
+    parent_pid: int
+    log_level: int = logging.INFO
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Entry point of a spawned worker process; exits with 0, or LOAD_FAILED_EXIT."""
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s worker{spec.worker_id} %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front stops us
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=spec.endpoint, identity=worker_identity(spec.worker_id))
+    ring = Ring.attach(spec.ring)
+    try:
+        backend = create_backend(spec.config, spec.version_dir, spec.device, spec.threads)
+        backend.warmup()
+    except Exception as exc:
+        log.exception("model %s failed to load", spec.config.name)
+        sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
+        sock.send(protocol.WorkerFailed(spec.worker_id, f"{type(exc).__name__}: {exc}").encode())
+        sock.close()
+        ctx.term()
+        sys.exit(LOAD_FAILED_EXIT)
+    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), {}).encode())
+    try:
+        _serve(spec, sock, ring, backend)
+    finally:
+        backend.close()
+        ring.close()
+        sock.close()
+        ctx.term()
+
+
+def worker_identity(worker_id: int) -> bytes:
+    return b"w%d" % worker_id
+
+
+def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend) -> None:
+    while True:
+        if not sock.poll(PARENT_CHECK_MS):
+            if os.getppid() != spec.parent_pid:
+                log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
+                return
+            continue
+        msg = protocol.decode(sock.recv())
+        if isinstance(msg, protocol.Run):
+            execute_slot(ring.slots[msg.slot], backend, spec.config)
+            sock.send(protocol.Done(spec.worker_id, msg.slot, msg.seq).encode())
+        elif isinstance(msg, protocol.Stop):
+            return
+
+
+def execute_slot(slot: Slot, backend: Backend, config: ModelConfig) -> None:
+    """RUNNING, then DONE with outputs in the slot, or FAILED with the reason; never raises."""
+    t0 = time.monotonic()
+    slot.set_state(RUNNING)
+    try:
+        _, batch, in_descs = slot.read()
+        inputs = {t.name: slot.array(d) for t, d in zip(config.inputs, in_descs, strict=True)}
+        start = max(d.offset + d.nbytes for d in in_descs)
+        planned = _plan_outputs(config, batch, start, slot.data_bytes)
+        views = {name: (slot.array(d) if d else None) for name, d in planned.items()}
+        results = backend.execute(inputs, views)
+        descs = _place_outputs(slot, config, batch, planned, views, results)
+        slot.finish(len(in_descs), descs, t0, time.monotonic())
+    except Exception as exc:  # any model fault fails this batch only
+        log.warning("batch failed: %s: %s", type(exc).__name__, exc)
+        slot.fail(f"{type(exc).__name__}: {exc}", t0, time.monotonic())
+
+
+def _out_shape(config: ModelConfig, batch: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    return ((batch,) if config.max_batch_size > 0 else ()) + dims
+
+
+def _plan_outputs(config: ModelConfig, batch: int, start: int, capacity: int) -> dict[str, TensorDesc | None]:
+    """Slot places for outputs whose shape is known before running; None for the rest."""
+    fixed = [t for t in config.outputs if t.fixed]
+    shapes = [_out_shape(config, batch, t.dims) for t in fixed]
+    sizes = [int(np.prod(s)) * dtypes.itemsize(t.datatype) for t, s in zip(fixed, shapes)]
+    offsets, end = layout.pack(sizes, start)
+    planned: dict[str, TensorDesc | None] = {t.name: None for t in config.outputs}
+    if end <= capacity:
+        for t, shape, off, size in zip(fixed, shapes, offsets, sizes, strict=True):
+            planned[t.name] = TensorDesc(t.datatype, shape, off, size)
+    return planned
+
+
+def _np(datatype: str) -> np.dtype:
+    return dtypes.to_numpy(datatype)
+
+
+def _place_outputs(slot: Slot, config: ModelConfig, batch: int, planned: dict[str, TensorDesc | None],
+                   views: dict[str, np.ndarray | None], results: dict[str, np.ndarray]) -> list[TensorDesc]:
+    """Checks each output against the config and copies those not already written in place."""
+    pos = max([d.offset + d.nbytes for d in planned.values() if d] or [0])
+    descs = []
+    for t in config.outputs:
+        if t.name not in results:
+            raise ValueError(f"the model returned no output '{t.name}' (it returned {sorted(results)})")
+        arr = results[t.name]
+        if arr.dtype != _np(t.datatype):
+            raise TypeError(f"output '{t.name}' is {arr.dtype}, config.pbtxt says TYPE_{t.datatype}")
+        expect = _out_shape(config, batch, t.dims)
+        if len(arr.shape) != len(expect) or any(e not in (-1, a) for e, a in zip(expect, arr.shape, strict=True)):
+            raise ValueError(f"output '{t.name}' has shape {list(arr.shape)}, expected {list(expect)}")
+        view = views[t.name]
+        if view is not None and arr is view:
+            descs.append(planned[t.name])
+            continue
+        if view is not None and arr.shape == view.shape:
+            np.copyto(view, arr)
+            descs.append(planned[t.name])
+            continue
+        off = layout.align(pos)
+        if off + arr.nbytes > slot.data_bytes:
+            raise ValueError(f"output '{t.name}' ({arr.nbytes} bytes) does not fit in the slot "
+                             f"({slot.data_bytes} bytes); raise the model's 'slot_bytes' parameter")
+        desc = TensorDesc(t.datatype, tuple(arr.shape), off, arr.nbytes)
+        np.copyto(slot.array(desc), arr)
+        pos = off + arr.nbytes
+        descs.append(desc)
+    return descs
