@@ -4,11 +4,14 @@
 function that starts a worker.
 """
 
+import json
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
+import select
 import signal
+import subprocess
+import sys
 
 from gepool import errors
 from gepool.ipc import naming
@@ -40,16 +43,24 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
     return Front(opts, start_worker, on_ready).run()
 
 
-def _front_main(repository: str, endpoint: str, cpu_threads: int, log_level: int, conn) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s front %(name)s %(levelname)s %(message)s")
+def _front_process(argv: list[str]) -> int:
+    """`python -m gepool.pool ARGS_JSON READY_FD`: a front whose readiness is one JSON line on READY_FD."""
+    args, fd = json.loads(argv[0]), int(argv[1])
+    logging.basicConfig(level=args["log_level"], format="%(asctime)s front %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the Pool's owner stops us with SIGTERM
+    out = os.fdopen(fd, "w")
+
+    def report(kind: str, body) -> None:
+        out.write(json.dumps([kind, body]) + "\n")
+        out.flush()
+
     try:
-        code = serve(repository, endpoint, cpu_threads=cpu_threads, log_level=log_level,
-                     on_ready=lambda status: conn.send(("ready", status)))
+        code = serve(args["repository"], args["endpoint"], cpu_threads=args["cpu_threads"],
+                     log_level=args["log_level"], on_ready=lambda status: report("ready", status))
     except Exception as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        report("failed", f"{type(exc).__name__}: {exc}")
         raise
-    raise SystemExit(code)
+    return code
 
 
 class Pool:
@@ -69,24 +80,24 @@ class Pool:
         self._clients: list = []
 
     def start(self) -> "Pool":
-        parent, child = _spawn.Pipe(duplex=False)
-        self.process = _spawn.Process(target=_front_main, name="gepool-front",
-                                      args=(self.repository, self.endpoint, self.cpu_threads, self.log_level, child))
-        self.process.start()
-        child.close()
-        ready = multiprocessing.connection.wait([parent, self.process.sentinel], self.start_timeout)
-        if parent in ready:
-            try:
-                kind, body = parent.recv()
-            except EOFError:
-                kind, body = "failed", "the front exited during start-up"
-        else:
-            kind, body = "failed", ("the front exited during start-up" if ready else
-                                    f"not ready within {self.start_timeout}s")
-        parent.close()
+        """Starts the front as a fresh interpreter (not a fork or a spawn of the caller's main module, so
+        no ``if __name__ == "__main__"`` guard is needed) and waits for its readiness line."""
+        read_fd, write_fd = os.pipe()
+        args = {"repository": self.repository, "endpoint": self.endpoint, "cpu_threads": self.cpu_threads,
+                "log_level": self.log_level}
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
+                                            pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(write_fd)
+        with os.fdopen(read_fd) as reader:
+            ready, _, _ = select.select([reader], [], [], self.start_timeout)
+            line = reader.readline() if ready else ""
+        kind, body = json.loads(line) if line else ("failed", "the front exited during start-up" if ready else
+                                                    f"not ready within {self.start_timeout}s")
         if kind != "ready":
-            self.stop()
-            raise errors.Unavailable(f"pool failed to start: {body} (exit code {self.process.exitcode})")
+            code = self.stop()
+            raise errors.Unavailable(f"pool failed to start: {body} (exit code {code})")
         self.status = body
         return self
 
@@ -104,16 +115,21 @@ class Pool:
         self._clients.clear()
         if self.process is None:
             return None
-        if self.process.exitcode is None:
+        if self.process.poll() is None:
             self.process.terminate()
-            self.process.join(STOP_TIMEOUT_S)
-            if self.process.exitcode is None:
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.join()
-        return self.process.exitcode
+                self.process.wait()
+        return self.process.returncode
 
     def __enter__(self) -> "Pool":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(_front_process(sys.argv[1:]))

@@ -72,7 +72,7 @@ class Model:
     def summary(self) -> dict:
         return {"state": self.state, "reason": self.reason, "version": self.source.version,
                 "workers": len(self.workers), "ready_workers": sum(w.state == READY for w in self.workers),
-                "queued": len(self.batcher)}
+                "queued": len(self.batcher), "worker_pids": [w.pid for w in self.workers if w.state == READY]}
 
     def metadata(self) -> dict:
         if self.config is None:

@@ -17,6 +17,7 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 STOP_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
+REAP_TIMEOUT_S = 5.0
 
 STARTING, READY, DEAD, FAILED = "STARTING", "READY", "DEAD", "FAILED"
 
@@ -82,7 +83,11 @@ class Supervisor:
 
     def on_exit(self, w: Worker, now: float, stopping: bool) -> dict[int, Any]:
         """Reaps a dead worker; returns its in-flight batches (slot -> Batch) for the caller to answer."""
-        w.process.join(timeout=0)
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        w.process.join(timeout=REAP_TIMEOUT_S)
+        if w.process.exitcode is None:
+            w.process.kill()
+            w.process.join()
         code = w.process.exitcode
         lost = w.inflight
         w.inflight, w.free, w.rows = {}, [], 0

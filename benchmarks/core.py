@@ -1,0 +1,155 @@
+"""One run, three figures and their ratios: the transport floor, tiny-model latency, MLP throughput.
+
+    python benchmarks/core.py [--seconds 5] [--requests 2000]
+
+1. a bare pyzmq REQ/REP ping over ipc between two processes (the floor of any ZMQ design);
+2. gepool's p50/p99 latency for the tiny model at concurrency 1 (library client, frames);
+3. the MLP's throughput through gepool at concurrency 16, beside onnxruntime in-process at its best
+   batch size (the limit), with the same thread count the pool's worker gets.
+
+On a small host client, front and worker share the cores, so the ratios (measured in the same run)
+are the figures to compare, not the absolute times.
+"""
+
+import argparse
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import zmq
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+
+def _echo(endpoint: str, n: int) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.bind(endpoint)
+    for _ in range(n):
+        sock.send(sock.recv())
+    sock.close()
+    ctx.term()
+
+
+def zmq_floor(n: int) -> np.ndarray:
+    endpoint = f"ipc://{tempfile.mkdtemp()}/echo.sock"
+    proc = multiprocessing.get_context("spawn").Process(target=_echo, args=(endpoint, n + 100))
+    proc.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.connect(endpoint)
+    payload = b"x" * 64
+    times = []
+    for i in range(n + 100):
+        t = time.perf_counter()
+        sock.send(payload)
+        sock.recv()
+        if i >= 100:
+            times.append(time.perf_counter() - t)
+    sock.close()
+    ctx.term()
+    proc.join()
+    return np.array(times)
+
+
+def ort_limit(model_path: str, threads: int, seconds: float) -> tuple[int, float]:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(model_path, opts, providers=["CPUExecutionProvider"])
+    best = (0, 0.0)
+    for bs in (1, 8, 16, 32):
+        x = np.random.default_rng(0).standard_normal((bs, 1024)).astype(np.float32)
+        sess.run(None, {"INPUT": x})
+        rows, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 4:
+            sess.run(None, {"INPUT": x})
+            rows += bs
+        rate = rows / (time.perf_counter() - start)
+        print(f"   onnxruntime in-process, batch {bs:2d}: {rate:8.0f} rows/s")
+        best = max(best, (bs, rate), key=lambda b: b[1])
+    return best
+
+
+def tiny_latency(client, n: int) -> np.ndarray:
+    x = np.ones((1, 16), np.float32)
+    for _ in range(100):
+        client.infer("tiny", {"INPUT0": x})
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client.infer("tiny", {"INPUT0": x})
+        times.append(time.perf_counter() - t)
+    return np.array(times)
+
+
+def mlp_throughput(client, concurrency: int, seconds: float) -> float:
+    x = np.random.default_rng(1).standard_normal((1, 1024)).astype(np.float32)
+    done = [0] * concurrency
+    stop = time.perf_counter() + seconds
+
+    def loop(i: int) -> None:
+        while time.perf_counter() < stop:
+            client.infer("mlp", {"INPUT": x})
+            done[i] += 1
+
+    for _ in range(concurrency):
+        client.infer("mlp", {"INPUT": x})
+    start = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+
+    import make_models
+
+    from gepool import Pool
+
+    repo = tempfile.mkdtemp(prefix="gepool-bench-")
+    make_models.make_tiny(repo)
+    make_models.make_mlp(repo)
+    cores = os.cpu_count() or 1
+    print(f"host: {cores} cores; onnxruntime spinning off everywhere")
+
+    print("1. bare pyzmq REQ/REP round trip over ipc")
+    floor = zmq_floor(args.requests)
+    print(f"   p50 {np.median(floor) * 1e6:7.1f} us   p99 {np.percentile(floor, 99) * 1e6:7.1f} us")
+
+    print("3a. onnxruntime in-process (the limit), MLP 1024-4096-4096-1000")
+    worker_threads = max(1, cores // 2)  # the pool below runs 2 CPU instances: tiny and mlp
+    best_bs, best_rate = ort_limit(f"{repo}/mlp/1/model.onnx", worker_threads, args.seconds)
+
+    with Pool(repo) as pool:
+        client = pool.client()
+        print("2. gepool, tiny model, concurrency 1")
+        lat = tiny_latency(client, args.requests)
+        p50, p99 = np.median(lat) * 1e6, np.percentile(lat, 99) * 1e6
+        print(f"   p50 {p50:7.1f} us   p99 {p99:7.1f} us")
+        print("3b. gepool, MLP, concurrency 16")
+        rate = mlp_throughput(client, 16, args.seconds)
+        print(f"   {rate:8.0f} rows/s; batch sizes {client.stats()['mlp']['batch_sizes']}")
+
+    print("\nratios (same run)")
+    print(f"   tiny p50 / zmq round trip      = {p50 / (np.median(floor) * 1e6):5.2f}   (target <= 3)")
+    print(f"   MLP gepool / onnxruntime best  = {rate / best_rate:5.2f}   (target >= 0.85; "
+          f"best in-process batch {best_bs}, {worker_threads} thread(s))")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The dynamic batcher's rules, driven by a fake clock: no sleeps."""
+
+from gepool.scheduler.batcher import DynamicBatcher
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, us: int) -> None:
+        self.now += us / 1e6
+
+
+def make(max_bs=16, preferred=(4, 8), delay_us=1000, **kw):
+    clock = Clock()
+    return DynamicBatcher(max_bs, preferred, delay_us, clock=clock, **kw), clock
+
+
+def rows_of(batch):
+    return [p.rows for p in batch]
+
+
+def test_waits_below_preferred_until_the_delay_passes():
+    b, clock = make()
+    b.add("a")
+    assert b.next_batch() is None
+    assert b.deadline() == clock.now + 0.001
+    clock.advance(990)
+    assert b.next_batch() is None
+    clock.advance(20)
+    assert [p.item for p in b.next_batch()] == ["a"]
+    assert len(b) == 0 and b.rows == 0
+
+
+def test_sends_the_largest_reachable_preferred_size():
+    b, _ = make()
+    for i in range(6):
+        b.add(i)
+    batch = b.next_batch()
+    assert [p.item for p in batch] == [0, 1, 2, 3]  # [4, 8] with 6 queued: 4 go, 2 stay
+    assert len(b) == 2
+
+
+def test_eight_queued_go_as_one_batch_of_eight():
+    b, _ = make()
+    for i in range(9):
+        b.add(i)
+    assert len(b.next_batch()) == 8
+    assert len(b) == 1
+
+
+def test_rows_not_requests_are_counted():
+    b, _ = make()
+    b.add("a", rows=3)
+    assert b.next_batch() is None
+    b.add("b", rows=1)
+    assert rows_of(b.next_batch()) == [3, 1]
+
+
+def test_requests_are_never_split_and_max_batch_is_respected():
+    b, clock = make(max_bs=8, preferred=(8,), delay_us=0)
+    b.add("a", rows=5)
+    b.add("b", rows=5)
+    batch = b.next_batch()
+    assert rows_of(batch) == [5]  # 5 + 5 > 8: send now, without splitting b
+    assert rows_of(b.next_batch()) == [5]
+
+
+def test_delay_exceeded_sends_everything_pending():
+    b, clock = make(preferred=(4, 8))
+    for i in range(3):
+        b.add(i)
+    clock.advance(5000)
+    assert len(b.next_batch()) == 3
+
+
+def test_zero_delay_never_waits():
+    b, _ = make(preferred=(8,), delay_us=0)
+    b.add("a")
+    assert len(b.next_batch()) == 1
+
+
+def test_a_preferred_size_is_sent_even_with_zero_delay():
+    b, _ = make(preferred=(2,), delay_us=0)
+    for i in range(3):
+        b.add(i)
+    assert len(b.next_batch()) == 2
+
+
+def test_max_preferred_reached_sends_the_walk():
+    b, _ = make(max_bs=16, preferred=(4,), delay_us=10_000)
+    b.add("a", rows=3)
+    b.add("b", rows=3)
+    assert rows_of(b.next_batch()) == [3, 3]  # 6 passed the largest preferred size (4) without hitting it
+
+
+def test_shape_change_sends_now():
+    b, _ = make(preferred=(8,), delay_us=10_000)
+    b.add("a", key=(3,))
+    b.add("b", key=(3,))
+    b.add("c", key=(5,))
+    assert [p.item for p in b.next_batch()] == ["a", "b"]
+    assert [p.item for p in b.queue] == ["c"]
+
+
+def test_busy_worker_only_gets_a_batch_that_cannot_grow():
+    b, clock = make(preferred=(4, 8), delay_us=1000)
+    for i in range(5):
+        b.add(i)
+    assert b.next_batch(idle=False) is None  # could still grow to 8 while the worker is busy
+    for i in range(3):
+        b.add(i)
+    assert len(b.next_batch(idle=False)) == 8
+    b.add("late")
+    clock.advance(1000)
+    assert len(b.next_batch(idle=False)) == 1  # its delay ran out: it goes next
+
+
+def test_without_dynamic_batching_each_request_runs_alone():
+    b, _ = make(enabled=False)
+    b.add("a")
+    b.add("b")
+    assert [p.item for p in b.next_batch()] == ["a"]
+    assert b.deadline() is None
+
+
+def test_push_front_keeps_order_and_age():
+    b, clock = make()
+    b.add("a")
+    t0 = b.queue[0].enqueued
+    taken = b.take_all()
+    clock.advance(10)
+    b.add("b")
+    b.push_front(taken)
+    assert [p.item for p in b.queue] == ["a", "b"]
+    assert b.queue[0].enqueued == t0
+    assert b.rows == 2

@@ -1,0 +1,94 @@
+"""`gepool start` in the foreground, used the way a person would: infer, status, SIGTERM, cleanup."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from gepool.ipc import naming
+from tests.conftest import _descendants, wait_until
+
+START_TIMEOUT_S = 120
+
+
+def gepool(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gepool.cli", *args], capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+def test_start_infer_status_and_sigterm(model_repo, tmp_path):
+    endpoint = f"ipc://{tmp_path}/cli.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--model-repository", model_repo,
+                             "--endpoint", endpoint, "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.strip())
+            if line.startswith("gepool ready on"):
+                break
+        assert lines[-1] == f"gepool ready on {endpoint}", (lines, proc.stderr.read() if proc.poll() else "")
+        assert "model tiny: READY (version 1, 1 worker(s))" in lines
+        assert any(line.startswith("model cannot_load: UNAVAILABLE - ") for line in lines)
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 7
+
+        out = gepool("infer", "tiny", "--endpoint", endpoint, "--batch-size", "3")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("OUTPUT0 float32 [3, 16]")
+
+        x = np.arange(16, dtype=np.float32)[None]
+        np.save(tmp_path / "x.npy", x)
+        out = gepool("infer", "tiny", "--endpoint", endpoint, "--input", f"INPUT0={tmp_path / 'x.npy'}",
+                     "--shared-memory")
+        assert out.returncode == 0, out.stderr
+        assert "[[ 1.  3.  5." in out.stdout
+
+        out = gepool("status", "--endpoint", endpoint)
+        status = json.loads(out.stdout)
+        assert status["models"]["mlp"]["state"] == "READY"
+
+        out = gepool("infer", "nosuch", "--endpoint", endpoint)
+        assert out.returncode == 1 and "unknown model 'nosuch'" in out.stderr
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in workers))
+        assert not os.path.exists(endpoint[len("ipc://"):])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_second_pool_on_a_live_endpoint_is_refused(pool, model_repo):
+    out = gepool("start", "--model-repository", model_repo, "--endpoint", pool.endpoint)
+    assert out.returncode == 1
+    assert "already serving" in out.stderr
+
+
+def test_cleanup_removes_what_a_dead_pool_left():
+    code = ("from gepool.ipc import naming; from gepool.ipc.ring import Ring; "
+            "Ring.create(naming.segment_name(naming.new_owner_id(), 'w1.0'), 2, 4096)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert naming.list_segments()
+    out = gepool("cleanup")
+    assert out.returncode == 0
+    assert "removed 1 segment(s)" in out.stdout
+    assert not naming.list_segments()

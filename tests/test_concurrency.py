@@ -1,0 +1,54 @@
+"""Hundreds of requests in flight from threads and processes: each answer belongs to its own request."""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PER_CLIENT = 120
+
+
+def _thread_client(pool, seed: int, shared: bool) -> int:
+    with pool.client(shared_memory=shared) as c:
+        xs = [np.full((1 + i % 3, 16), seed * 100_000 + i, np.float32) for i in range(PER_CLIENT)]
+        futures = [c.infer_async("tiny", {"INPUT0": x}) for x in xs]
+        blocking = [c.infer("tiny", {"INPUT0": x}) for x in xs[:10]]  # sync calls while futures fly
+        for x, out in zip(xs[:10], blocking):
+            np.testing.assert_array_equal(out["OUTPUT0"], 2 * x + 1)
+        for x, fut in zip(xs, futures):
+            np.testing.assert_array_equal(fut.result(timeout=120)["OUTPUT0"], 2 * x + 1)
+    return PER_CLIENT
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["frames", "shm"])
+def test_threads_and_processes_without_cross_talk(pool, shared):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "client_proc.py"), pool.endpoint, str(PER_CLIENT),
+                               str(seed), "1" if shared else "0"], stdout=subprocess.PIPE, text=True, env=env)
+             for seed in (1, 2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            counts = list(ex.map(lambda seed: _thread_client(pool, seed, shared), (3, 4, 5)))
+        outs = [p.communicate(timeout=180)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert counts == [PER_CLIENT] * 3
+    assert outs == [f"ok {PER_CLIENT}"] * 2, outs
+    assert [p.returncode for p in procs] == [0, 0]
+
+
+def test_one_client_shared_by_many_threads(client):
+    def work(seed: int) -> None:
+        for i in range(30):
+            x = np.full((2, 16), seed * 1000 + i, np.float32)
+            np.testing.assert_array_equal(client.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        list(ex.map(work, range(8)))

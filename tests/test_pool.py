@@ -1,0 +1,83 @@
+"""Pool lifecycle with real processes: clean exit, a killed worker, shutdown while requests run."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from gepool import Client, Pool, errors
+from tests import repo as test_repo
+from tests.conftest import _descendants, wait_until
+
+
+@pytest.fixture
+def small_repo(tmp_path):
+    gate = str(tmp_path / "gate")
+    test_repo.make_models.make_tiny(str(tmp_path / "models"))
+    test_repo.recorder(str(tmp_path / "models"), "gated", gate=gate, delay_us=1000)
+    return str(tmp_path / "models"), gate
+
+
+def test_pool_exit_leaves_no_process_and_no_segment(small_repo):
+    repo, _ = small_repo
+    with Pool(repo) as pool:
+        assert pool.status["models"]["tiny"]["state"] == "READY"
+        front = pool.process.pid
+        children = _descendants(front)
+        assert len(children) >= 2
+        assert pool.client().infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
+    assert pool.process.returncode == 0
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children if _running(pid))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _batches(client, model):
+    return client.stats()[model]["batches"]
+
+
+def test_killed_worker_fails_its_batch_and_comes_back(small_repo):
+    repo, gate = small_repo
+    open(gate, "w").close()
+    with Pool(repo) as pool:
+        c = pool.client()
+        old_pid = c.status()["models"]["gated"]["worker_pids"][0]
+        fut = c.infer_async("gated", {"INPUT": np.full((8, 4), -1, np.float32)})
+        assert wait_until(lambda: _batches(c, "gated") == 1)
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(errors.WorkerDied, match="died"):
+            fut.result(timeout=60)
+        os.unlink(gate)
+        assert wait_until(lambda: c.status()["models"]["gated"]["worker_pids"] not in ([], [old_pid]), 60)
+        out = c.infer("gated", {"INPUT": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(out["OUTPUT"], np.ones((1, 4)))
+
+
+def test_sigterm_drains_requests_in_flight(small_repo):
+    repo, gate = small_repo
+    open(gate, "w").close()
+    pool = Pool(repo).start()
+    try:
+        with Client(pool.endpoint) as c:
+            running = c.infer_async("gated", {"INPUT": np.full((8, 4), -1, np.float32)})
+            assert wait_until(lambda: _batches(c, "gated") == 1)
+            queued = [c.infer_async("gated", {"INPUT": np.full((1, 4), i, np.float32)}) for i in range(3)]
+            assert wait_until(lambda: c.status()["models"]["gated"]["queued"] + _batches(c, "gated") >= 2)
+            pool.process.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: c.status()["stopping"])
+            with pytest.raises(errors.Unavailable, match="shutting down"):
+                c.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})
+            os.unlink(gate)
+            assert running.result(timeout=60)["BATCH"][0, 0] == 8
+            for i, fut in enumerate(queued):
+                np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT"], np.full((1, 4), i, np.float32))
+        assert pool.process.wait(60) == 0
+    finally:
+        pool.stop()

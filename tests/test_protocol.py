@@ -1,0 +1,49 @@
+"""Every message type survives encode/decode; garbage is refused with a ProtocolError."""
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from gepool.ipc import protocol
+
+SAMPLES = [
+    protocol.Hello(1, protocol.PROTOCOL_VERSION, "pid1"),
+    protocol.Welcome(1, protocol.PROTOCOL_VERSION, "123xabc", "gepool"),
+    protocol.Infer(7, "mlp", -1, [["INPUT", "FP32", [2, 4], 0]], ["OUT"], 0, 0, protocol.NO_ARENA, 0, 0),
+    protocol.Result(7, [["OUT", "FP32", [2, 4], 0]], False),
+    protocol.Error(7, "INVALID_ARGUMENT", "bad shape"),
+    protocol.RegisterArena(8, "/gepool.1x2.arena", 4096),
+    protocol.UnregisterArena(9, 3),
+    protocol.Query(10, "metadata", {"model": "mlp"}),
+    protocol.Reply(10, {"name": "mlp", "inputs": []}),
+    protocol.WorkerReady(3, protocol.PROTOCOL_VERSION, 999, {}),
+    protocol.WorkerFailed(3, "no weights"),
+    protocol.Run(1, 42),
+    protocol.Done(3, 1, 42),
+    protocol.Stop(),
+]
+
+
+def test_every_message_type_is_sampled():
+    assert {type(m).TYPE for m in SAMPLES} == set(protocol.MsgType)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    back = protocol.decode(msg.encode())
+    assert type(back) is type(msg)
+    assert dataclasses.astuple(back) == dataclasses.astuple(msg)
+
+
+@pytest.mark.parametrize("frame, why", [
+    (b"\xc1garbage", "not msgpack"),
+    (msgpack.packb({"a": 1}), "array"),
+    (msgpack.packb([]), "array"),
+    (msgpack.packb([999, 1]), "unknown message type"),
+    (msgpack.packb([int(protocol.MsgType.RUN), 1]), "needs 2 fields"),
+    (msgpack.packb(["3", 1]), "array"),
+])
+def test_garbage_is_refused(frame, why):
+    with pytest.raises(protocol.ProtocolError, match=why):
+        protocol.decode(frame)
