@@ -26,7 +26,8 @@ def main() -> int:
             return server.wait() or 1
         for extra in ([], ["--shared-memory"]):
             print(f"\n$ python examples/client.py --endpoint {endpoint} {' '.join(extra)}")
-            subprocess.run([sys.executable, os.path.join(HERE, "client.py"), "--endpoint", endpoint, *extra], check=True)
+            client = [sys.executable, os.path.join(HERE, "client.py"), "--endpoint", endpoint, *extra]
+            subprocess.run(client, check=True)
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(60)

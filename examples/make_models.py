@@ -82,8 +82,8 @@ def make_mlp(repo: str, sizes: tuple[int, ...] = (1024, 4096, 4096, 1000)) -> No
         output [ {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {sizes[-1]} ] }} ]
         instance_group [ {{ count: 1 kind: KIND_CPU }} ]
         dynamic_batching {{
-          preferred_batch_size: [ 8, 16, 32 ]
-          max_queue_delay_microseconds: 2000
+          preferred_batch_size: [ 16, 32 ]
+          max_queue_delay_microseconds: 5000
         }}
     """)
 

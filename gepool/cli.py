@@ -54,7 +54,7 @@ def _cmd_start(args) -> int:
             line += f" (version {m['version']}, {m['ready_workers']} worker(s))" if m["state"] == "READY" else ""
             line += f" - {m['reason']}" if m["reason"] else ""
             print(line, flush=True)
-        print(f"gepool ready on {endpoint}", flush=True)
+        print(f"gepool ready on {status['endpoint']}", flush=True)
 
     print(f"gepool starting on {endpoint}", flush=True)
     return serve(args.model_repository, endpoint, cpu_threads=args.cpu_threads,

@@ -99,6 +99,7 @@ class Pool:
             code = self.stop()
             raise errors.Unavailable(f"pool failed to start: {body} (exit code {code})")
         self.status = body
+        self.endpoint = body["endpoint"]  # the bound one, when a tcp port was left to the system
         return self
 
     def client(self, **kwargs):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
 from gepool.ipc import dtypes, layout
 from gepool.ipc.shm import Segment
 

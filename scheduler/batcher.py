@@ -12,8 +12,9 @@ Rules (Triton's ``dynamic_batch_scheduler.cc``, see shared/reference/triton.md Â
 * else if the delay is 0 or has passed, send whatever is pending;
 * else wait until the oldest request has aged by the delay.
 
-A batch keeps growing until it can run: when the chosen worker is busy (``idle=False``), only a
-batch that cannot grow any more is handed out early, to be copied in while the worker computes.
+A batch keeps growing until it can run (Triton server PR #3789): when the chosen worker is busy
+(``idle=False``), only a batch that cannot grow any more is handed out early, to be copied in while
+the worker computes; a request past its delay waits for the worker like the rest.
 """
 
 import collections
@@ -66,8 +67,8 @@ class DynamicBatcher:
         count, total, best, send_now = self._walk()
         exceeded = self.delay > 0 and self.clock() - self.queue[0].enqueued >= self.delay
         saturated = send_now or total >= self.max_preferred
-        if not idle and not (saturated or exceeded):
-            return None  # the batch may still grow while the worker is busy
+        if not idle and not saturated:
+            return None  # it keeps growing until the worker can run it (even past its delay)
         if best and not exceeded:
             return self._take(best)
         if saturated or exceeded or self.delay == 0:

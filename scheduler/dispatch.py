@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import zmq
+
+from gepool import errors
 from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import TensorDesc
 from gepool.scheduler.models import Model
 from gepool.scheduler.requests import Arena, Request
 from gepool.scheduler.supervisor import READY, Worker
-
-from gepool import errors
 
 log = logging.getLogger("gepool.dispatch")
 

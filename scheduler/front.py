@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+
+from gepool import errors
 from gepool.ipc import naming, protocol
 from gepool.ipc.sockets import make_socket
+from gepool.repository import ModelSource, scan
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.models import Model
 from gepool.scheduler.requests import Arena, admit
 from gepool.scheduler.supervisor import READY, STARTING, Supervisor, Worker
-
-from gepool import errors
-from gepool.repository import ModelSource, scan
 
 log = logging.getLogger("gepool.front")
 
@@ -60,6 +60,8 @@ class Front:
         """Serves until SIGINT/SIGTERM; returns the process exit code."""
         _refuse_live_pool(self.ctx, self.opts.endpoint)
         self.clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint)
+        # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
+        self.opts.endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
         self.dispatch = Dispatcher(self.clients, self.workers, self.arenas)
         self.poller = zmq.Poller()

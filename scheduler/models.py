@@ -1,13 +1,12 @@
 """The front's view of one model: its state, queue, workers and statistics."""
 
+from gepool import errors
+from gepool.config import ModelConfig, parse_size
 from gepool.ipc import layout, protocol
+from gepool.repository import ModelSource
 from gepool.scheduler.batcher import DynamicBatcher
 from gepool.scheduler.stats import ModelStats
 from gepool.scheduler.supervisor import FAILED, READY, STARTING
-
-from gepool import errors
-from gepool.config import ModelConfig, parse_size
-from gepool.repository import ModelSource
 
 SLOTS_PER_WORKER = 2  # one batch runs while the next is copied in
 DEFAULT_VARIABLE_SLOT_BYTES = 64 << 20  # tmpfs pages cost nothing until touched

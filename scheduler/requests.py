@@ -3,11 +3,10 @@
 import math
 from dataclasses import dataclass, field
 
-from gepool.ipc import dtypes, layout, protocol
-from gepool.ipc.shm import Segment
-
 from gepool.config import ModelConfig
 from gepool.errors import InvalidArgument, RequestTooLarge
+from gepool.ipc import dtypes, layout, protocol
+from gepool.ipc.shm import Segment
 
 
 @dataclass(slots=True, eq=False)

@@ -6,10 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gepool.config import ModelConfig
 from gepool.ipc import naming, protocol
 from gepool.ipc.ring import Ring
-
-from gepool.config import ModelConfig
 
 log = logging.getLogger("gepool.supervisor")
 

@@ -116,7 +116,9 @@ def test_busy_worker_only_gets_a_batch_that_cannot_grow():
     assert len(b.next_batch(idle=False)) == 8
     b.add("late")
     clock.advance(1000)
-    assert len(b.next_batch(idle=False)) == 1  # its delay ran out: it goes next
+    assert b.next_batch(idle=False) is None  # past its delay, but it can still grow until the worker frees
+    b.add("later")
+    assert [p.item for p in b.next_batch(idle=True)] == ["late", "later"]
 
 
 def test_without_dynamic_batching_each_request_runs_alone():

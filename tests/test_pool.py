@@ -28,7 +28,8 @@ def test_pool_exit_leaves_no_process_and_no_segment(small_repo):
         assert len(children) >= 2
         assert pool.client().infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
     assert pool.process.returncode == 0
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in children if _running(pid))
+    # workers are joined by the front; multiprocessing's resource tracker follows it out on its own
+    assert wait_until(lambda: not any(_running(pid) for pid in children)), [p for p in children if _running(p)]
 
 
 def _running(pid: int) -> bool:
@@ -81,3 +82,13 @@ def test_sigterm_drains_requests_in_flight(small_repo):
         assert pool.process.wait(60) == 0
     finally:
         pool.stop()
+
+
+def test_tcp_endpoint_on_loopback_with_both_carriers(small_repo):
+    repo, _ = small_repo
+    with Pool(repo, endpoint="tcp://127.0.0.1:*") as pool:
+        assert pool.endpoint.startswith("tcp://127.0.0.1:") and not pool.endpoint.endswith("*")
+        for shared in (False, True):
+            with Client(pool.endpoint, shared_memory=shared) as c:
+                x = np.arange(32, dtype=np.float32).reshape(2, 16)
+                np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)

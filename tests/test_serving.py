@@ -68,7 +68,8 @@ def test_metadata_and_status(client):
     assert models["cannot_load"]["state"] == "UNAVAILABLE"
     assert "weights are missing" in models["cannot_load"]["reason"]
     assert models["bad_config"]["state"] == "UNAVAILABLE"
-    assert "config.pbtxt:" in models["bad_config"]["reason"] and "preferred_batch_size" in models["bad_config"]["reason"]
+    reason = models["bad_config"]["reason"]
+    assert "config.pbtxt:5:" in reason and "preferred_batch_size" in reason
 
 
 def test_a_model_that_cannot_load_is_refused_with_its_reason(client):
@@ -92,8 +93,9 @@ def test_model_fault_fails_its_batch_and_the_pool_serves_on(client):
 
 
 async def _async_many(endpoint: str, shared_memory: bool):
-    from gepool import AsyncClient
     import asyncio
+
+    from gepool import AsyncClient
 
     async with AsyncClient(endpoint, shared_memory=shared_memory) as c:
         xs = [np.full((1, 16), i, np.float32) for i in range(50)]

@@ -1,6 +1,7 @@
 """The worker process: map the ring, load the model, then execute each slot the front names."""
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -9,13 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import zmq
+
+from gepool.config import ModelConfig
 from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
 from gepool.ipc.sockets import make_socket
 from gepool.workers.backends import create_backend
 from gepool.workers.backends.base import Backend
-
-from gepool.config import ModelConfig
 
 LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # distinct, so a model that cannot load is not restarted
 PARENT_CHECK_MS = 500
@@ -111,7 +112,7 @@ def _plan_outputs(config: ModelConfig, batch: int, start: int, capacity: int) ->
     """Slot places for outputs whose shape is known before running; None for the rest."""
     fixed = [t for t in config.outputs if t.fixed]
     shapes = [_out_shape(config, batch, t.dims) for t in fixed]
-    sizes = [int(np.prod(s)) * dtypes.itemsize(t.datatype) for t, s in zip(fixed, shapes)]
+    sizes = [math.prod(s) * dtypes.itemsize(t.datatype) for t, s in zip(fixed, shapes)]
     offsets, end = layout.pack(sizes, start)
     planned: dict[str, TensorDesc | None] = {t.name: None for t in config.outputs}
     if end <= capacity:

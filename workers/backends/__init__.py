@@ -1,8 +1,7 @@
 """Backends turn a model version directory into something that executes a batch."""
 
-from gepool.workers.backends.base import Backend
-
 from gepool.config import BACKEND_GE, BACKEND_ONNX, BACKEND_PYTHON, ModelConfig
+from gepool.workers.backends.base import Backend
 
 
 def create_backend(config: ModelConfig, version_dir: str, device: str, threads: int) -> Backend:

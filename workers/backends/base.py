@@ -3,9 +3,9 @@
 import abc
 
 import numpy as np
-from gepool.ipc import dtypes
 
 from gepool.config import ModelConfig
+from gepool.ipc import dtypes
 
 
 class Backend(abc.ABC):

@@ -5,9 +5,9 @@ import inspect
 import os
 
 import numpy as np
-from gepool.workers.backends.base import Backend
 
 from gepool.config import ModelConfig
+from gepool.workers.backends.base import Backend
 
 CLASS_NAME = "Model"
 
