@@ -5,6 +5,7 @@ names the file, the line and the field, so a user can fix a config without readi
 """
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -20,6 +21,10 @@ BACKEND_GE = "ge"
 _PLATFORMS = {"onnxruntime_onnx": BACKEND_ONNX}
 _BACKENDS = {BACKEND_ONNX, BACKEND_PYTHON, BACKEND_GE}
 DEFAULT_FILENAMES = {BACKEND_ONNX: "model.onnx", BACKEND_PYTHON: "model.py", BACKEND_GE: "model.om"}
+KIND_ASCEND = "KIND_ASCEND"
+STREAM_NUM_ENV = "GE_BACKEND_STREAM_NUM"  # the GE backend's host-wide defaults, read when a model loads
+POOL_SIZE_ENV = "GE_BACKEND_SHARED_MEMORY_POOL_SIZE"
+DEFAULT_STREAM_NUM = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class DynamicBatching:
     preferred_batch_size: tuple[int, ...]
     max_queue_delay_us: int = 0
     preserve_ordering: bool = False
+    preferred_given: bool = True  # False: Triton's default [max_batch_size]; an .om's gears may replace it
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,16 @@ class ModelConfig:
     def input(self, name: str) -> TensorConfig | None:
         return next((t for t in self.inputs if t.name == name), None)
 
+    @property
+    def stream_num(self) -> int:
+        """Batches in flight per instance on an NPU: parameter stream_num, else $GE_BACKEND_STREAM_NUM."""
+        return int(self.parameters.get("stream_num") or os.environ.get(STREAM_NUM_ENV) or DEFAULT_STREAM_NUM)
+
+    @property
+    def memory_pool_size(self) -> int:
+        """Device memory cap per worker in bytes (0: none): memory_pool_size, else the GE env default."""
+        return parse_size(self.parameters.get("memory_pool_size") or os.environ.get(POOL_SIZE_ENV) or "0")
+
 
 def parse_config(path: str, model_name: str) -> ModelConfig:
     """Reads and checks one config.pbtxt; raises ConfigError naming file, line and field."""
@@ -123,7 +139,8 @@ class _Checker:
         self.path, self.text, self.model_name = path, text, model_name
 
     def fail(self, fieldname: str, message: str) -> ConfigError:
-        m = re.search(rf"\b{re.escape(fieldname)}\s*[:{{\[]", self.text)
+        m = re.search(rf"\b{re.escape(fieldname)}\s*[:{{\[]", self.text) or re.search(
+            rf'key\s*:\s*"{re.escape(fieldname)}"', self.text)  # a parameters entry
         line = self.text.count("\n", 0, m.start()) + 1 if m else None
         return ConfigError(self.path, line, fieldname, message)
 
@@ -138,6 +155,8 @@ class _Checker:
             raise self.fail(which, "is not supported by gepool yet")
         inputs = self.tensors(msg.input, "input")
         outputs = self.tensors(msg.output, "output")
+        params = {k: v.string_value for k, v in msg.parameters.items()}
+        self.ge_parameters(params)
         return ModelConfig(
             name=self.model_name,
             backend=backend,
@@ -145,10 +164,10 @@ class _Checker:
             max_batch_size=msg.max_batch_size,
             inputs=inputs,
             outputs=outputs,
-            instance_groups=self.groups(msg),
+            instance_groups=self.groups(msg, backend),
             dynamic_batching=self.batching(msg) if which == "dynamic_batching" else None,
             version_policy=self.versions(msg),
-            parameters={k: v.string_value for k, v in msg.parameters.items()},
+            parameters=params,
             default_model_filename=msg.default_model_filename,
             source=self.path,
         )
@@ -189,8 +208,10 @@ class _Checker:
             out.append(TensorConfig(t.name, datatype, tuple(t.dims)))
         return tuple(out)
 
-    def groups(self, msg: pb.ModelConfig) -> tuple[InstanceGroup, ...]:
+    def groups(self, msg: pb.ModelConfig, backend: str) -> tuple[InstanceGroup, ...]:
         if not msg.instance_group:
+            if backend == BACKEND_GE:
+                return (InstanceGroup(count=1, kind=KIND_ASCEND, devices=(0,)),)
             return (InstanceGroup(count=1, kind="KIND_CPU"),)
         out = []
         for g in msg.instance_group:
@@ -200,6 +221,14 @@ class _Checker:
             if kind == "KIND_AUTO":
                 kind = "KIND_CPU"
             devices = tuple(g.ascend_devices) or tuple(g.gpus)
+            if backend == BACKEND_GE:
+                if kind not in (KIND_ASCEND, "KIND_CPU") or (kind == "KIND_CPU" and g.HasField("kind")):
+                    raise self.fail("kind", f"backend 'ge' runs on KIND_ASCEND instances, not {kind}")
+                kind, devices = KIND_ASCEND, devices or (0,)
+            elif kind == KIND_ASCEND:
+                raise self.fail("kind", f"KIND_ASCEND needs backend 'ge', not '{backend}'")
+            if any(d < 0 for d in devices):
+                raise self.fail("ascend_devices", f"device ids must be >= 0, got {list(devices)}")
             policy = pb.ModelInstanceGroup.Policy.Name(g.policy) if g.policy else ""
             out.append(InstanceGroup(count=g.count or 1, kind=kind, devices=devices, policy=policy))
         return tuple(out)
@@ -216,7 +245,18 @@ class _Checker:
         if db.priority_levels or db.HasField("default_queue_policy") or db.priority_queue_policy:
             raise self.fail("priority_levels" if db.priority_levels else "default_queue_policy",
                             "queue policies and priority levels are not supported yet")
-        return DynamicBatching(tuple(sorted(set(preferred))), db.max_queue_delay_microseconds, db.preserve_ordering)
+        return DynamicBatching(tuple(sorted(set(preferred))), db.max_queue_delay_microseconds, db.preserve_ordering,
+                               preferred_given=bool(db.preferred_batch_size))
+
+    def ge_parameters(self, params: dict[str, str]) -> None:
+        if "stream_num" in params and not (params["stream_num"].isdigit() and int(params["stream_num"]) >= 1):
+            raise self.fail("stream_num", f"stream_num must be a whole number >= 1, got '{params['stream_num']}'")
+        for key in ("memory_pool_size", "slot_bytes"):
+            if key in params:
+                try:
+                    parse_size(params[key])
+                except ValueError as exc:
+                    raise self.fail(key, str(exc)) from None
 
     def versions(self, msg: pb.ModelConfig) -> VersionPolicy:
         if not msg.HasField("version_policy"):
@@ -238,3 +278,9 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"'{text}' is not a size (e.g. 65536, 512M, 8G)")
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+
+
+def lanes_per_worker(config: ModelConfig) -> int:
+    """Batches one NPU worker runs at once: instances per device (count) x streams per instance."""
+    count = max((g.count for g in config.instance_groups), default=1)
+    return count * config.stream_num

@@ -16,6 +16,7 @@ PROTOCOL_VERSION = 1
 NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
 EXIT_LOAD_FAILED = 3  # a worker's exit code when its model cannot load: not restarted
+EXIT_DEVICE_LOST = 4  # a worker whose device stopped answering: restarted like a crash
 
 
 class MsgType(enum.IntEnum):

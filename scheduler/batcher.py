@@ -37,13 +37,16 @@ class DynamicBatcher:
                  *, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         """``enabled=False`` is Triton's default scheduler: one request per execution."""
         self.max_rows = max(1, max_batch_size)
-        self.preferred = tuple(sorted(p for p in preferred if 0 < p <= self.max_rows))
-        self.max_preferred = self.preferred[-1] if self.preferred else self.max_rows
+        self.set_preferred(preferred)
         self.delay = max_queue_delay_us / 1e6
         self.batching = enabled and max_batch_size > 0
         self.clock = clock
         self.queue: collections.deque[Pending] = collections.deque()
         self.rows = 0
+
+    def set_preferred(self, preferred: tuple[int, ...]) -> None:
+        self.preferred = tuple(sorted({p for p in preferred if 0 < p <= self.max_rows}))
+        self.max_preferred = self.preferred[-1] if self.preferred else self.max_rows
 
     def __len__(self) -> int:
         return len(self.queue)

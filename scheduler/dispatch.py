@@ -136,7 +136,7 @@ def _pick(model: Model) -> tuple[Worker | None, bool]:
     ready = [w for w in model.workers if w.state == READY and w.free]
     if not ready:
         return None, False
-    idle = [w for w in ready if not w.inflight]
+    idle = [w for w in ready if len(w.inflight) < w.concurrency]
     if idle:
         return min(idle, key=lambda w: w.rows), True
     return min(ready, key=lambda w: w.rows), False

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 from gepool import errors
+from gepool.config import BACKEND_GE, lanes_per_worker
 from gepool.ipc import naming, protocol
 from gepool.ipc.sockets import make_socket
 from gepool.repository import ModelSource, scan
@@ -85,7 +86,8 @@ class Front:
 
     def _load_all(self) -> None:
         sources = scan(self.opts.repository)
-        cpu_instances = sum(s.config.instance_count for s in sources if s.config and not s.error)
+        cpu_instances = sum(s.config.instance_count for s in sources
+                            if s.config and not s.error and s.config.backend != BACKEND_GE)
         threads = max(1, (self.opts.cpu_threads or os.cpu_count() or 1) // max(1, cpu_instances))
         for src in sources:
             self._load(src, threads)
@@ -96,13 +98,19 @@ class Front:
         if src.error:
             log.error("model %s unavailable: %s", src.name, src.error)
             return
-        for group in src.config.instance_groups:
-            devices = [f"cpu:{d}" for d in group.devices] or ["cpu"]
-            for device in devices:
-                for _ in range(group.count):
-                    w = self.supervisor.add(src.name, device, threads, model.slots_per_worker, model.slot_bytes)
-                    model.workers.append(w)
-                    self._spawn(w)
+        if src.config.backend == BACKEND_GE:
+            # One worker per NPU; the instances and streams on it are its lanes (batches in flight).
+            lanes = lanes_per_worker(src.config)
+            devices = sorted({d for g in src.config.instance_groups for d in g.devices})
+            placements = [(f"ascend:{d}", lanes) for d in devices]
+        else:
+            placements = [(f"cpu:{d}" if g.devices else "cpu", 1) for g in src.config.instance_groups
+                          for d in (g.devices or (None,)) for _ in range(g.count)]
+        for device, lanes in placements:
+            w = self.supervisor.add(src.name, device, threads, model.slots_per_worker * lanes, model.slot_bytes)
+            w.concurrency = lanes
+            model.workers.append(w)
+            self._spawn(w)
 
     def _spawn(self, w: Worker) -> None:
         model = self.models[w.model]
@@ -254,6 +262,7 @@ class Front:
             self.dispatch.complete(self.models[w.model], w, msg)
         elif isinstance(msg, protocol.WorkerReady):
             self.supervisor.on_ready(w, msg)
+            self.models[w.model].worker_info(msg.info)
             self._refresh(self.models[w.model])
             log.info("worker %d (%s) ready", w.id, w.model)
         elif isinstance(msg, protocol.WorkerFailed):

@@ -43,6 +43,14 @@ class Model:
             self.batcher = DynamicBatcher(0)
             self.slot_bytes = 0
 
+    def worker_info(self, info: dict) -> None:
+        """An NPU worker reports the batch sizes its .om was compiled for: without preferred sizes of
+        its own, the batcher aims for those gears."""
+        db = self.config.dynamic_batching
+        gears = [g for g in info.get("gears", []) if isinstance(g, int) and 0 < g <= self.config.max_batch_size]
+        if gears and db is not None and not db.preferred_given:
+            self.batcher.set_preferred(tuple(gears))
+
     def deadline(self) -> float | None:
         """The batcher's deadline, if a worker could take the batch when it comes."""
         if not len(self.batcher) or not any(w.state == READY and w.free for w in self.workers):

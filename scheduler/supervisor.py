@@ -39,6 +39,7 @@ class Worker:
     free: list[int] = field(default_factory=list)
     inflight: dict[int, Any] = field(default_factory=dict)  # slot index -> Batch
     rows: int = 0  # rows dispatched and not yet answered: the router's measure of load
+    concurrency: int = 1  # batches it runs at once (an NPU worker's lanes)
     restarts: int = 0
     restart_at: float | None = None
     reason: str = ""

@@ -39,7 +39,7 @@ def test_ascend_config_parses_as_written(tmp_path):
 
 def test_load_balance_policy_and_repeated_blocks(tmp_path):
     cfg = parse_config(write(tmp_path, """
-        platform: "onnxruntime_onnx"
+        backend: "ge"
         max_batch_size: 4
         input { name: "a" data_type: TYPE_INT64 dims: [-1] }
         input { name: "b" data_type: TYPE_FP16 dims: [2, 2] }
@@ -52,6 +52,7 @@ def test_load_balance_policy_and_repeated_blocks(tmp_path):
     assert not cfg.inputs[0].fixed and cfg.inputs[1].row_bytes() == 8
     assert cfg.instance_groups[0].policy == "load_balance"
     assert cfg.parameters == {"stream_num": "4"}
+    assert cfg.stream_num == 4
     assert cfg.version_policy.select([1, 3, 2]) == [3, 2]
     assert cfg.dynamic_batching is None
 
@@ -120,3 +121,36 @@ def test_sizes(text, value):
 def test_bad_size():
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
+
+
+def test_ge_defaults_come_from_the_environment(tmp_path, monkeypatch):
+    path = write(tmp_path, ASCEND)
+    monkeypatch.setenv("GE_BACKEND_STREAM_NUM", "3")
+    monkeypatch.setenv("GE_BACKEND_SHARED_MEMORY_POOL_SIZE", "8G")
+    cfg = parse_config(path, "m")
+    assert (cfg.stream_num, cfg.memory_pool_size) == (3, 8 << 30)
+    path = write(tmp_path, ASCEND + 'parameters { key: "stream_num" value: { string_value: "5" } }\n'
+                 'parameters { key: "memory_pool_size" value: { string_value: "512M" } }\n')
+    cfg = parse_config(path, "m")
+    assert (cfg.stream_num, cfg.memory_pool_size) == (5, 512 << 20)
+
+
+def test_ge_without_instance_group_runs_on_device_0(tmp_path):
+    cfg = parse_config(write(tmp_path, ASCEND.replace(
+        "instance_group [ { count: 2 kind: KIND_ASCEND ascend_devices: [0, 1] } ]", "")), "m")
+    assert cfg.instance_groups[0].kind == "KIND_ASCEND" and cfg.instance_groups[0].devices == (0,)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ('parameters { key: "stream_num" value: { string_value: "zero" } }', "stream_num"),
+    ('parameters { key: "memory_pool_size" value: { string_value: "big" } }', "memory_pool_size"),
+])
+def test_bad_ge_parameters_are_named(tmp_path, extra, field):
+    with pytest.raises(ConfigError) as info:
+        parse_config(write(tmp_path, ASCEND + extra + "\n"), "m")
+    assert info.value.field == field and info.value.line == 8
+
+
+def test_ascend_kind_needs_the_ge_backend(tmp_path):
+    with pytest.raises(ConfigError, match="KIND_ASCEND needs backend 'ge'"):
+        parse_config(write(tmp_path, ASCEND.replace('backend: "ge"', 'platform: "onnxruntime_onnx"')), "m")

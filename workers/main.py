@@ -4,6 +4,7 @@ import logging
 import math
 import os
 import signal
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -57,14 +58,25 @@ def run_worker(spec: WorkerSpec) -> None:
         sock.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
-    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), {}).encode())
+    info = dict(getattr(backend, "info", {}))
+    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
+    lost = None
     try:
-        _serve(spec, sock, ring, backend)
+        if getattr(backend, "asynchronous", False):
+            lost = _serve_async(spec, sock, ring, backend)
+        else:
+            _serve(spec, sock, ring, backend)
     finally:
-        backend.close()
-        ring.close()
+        if lost is None:
+            backend.close()
+            ring.close()
+        sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS if lost else 0)
         sock.close()
         ctx.term()
+    if lost is not None:
+        # A hung device cannot be released in order (its stream never drains): leave it to the OS.
+        log.error("device lost: %s; exiting so the worker is replaced", lost)
+        os._exit(protocol.EXIT_DEVICE_LOST)
 
 
 def worker_identity(worker_id: int) -> bytes:
@@ -84,6 +96,61 @@ def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend) -> 
             sock.send(protocol.Done(spec.worker_id, msg.slot, msg.seq).encode())
         elif isinstance(msg, protocol.Stop):
             return
+
+
+_DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread reports through the pipe
+_FATAL = 0xFFFFFFFF
+
+
+def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend) -> str | None:
+    """For backends that complete on their own threads: completions come back through a pipe whose
+    read end sits in the same poller as the front's socket (ZMQ sockets stay in this thread)."""
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    lost: list[str] = []
+
+    def notify(index: int, seq: int) -> None:
+        os.write(write_fd, _DONE.pack(index, seq))  # one write below PIPE_BUF: atomic across threads
+
+    def fatal(reason: str) -> None:
+        lost.append(reason)
+        os.write(write_fd, _DONE.pack(_FATAL, 0))
+
+    def plan(slot: Slot, batch: int, in_descs: list) -> list[TensorDesc]:
+        start = max(d.offset + d.nbytes for d in in_descs)
+        planned = _plan_outputs(spec.config, batch, start, slot.data_bytes)
+        if any(d is None for d in planned.values()):
+            raise ValueError("outputs need fixed dims that fit in the slot")
+        return list(planned.values())
+
+    backend.start(notify, fatal)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(read_fd, zmq.POLLIN)
+    try:
+        while True:
+            events = dict(poller.poll(PARENT_CHECK_MS))
+            if not events and os.getppid() != spec.parent_pid:
+                log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
+                return None
+            if read_fd in events:
+                data = os.read(read_fd, _DONE.size * 256)
+                for index, seq in _DONE.iter_unpack(data):
+                    if index == _FATAL:
+                        return lost[0] if lost else "device lost"
+                    sock.send(protocol.Done(spec.worker_id, index, seq).encode())
+                backend.pump()
+            while sock in events:
+                try:
+                    msg = protocol.decode(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(msg, protocol.Run):
+                    backend.submit(ring.slots[msg.slot], msg.slot, msg.seq, plan)
+                elif isinstance(msg, protocol.Stop):
+                    return None
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def execute_slot(slot: Slot, backend: Backend, config: ModelConfig) -> None:

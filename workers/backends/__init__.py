@@ -15,5 +15,7 @@ def create_backend(config: ModelConfig, version_dir: str, device: str, threads: 
 
         return PythonBackend(config, version_dir, device, threads)
     if config.backend == BACKEND_GE:
-        raise RuntimeError("backend 'ge' needs the Ascend worker, which this build of gepool does not have yet")
+        from gepool.workers.backends.ge import GeBackend
+
+        return GeBackend(config, version_dir, device, threads)
     raise RuntimeError(f"unknown backend '{config.backend}'")
