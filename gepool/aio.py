@@ -82,6 +82,9 @@ class AsyncClient:
     async def stats(self) -> dict:
         return await self._call(protocol.Query(_wire.next_id(), "stats", {}))
 
+    async def query(self, what: str, args: dict | None = None):
+        return await self._call(protocol.Query(_wire.next_id(), what, args or {}))
+
     async def _call(self, msg, timeout: float | None = None):
         found, frames = await self._exchange([msg.encode()], msg.req_id, timeout)
         return _wire.result(found, frames, self.arena)

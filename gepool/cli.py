@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-repository", required=True, help="folder of <model>/config.pbtxt and <model>/<version>/")
     p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in your runtime dir)")
     p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads shared by CPU workers (default: all)")
+    p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (0: off)")
+    p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP and metrics ports bind")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
     p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser("status", help="models and their states")
@@ -54,11 +57,16 @@ def _cmd_start(args) -> int:
             line += f" (version {m['version']}, {m['ready_workers']} worker(s))" if m["state"] == "READY" else ""
             line += f" - {m['reason']}" if m["reason"] else ""
             print(line, flush=True)
+        if status.get("http"):
+            print(f"HTTP (KServe v2) on {status['http']}", flush=True)
+        if status.get("metrics"):
+            print(f"metrics on {status['metrics']}", flush=True)
         print(f"gepool ready on {status['endpoint']}", flush=True)
 
     print(f"gepool starting on {endpoint}", flush=True)
     return serve(args.model_repository, endpoint, cpu_threads=args.cpu_threads,
-                 log_level=logging.getLevelName(args.log_level.upper()), on_ready=ready)
+                 log_level=logging.getLevelName(args.log_level.upper()), on_ready=ready, http_port=args.http_port,
+                 http_host=args.http_host, metrics_port=args.metrics_port)
 
 
 def _cmd_status(args) -> int:

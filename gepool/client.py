@@ -88,6 +88,10 @@ class Client:
         return self._call(protocol.Query(_wire.next_id(), "stats", {}))
 
     # -- plumbing ------------------------------------------------------------------------
+    def query(self, what: str, args: dict | None = None):
+        """A front query by name: status, stats, metadata or config (args: {"model": name})."""
+        return self._call(protocol.Query(_wire.next_id(), what, args or {}))
+
     def _encode(self, model, inputs, outputs, version, timeout) -> _wire.Outgoing:
         if self._closed:
             raise errors.InvalidArgument("the client is closed")

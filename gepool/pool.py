@@ -18,6 +18,7 @@ from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint
 
 START_TIMEOUT_S = 300.0
+GATEWAY_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
 _spawn = multiprocessing.get_context("spawn")
@@ -34,13 +35,61 @@ def start_worker(**kwargs):
 
 
 def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0, log_level: int = logging.INFO,
-          on_ready=None, owner_id: str | None = None) -> int:
-    """Runs a front in this process until SIGINT/SIGTERM; returns its exit code."""
+          on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
+          metrics_port: int = 0) -> int:
+    """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
+    port, the sidecar process starts once the front is ready and stops after the front has drained."""
     from gepool.scheduler.front import Front, FrontOptions
 
     opts = FrontOptions(repository=os.path.abspath(repository), endpoint=endpoint or default_endpoint(),
                         owner_id=owner_id or naming.new_owner_id(), cpu_threads=cpu_threads, log_level=log_level)
-    return Front(opts, start_worker, on_ready).run()
+    gateway: list[subprocess.Popen] = []
+
+    def ready(status: dict) -> None:
+        if http_port or metrics_port:
+            gateway.append(_start_gateway(status["endpoint"], http_host, http_port, metrics_port, log_level))
+            status["http"] = f"http://{http_host}:{http_port}" if http_port else None
+            status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
+        if on_ready is not None:
+            on_ready(status)
+
+    try:
+        return Front(opts, start_worker, ready).run()
+    finally:
+        for proc in gateway:
+            _stop(proc)
+
+
+def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int) -> subprocess.Popen:
+    """The HTTP sidecar; returns once it listens (it reaches the front on its own, lazily)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "gepool.http.server", "--endpoint", endpoint,
+                                 "--http-host", host, "--http-port", str(http_port), "--metrics-port",
+                                 str(metrics_port), "--ready-fd", str(write_fd),
+                                 "--log-level", logging.getLevelName(log_level)],
+                                pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd) as reader:
+        ready, _, _ = select.select([reader], [], [], GATEWAY_START_TIMEOUT_S)
+        line = reader.readline() if ready else ""
+    if line.strip() != "ready":
+        _stop(proc)
+        raise errors.Unavailable(f"the HTTP sidecar did not start on {host}:{http_port}/{metrics_port} "
+                                 f"(exit code {proc.returncode}; is the port in use?)")
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def _front_process(argv: list[str]) -> int:
@@ -56,7 +105,8 @@ def _front_process(argv: list[str]) -> int:
 
     try:
         code = serve(args["repository"], args["endpoint"], cpu_threads=args["cpu_threads"],
-                     log_level=args["log_level"], on_ready=lambda status: report("ready", status))
+                     log_level=args["log_level"], on_ready=lambda status: report("ready", status),
+                     http_port=args["http_port"], http_host=args["http_host"], metrics_port=args["metrics_port"])
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -71,10 +121,13 @@ class Pool:
     """
 
     def __init__(self, model_repository: str, *, endpoint: str | None = None, cpu_threads: int = 0,
-                 log_level: int = logging.WARNING, start_timeout: float = START_TIMEOUT_S) -> None:
+                 log_level: int = logging.WARNING, start_timeout: float = START_TIMEOUT_S, http_port: int = 0,
+                 http_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
+        """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar."""
         self.repository = model_repository
         self.endpoint = endpoint or f"ipc://{os.path.dirname(default_endpoint()[6:])}/pool-{naming.new_owner_id()}.sock"
         self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout
+        self.http_port, self.http_host, self.metrics_port = http_port, http_host, metrics_port
         self.process = None
         self.status: dict = {}
         self._clients: list = []
@@ -84,7 +137,8 @@ class Pool:
         no ``if __name__ == "__main__"`` guard is needed) and waits for its readiness line."""
         read_fd, write_fd = os.pipe()
         args = {"repository": self.repository, "endpoint": self.endpoint, "cpu_threads": self.cpu_threads,
-                "log_level": self.log_level}
+                "log_level": self.log_level, "http_port": self.http_port, "http_host": self.http_host,
+                "metrics_port": self.metrics_port}
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
                                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
@@ -116,14 +170,7 @@ class Pool:
         self._clients.clear()
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return _stop(self.process)
 
     def __enter__(self) -> "Pool":
         return self.start()

@@ -70,11 +70,7 @@ class Dispatcher:
         slot.fill(model.seq, rows, descs, now)
         w.inflight[index] = Batch(index, model.seq, reqs, rows)
         w.rows += rows
-        st = model.stats
-        st.batches += 1
-        st.rows += rows
-        st.batch_sizes[rows] += 1
-        st.queue_us += sum(now - r.arrived for r in reqs) * 1e6
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs])
         self.workers.send_multipart([b"w%d" % w.id, protocol.Run(index, model.seq).encode()])
 
     def complete(self, model: Model, w: Worker, done: protocol.Done) -> None:
@@ -85,17 +81,18 @@ class Dispatcher:
         w.rows -= batch.rows
         slot = w.ring.slots[done.slot]
         seq, outs, error, (_, t_start, t_end) = slot.result()
-        model.stats.compute_us += (t_end - t_start) * 1e6
+        model.stats.computed(batch.rows, t_end - t_start)
         if error or seq != batch.seq:
             self.fail_batch(model, batch, errors.ModelError(
                 f"model '{model.name}' failed: {error or 'slot sequence mismatch'}"))
         else:
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0
+            now = time.monotonic()
             for req in batch.requests:
                 self._respond(model, req, arrays, row)
+                model.stats.answered(now - req.arrived)
                 row += req.rows
-            model.stats.requests += len(batch.requests)
             del arrays  # views into the slot: gone before the slot is reused
         slot.release()
         w.free.append(done.slot)

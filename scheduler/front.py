@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 from gepool import errors
-from gepool.config import BACKEND_GE, lanes_per_worker
+from gepool.config import BACKEND_GE, lanes_per_worker, render_config
 from gepool.ipc import naming, protocol
 from gepool.ipc.sockets import make_socket
 from gepool.repository import ModelSource, scan
@@ -206,7 +206,8 @@ class Front:
             raise errors.Unavailable("the pool is shutting down")
         model = self.models.get(msg.model)
         if model is None:
-            raise errors.ModelNotFound(f"unknown model '{msg.model}'; this pool serves {sorted(self.models)}")
+            raise errors.ModelNotFound(f"Request for unknown model: '{msg.model}' is not found "
+                                       f"(this pool serves {sorted(self.models)})")
         model.check_servable(msg.version)
         req = admit(msg, identity, frames, model.config, model.slot_bytes, self.arenas, time.monotonic())
         model.batcher.add(req, req.rows, req.key)
@@ -233,13 +234,17 @@ class Front:
             return self.status()
         if what == "stats":
             return {name: m.stats.as_dict() for name, m in self.models.items()}
-        if what == "metadata":
+        if what in ("metadata", "config"):
             name = args.get("model") if isinstance(args, dict) else None
             model = self.models.get(name)
             if model is None:
-                raise errors.ModelNotFound(f"unknown model '{name}'; this pool serves {sorted(self.models)}")
-            return model.metadata()
-        raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata)")
+                raise errors.ModelNotFound(f"Request for unknown model: '{name}' is not found")
+            if what == "metadata":
+                return model.metadata()
+            if model.config is None:
+                raise errors.ModelNotReady(f"model '{name}' has no valid config: {model.reason}")
+            return render_config(model.config.source, name)
+        raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config)")
 
     def status(self) -> dict:
         return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint, "stopping": self.stopping,

@@ -79,7 +79,12 @@ class Model:
     def summary(self) -> dict:
         return {"state": self.state, "reason": self.reason, "version": self.source.version,
                 "workers": len(self.workers), "ready_workers": sum(w.state == READY for w in self.workers),
-                "queued": len(self.batcher), "worker_pids": [w.pid for w in self.workers if w.state == READY]}
+                "queued": len(self.batcher), "worker_pids": [w.pid for w in self.workers if w.state == READY],
+                "slots": sum(w.slots for w in self.workers if w.state == READY),
+                "slots_busy": sum(len(w.inflight) for w in self.workers),
+                "restarts": sum(w.restarts for w in self.workers),
+                "device_memory": {w.device: w.info.get("device_memory", 0) for w in self.workers
+                                  if w.state == READY and "device_memory" in w.info}}
 
     def metadata(self) -> dict:
         if self.config is None:
@@ -87,6 +92,7 @@ class Model:
         batch = [-1] if self.config.max_batch_size > 0 else []
         return {
             "name": self.name, "state": self.state, "reason": self.reason, "backend": self.config.backend,
+            "platform": self.config.platform or self.config.backend,
             "versions": [str(self.source.version)] if self.state == AVAILABLE else [],
             "max_batch_size": self.config.max_batch_size,
             "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}

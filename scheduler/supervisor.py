@@ -40,6 +40,7 @@ class Worker:
     inflight: dict[int, Any] = field(default_factory=dict)  # slot index -> Batch
     rows: int = 0  # rows dispatched and not yet answered: the router's measure of load
     concurrency: int = 1  # batches it runs at once (an NPU worker's lanes)
+    info: dict = field(default_factory=dict)  # what the worker said about itself when ready
     restarts: int = 0
     restart_at: float | None = None
     reason: str = ""
@@ -77,7 +78,7 @@ class Supervisor:
             w.reason = f"worker speaks protocol {msg.version}, the front {protocol.PROTOCOL_VERSION}"
             w.process.kill()
             return
-        w.state, w.pid = READY, msg.pid
+        w.state, w.pid, w.info = READY, msg.pid, dict(msg.info) if isinstance(msg.info, dict) else {}
         w.free = list(range(len(w.ring.slots)))
         self._unlink(w)  # both sides have mapped it: from now on a crash of anyone leaks nothing
 

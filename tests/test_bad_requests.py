@@ -15,7 +15,7 @@ def still_serves(client) -> None:
 
 
 @pytest.mark.parametrize("model, inputs, exc, words", [
-    ("nosuch", GOOD, errors.ModelNotFound, "unknown model 'nosuch'"),
+    ("nosuch", GOOD, errors.ModelNotFound, "unknown model: 'nosuch'"),
     ("tiny", {"INPUT9": np.ones((1, 16), np.float32)}, errors.InvalidArgument, "unknown input ['INPUT9']"),
     ("tiny", {"INPUT0": np.ones((1, 16), np.float64)}, errors.InvalidArgument, "datatype FP64 does not match"),
     ("tiny", {"INPUT0": np.ones((1, 15), np.float32)}, errors.InvalidArgument, "shape [1, 15] does not match"),

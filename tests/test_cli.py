@@ -57,7 +57,7 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
         assert status["models"]["mlp"]["state"] == "READY"
 
         out = gepool("infer", "nosuch", "--endpoint", endpoint)
-        assert out.returncode == 1 and "unknown model 'nosuch'" in out.stderr
+        assert out.returncode == 1 and "unknown model: 'nosuch'" in out.stderr
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
