@@ -40,6 +40,8 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
         arrays[name] = arr
     req_id = next_id()
     ranges: list[tuple[int, int]] = []
+    if any(a.dtype.kind in "OSU" for a in arrays.values()):
+        arena = None  # BYTES travel as frames
     if arena is not None:
         seg, arena_id = arena
         total = sum(layout.align(a.nbytes) for a in arrays.values())
@@ -60,7 +62,7 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
     refs, frames = [], []
     for i, (name, arr) in enumerate(arrays.items()):
         refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
-        frames.append(np.ascontiguousarray(arr))
+        frames.append(dtypes.serialize_bytes(arr) if arr.dtype.kind in "OSU" else np.ascontiguousarray(arr))
     msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
                          protocol.NO_ARENA, 0, 0)
     return Outgoing(req_id, [msg.encode(), *frames], ranges)
@@ -83,7 +85,7 @@ def output_bytes(metadata: dict, inputs: dict) -> int:
     total = 0
     for out in metadata.get("outputs", []):
         dims = out["shape"][1:] if metadata.get("max_batch_size", 0) > 0 else out["shape"]
-        if any(d < 0 for d in dims) or not dtypes.is_supported(out["datatype"]):
+        if any(d < 0 for d in dims) or not dtypes.is_supported(out["datatype"]) or out["datatype"] == dtypes.BYTES:
             return 0
         total += layout.align(rows * math.prod(dims) * dtypes.itemsize(out["datatype"]))
     return total
@@ -106,6 +108,10 @@ def result(msg: object, frames: list, arena: ClientArena | None) -> object:
         raise errors.Internal(f"unexpected reply {type(msg).__name__}")
     out = {}
     for name, datatype, shape, where in msg.outputs:
+        if datatype == dtypes.BYTES:
+            frame = frames[where]
+            out[name] = dtypes.deserialize_bytes(frame.buffer if hasattr(frame, "buffer") else frame, tuple(shape))
+            continue
         dtype = dtypes.to_numpy(datatype)
         if msg.in_arena:
             count = math.prod(shape)

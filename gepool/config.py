@@ -35,7 +35,8 @@ class TensorConfig:
 
     @property
     def fixed(self) -> bool:
-        return all(d >= 0 for d in self.dims)
+        """Every request's bytes for this tensor follow from its batch size (no -1 dim, not BYTES)."""
+        return all(d >= 0 for d in self.dims) and self.datatype != dtypes.BYTES
 
     def row_bytes(self) -> int | None:
         """Bytes of one batch row (the whole tensor when unbatched); None if a dim is variable."""
@@ -197,8 +198,10 @@ class _Checker:
                 raise self.fail(kind, f"{kind} '{t.name}' is declared twice")
             seen.add(t.name)
             datatype = pb.DataType.Name(t.data_type).removeprefix("TYPE_")
+            datatype = dtypes.BYTES if datatype == "STRING" else datatype
             if not dtypes.is_supported(datatype):
-                raise self.fail("data_type", f"{kind} '{t.name}': data_type TYPE_{datatype} is not supported")
+                raise self.fail("data_type", f"{kind} '{t.name}': data_type {pb.DataType.Name(t.data_type)} "
+                                             f"is not supported")
             if not t.dims:
                 raise self.fail("dims", f"{kind} '{t.name}' has no dims")
             if any(d == 0 or d < -1 for d in t.dims):

@@ -104,6 +104,9 @@ class Slot:
         self.set_state(FREE)
 
     # worker --------------------------------------------------------------------------
+    def raw(self, desc: TensorDesc) -> memoryview:
+        return self.data[desc.offset:desc.offset + desc.nbytes]
+
     def read(self) -> tuple[int, int, list[TensorDesc]]:
         """(seq, batch size, input descriptors) of a FILLED slot."""
         magic, version, _, seq, batch, n_in, _, _, _, _, _, _ = _FIXED.unpack_from(self.header, 0)
@@ -135,7 +138,10 @@ class Slot:
         return seq, self._read_table(n_in, n_out), error, (t0, t1, t2)
 
     def array(self, desc: TensorDesc) -> np.ndarray:
-        """A numpy view of one tensor; it keeps the mapping alive, so drop it before closing."""
+        """A numpy view of one tensor; it keeps the mapping alive, so drop it before closing.
+        (BYTES come back as a new object array: they have no fixed-size view.)"""
+        if desc.datatype == dtypes.BYTES:
+            return dtypes.deserialize_bytes(self.data[desc.offset:desc.offset + desc.nbytes], desc.shape)
         dtype = dtypes.to_numpy(desc.datatype)
         count = desc.nbytes // dtype.itemsize
         return np.frombuffer(self.data, dtype, count, desc.offset).reshape(desc.shape)

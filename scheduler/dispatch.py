@@ -101,7 +101,8 @@ class Dispatcher:
         batched = model.config.max_batch_size > 0
         names = [t.name for t in model.config.outputs if req.outputs is None or t.name in req.outputs]
         pieces = [arrays[n][row:row + req.rows] if batched else arrays[n] for n in names]
-        arena = self.arenas.get(req.arena) if req.out_size > 0 else None
+        has_bytes = any(p.dtype == object for p in pieces)
+        arena = self.arenas.get(req.arena) if req.out_size > 0 and not has_bytes else None
         if arena is not None:
             offsets, _ = layout.pack([p.nbytes for p in pieces], req.out_offset)
             end = offsets[-1] + pieces[-1].nbytes if pieces else req.out_offset
@@ -113,6 +114,8 @@ class Dispatcher:
                 self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, True).encode()])
                 return
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
+        if has_bytes:
+            pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
         self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, False).encode(), *pieces])
 
     def fail_batch(self, model: Model, batch: Batch, err: errors.GepoolError) -> None:

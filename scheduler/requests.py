@@ -84,8 +84,11 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list, config: ModelConfi
                                   f"[{', '.join(want)}]")
         if batched:
             rows_seen.add(shape[0])
-        nbytes = math.prod(shape) * dtypes.itemsize(datatype)
-        buffers.append(_buffer(t.name, where, nbytes, frames, arena))
+        if datatype == dtypes.BYTES:
+            buffers.append(_bytes_buffer(t.name, where, math.prod(shape), frames, arena))
+        else:
+            nbytes = math.prod(shape) * dtypes.itemsize(datatype)
+            buffers.append(_buffer(t.name, where, nbytes, frames, arena))
         shapes.append(shape)
     rows = 1
     if batched:
@@ -112,6 +115,21 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list, config: ModelConfi
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total,
                    set(msg.outputs) if msg.outputs is not None else None,
                    msg.arena, msg.out_offset, msg.out_size, now, key)
+
+
+def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:
+    """A BYTES input: always a frame, checked element by element against its shape."""
+    if arena is not None:
+        raise InvalidArgument(f"input '{name}': BYTES tensors travel as frames, not in an arena")
+    if not isinstance(where, int) or isinstance(where, bool) or not 0 <= where < len(frames):
+        raise InvalidArgument(f"input '{name}': frame {where!r} does not exist ({len(frames)} tensor frames sent)")
+    buf = frames[where].buffer
+    buf = buf.cast("B") if buf.format != "B" else buf
+    try:
+        dtypes.bytes_offsets(buf, count)
+    except ValueError as exc:
+        raise InvalidArgument(f"input '{name}': {exc}") from None
+    return buf
 
 
 def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview:

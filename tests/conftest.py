@@ -1,6 +1,7 @@
 """Shared fixtures: generated model repositories, one session pool, and leak checks on every test."""
 
 import os
+import socket
 import time
 
 import pytest
@@ -29,6 +30,13 @@ def _descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (a small race with other processes is accepted)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):

@@ -94,3 +94,31 @@ def make_test_repo(repo: str, gate: str) -> str:
     """)
     write(f"{repo}/bad_config/1/model.py", FAILING_INIT_PY)
     return repo
+
+
+BYTES_PY = '''
+import numpy as np
+
+
+class Model:
+    def execute(self, inputs):
+        text = inputs["TEXT"]
+        upper = np.array([[s.upper()] for s in text[:, 0]], dtype=object)
+        length = np.array([[len(s)] for s in text[:, 0]], dtype=np.int32)
+        return {"UPPER": upper, "LENGTH": length}
+'''
+
+
+def bytes_model(repo: str, name: str = "shout") -> None:
+    """A python model over BYTES: upper-cases each string and returns its length."""
+    write(f"{repo}/{name}/1/model.py", BYTES_PY)
+    write(f"{repo}/{name}/config.pbtxt", """
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+        output [
+          { name: "UPPER" data_type: TYPE_STRING dims: [ 1 ] },
+          { name: "LENGTH" data_type: TYPE_INT32 dims: [ 1 ] }
+        ]
+        dynamic_batching { }
+    """)

@@ -6,11 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 
 from gepool.ipc import naming
-from tests.conftest import _descendants, wait_until
+from tests.conftest import _descendants, free_port, wait_until
 
 START_TIMEOUT_S = 120
 
@@ -22,8 +23,10 @@ def gepool(*args: str, **kw) -> subprocess.CompletedProcess:
 
 def test_start_infer_status_and_sigterm(model_repo, tmp_path):
     endpoint = f"ipc://{tmp_path}/cli.sock"
+    http_port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--model-repository", model_repo,
-                             "--endpoint", endpoint, "--log-level", "WARNING"],
+                             "--endpoint", endpoint, "--log-level", "WARNING", "--http-port", str(http_port),
+                             "--metrics-port", str(metrics_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -38,8 +41,13 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
         assert lines[-1] == f"gepool ready on {endpoint}", (lines, proc.stderr.read() if proc.poll() else "")
         assert "model tiny: READY (version 1, 1 worker(s))" in lines
         assert any(line.startswith("model cannot_load: UNAVAILABLE - ") for line in lines)
+        assert f"HTTP (KServe v2) on http://127.0.0.1:{http_port}" in lines
         workers = _descendants(proc.pid)
-        assert len(workers) >= 7
+        assert len(workers) >= 8  # the workers and the HTTP sidecar
+        live = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/live", timeout=30)
+        assert live.status == 200
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read()
+        assert b"nv_inference_request_success" in metrics
 
         out = gepool("infer", "tiny", "--endpoint", endpoint, "--batch-size", "3")
         assert out.returncode == 0, out.stderr
@@ -78,7 +86,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_second_pool_on_a_live_endpoint_is_refused(pool, model_repo):
-    out = gepool("start", "--model-repository", model_repo, "--endpoint", pool.endpoint)
+    out = gepool("start", "--model-repository", model_repo, "--endpoint", pool.endpoint, "--http-port", "0",
+                 "--metrics-port", "0")
     assert out.returncode == 1
     assert "already serving" in out.stderr
 

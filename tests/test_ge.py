@@ -69,11 +69,11 @@ def test_serves_gears_hit_and_missed_and_releases_everything(standin, tmp_path):
 
 def test_gears_become_the_preferred_batch_sizes(standin, tmp_path):
     repo = str(tmp_path / "models")
-    ge_repo.ge_model(repo, "net", gears=(2, 4), max_batch=4, delay_us=10_000_000)
+    ge_repo.ge_model(repo, "net", gears=(4, 8), max_batch=8, delay_us=10_000_000)
     with Pool(repo) as pool:
         c = pool.client()
         futures = [c.infer_async("net", {"input": np.ones((1, 16), np.float32)}) for _ in range(4)]
-        for f in futures:  # four singles reach the largest gear (4) instead of waiting out a 10 s delay
+        for f in futures:  # four singles reach gear 4 (a preferred size now) instead of waiting out a 10 s delay
             f.result(timeout=60)
         assert c.stats()["net"]["batch_sizes"] == {4: 1}
 

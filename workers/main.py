@@ -201,7 +201,8 @@ def _place_outputs(slot: Slot, config: ModelConfig, batch: int, planned: dict[st
         if t.name not in results:
             raise ValueError(f"the model returned no output '{t.name}' (it returned {sorted(results)})")
         arr = results[t.name]
-        if arr.dtype != _np(t.datatype):
+        is_bytes = t.datatype == dtypes.BYTES
+        if (arr.dtype.kind not in "OSU") if is_bytes else (arr.dtype != _np(t.datatype)):
             raise TypeError(f"output '{t.name}' is {arr.dtype}, config.pbtxt says TYPE_{t.datatype}")
         expect = _out_shape(config, batch, t.dims)
         if len(arr.shape) != len(expect) or any(e not in (-1, a) for e, a in zip(expect, arr.shape, strict=True)):
@@ -215,11 +216,16 @@ def _place_outputs(slot: Slot, config: ModelConfig, batch: int, planned: dict[st
             descs.append(planned[t.name])
             continue
         off = layout.align(pos)
-        if off + arr.nbytes > slot.data_bytes:
-            raise ValueError(f"output '{t.name}' ({arr.nbytes} bytes) does not fit in the slot "
+        data = dtypes.serialize_bytes(arr) if is_bytes else None
+        nbytes = len(data) if is_bytes else arr.nbytes
+        if off + nbytes > slot.data_bytes:
+            raise ValueError(f"output '{t.name}' ({nbytes} bytes) does not fit in the slot "
                              f"({slot.data_bytes} bytes); raise the model's 'slot_bytes' parameter")
-        desc = TensorDesc(t.datatype, tuple(arr.shape), off, arr.nbytes)
-        np.copyto(slot.array(desc), arr)
-        pos = off + arr.nbytes
+        desc = TensorDesc(t.datatype, tuple(arr.shape), off, nbytes)
+        if is_bytes:
+            slot.data[off:off + nbytes] = data
+        else:
+            np.copyto(slot.array(desc), arr)
+        pos = off + nbytes
         descs.append(desc)
     return descs

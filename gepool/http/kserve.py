@@ -9,7 +9,6 @@ length followed by the bytes.
 
 import json
 import math
-import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +17,6 @@ from gepool.errors import InvalidArgument
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-_LEN = struct.Struct("<I")
 
 
 @dataclass
@@ -47,35 +45,13 @@ def numpy_dtype(datatype: str) -> np.dtype:
     return dtypes.to_numpy(datatype)
 
 
-def serialize_bytes(arr: np.ndarray) -> bytes:
-    parts = []
-    for item in arr.ravel():
-        b = item if isinstance(item, bytes) else str(item).encode("utf-8")
-        parts.append(_LEN.pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
-
-
-def deserialize_bytes(buf, count: int, name: str) -> np.ndarray:
-    out, pos, view = [], 0, memoryview(buf)
-    for _ in range(count):
-        if pos + 4 > len(view):
-            raise InvalidArgument(f"input '{name}': BYTES data ends inside an element length")
-        (n,) = _LEN.unpack_from(view, pos)
-        pos += 4
-        if pos + n > len(view):
-            raise InvalidArgument(f"input '{name}': BYTES element of {n} bytes runs past the data")
-        out.append(bytes(view[pos:pos + n]))
-        pos += n
-    if pos != len(view):
-        raise InvalidArgument(f"input '{name}': {len(view) - pos} bytes left after {count} BYTES elements")
-    return np.array(out, dtype=object)
-
-
 def tensor_from_bytes(name: str, datatype: str, shape: list[int], buf) -> np.ndarray:
     count = math.prod(shape)
     if datatype == "BYTES":
-        return deserialize_bytes(buf, count, name).reshape(shape)
+        try:
+            return dtypes.deserialize_bytes(buf, tuple(shape))
+        except ValueError as exc:
+            raise InvalidArgument(f"input '{name}': {exc}") from None
     dtype = numpy_dtype(datatype)
     if len(buf) != count * dtype.itemsize:
         raise InvalidArgument(f"input '{name}': {len(buf)} bytes of data, but shape {shape} of {datatype} "
@@ -190,7 +166,7 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
         arr = outputs[o.name]
         datatype = "BYTES" if arr.dtype == object else dtypes.from_numpy(arr.dtype)
         entry = {"name": o.name, "datatype": datatype, "shape": list(arr.shape)}
-        raw = serialize_bytes(arr) if datatype == "BYTES" else None
+        raw = dtypes.serialize_bytes(arr) if datatype == "BYTES" else None
         if o.region is not None:
             data = raw if raw is not None else np.ascontiguousarray(arr).tobytes()
             write_region(o.region, o.region_offset, o.region_size, data)

@@ -1,0 +1,239 @@
+"""The KServe v2 HTTP sidecar with real clients: tritonclient.http, raw HTTP, prometheus_client, perf_analyzer."""
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import urllib.request
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from gepool import Pool
+from tests import repo as test_repo
+from tests.conftest import free_port
+
+httpclient = pytest.importorskip("tritonclient.http")
+RNG = np.random.default_rng(21)
+
+
+@pytest.fixture(scope="module")
+def http_pool(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("http-models"))
+    test_repo.make_models.make_all(repo)
+    test_repo.bytes_model(repo)
+    with Pool(repo, http_port=free_port(), metrics_port=free_port()) as pool:
+        pool.repo = repo
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def triton(http_pool):
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{http_pool.http_port}")
+    yield c
+    c.close()
+
+
+def direct(repo: str, name: str, feeds: dict) -> list[np.ndarray]:
+    return ort.InferenceSession(os.path.join(repo, name, "1", "model.onnx"),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_health_metadata_and_config(triton):
+    assert triton.is_server_live() and triton.is_server_ready()
+    assert triton.is_model_ready("mlp") and triton.is_model_ready("mlp", "1")
+    assert not triton.is_model_ready("mlp", "2")
+    meta = triton.get_server_metadata()
+    assert {"binary_tensor_data", "statistics", "system_shared_memory"} <= set(meta["extensions"])
+    mm = triton.get_model_metadata("mlp")
+    assert mm["versions"] == ["1"] and mm["platform"] == "onnxruntime_onnx"
+    assert mm["inputs"] == [{"name": "INPUT", "datatype": "FP32", "shape": [-1, 1024]}]
+    cfg = triton.get_model_config("mlp")
+    assert cfg["max_batch_size"] == 32 and cfg["input"][0]["dims"] == [1024]  # int64 as numbers
+    assert cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 5000
+    assert cfg["version_policy"] == {"latest": {"num_versions": 1}}
+    assert cfg["instance_group"][0]["kind"] == "KIND_CPU"
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_infer_matches_onnxruntime(http_pool, triton, binary):
+    x = RNG.standard_normal((3, 1024)).astype(np.float32)
+    inp = httpclient.InferInput("INPUT", [3, 1024], "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    out = httpclient.InferRequestedOutput("LOGITS", binary_data=binary)
+    result = triton.infer("mlp", [inp], outputs=[out], request_id="r7")
+    (want,) = direct(http_pool.repo, "mlp", {"INPUT": x})
+    np.testing.assert_allclose(result.as_numpy("LOGITS"), want, rtol=1e-4, atol=1e-4)
+    assert result.get_response()["id"] == "r7"
+
+
+def test_bytes_through_the_python_backend(triton):
+    text = np.array([[b"gepool"], [b"ascend npu"], ["h\u00e9".encode()]], dtype=object)
+    for binary in (True, False):
+        inp = httpclient.InferInput("TEXT", [3, 1], "BYTES")
+        inp.set_data_from_numpy(text, binary_data=binary)
+        result = triton.infer("shout", [inp])
+        assert result.as_numpy("UPPER")[:, 0].tolist() == [b"GEPOOL", b"ASCEND NPU", "H\u00e9".encode()]
+        assert result.as_numpy("LENGTH")[:, 0].tolist() == [6, 10, 3]
+
+
+def test_system_shared_memory(http_pool, triton):
+    import tritonclient.utils.shared_memory as shm
+
+    x = RNG.standard_normal((2, 16)).astype(np.float32)
+    key_in, key_out = f"/gepool_test_in_{os.getpid()}", f"/gepool_test_out_{os.getpid()}"
+    h_in = shm.create_shared_memory_region("in", key_in, x.nbytes)
+    h_out = shm.create_shared_memory_region("out", key_out, x.nbytes)
+    try:
+        shm.set_shared_memory_region(h_in, [x])
+        triton.register_system_shared_memory("in", key_in, x.nbytes)
+        triton.register_system_shared_memory("out", key_out, x.nbytes)
+        assert {r["name"] for r in triton.get_system_shared_memory_status()} == {"in", "out"}
+        inp = httpclient.InferInput("INPUT0", [2, 16], "FP32")
+        inp.set_shared_memory("in", x.nbytes)
+        out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+        out.set_shared_memory("out", x.nbytes)
+        result = triton.infer("tiny", [inp], outputs=[out])
+        meta = result.get_output("OUTPUT0")  # metadata only: the data went into the region
+        assert "data" not in meta and meta["parameters"]["shared_memory_region"] == "out"
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(h_out, np.float32, [2, 16]), 2 * x + 1)
+        triton.unregister_system_shared_memory()
+        assert triton.get_system_shared_memory_status() == []
+        triton.unregister_cuda_shared_memory()  # perf_analyzer calls it: a harmless no-op
+    finally:
+        shm.destroy_shared_memory_region(h_in)
+        shm.destroy_shared_memory_region(h_out)
+
+
+def test_unknown_model_is_400(triton):
+    from tritonclient.utils import InferenceServerException
+
+    inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer("nosuch", [inp])
+    assert info.value.status() == "400" and "unknown model" in info.value.message()
+
+
+def post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, json.loads(data) if data else {}
+    finally:
+        conn.close()
+
+
+def _binary(header: dict, blob: bytes, length: int | None = None) -> tuple[bytes, dict]:
+    h = json.dumps(header).encode()
+    return h + blob, {"Inference-Header-Content-Length": str(len(h) if length is None else length)}
+
+
+GOOD = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": list(range(16))}]}
+
+
+@pytest.mark.parametrize("body, headers, words", [
+    (b"{not json", {}, "failed to parse the request JSON"),
+    (*_binary({"inputs": []}, b"", length=9999), "does not fit"),
+    (*_binary({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                           "parameters": {"binary_data_size": 60}}]}, b"\0" * 60), "60 bytes of data"),
+    (*_binary({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                           "parameters": {"binary_data_size": 64}}]}, b"\0" * 32), "runs past"),
+    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP99", "data": [0] * 16}]}).encode(),
+     {}, "unknown datatype 'FP99'"),
+    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [0] * 15}]}).encode(),
+     {}, "15 values of data for shape [1, 16]"),
+    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": {
+        "shared_memory_region": "nowhere", "shared_memory_byte_size": 64}}]}).encode(), {},
+     "Unable to find system shared memory region: 'nowhere'"),
+    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 15], "datatype": "FP32", "data": [0] * 15}]}).encode(),
+     {}, "does not match the model's [-1, 16]"),
+])
+def test_malformed_http_gets_400_and_pool_serves_on(http_pool, body, headers, words):
+    status, reply = post(http_pool.http_port, "/v2/models/tiny/infer", body, headers)
+    assert status == 400, reply
+    assert words in reply["error"]
+    status, reply = post(http_pool.http_port, "/v2/models/tiny/infer", json.dumps(GOOD).encode())
+    assert status == 200 and reply["outputs"][0]["data"][:3] == [1.0, 3.0, 5.0]
+
+
+def test_shared_memory_offsets_are_checked(http_pool, tmp_path):
+    key = f"/gepool_test_small_{os.getpid()}"
+    path = f"/dev/shm/{key[1:]}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+    port = http_pool.http_port
+    try:
+        status, reply = post(port, "/v2/systemsharedmemory/region/big/register",
+                             json.dumps({"key": key, "offset": 0, "byte_size": 128}).encode())
+        assert status == 400 and "invalid args" in reply["error"]
+        status, _ = post(port, "/v2/systemsharedmemory/region/small/register",
+                         json.dumps({"key": key, "offset": 0, "byte_size": 64}).encode())
+        assert status == 200
+        body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": {
+            "shared_memory_region": "small", "shared_memory_byte_size": 64, "shared_memory_offset": 32}}]}
+        status, reply = post(port, "/v2/models/tiny/infer", json.dumps(body).encode())
+        assert status == 400 and "lies outside shared memory region 'small'" in reply["error"]
+    finally:
+        post(port, "/v2/systemsharedmemory/region/small/unregister", b"")
+        os.unlink(path)
+
+
+def test_metrics_parse_and_move(http_pool, triton):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_pool.metrics_port}/metrics", timeout=30).read()
+        samples = {}
+        for family in text_string_to_metric_families(text.decode()):
+            for s in family.samples:
+                # the parser reports Triton's suffix-less counters as "<name>_total"
+                samples[(s.name.removesuffix("_total"), s.labels.get("model"), s.labels.get("le"))] = s.value
+        return samples
+
+    before = scrape()
+    inp = httpclient.InferInput("INPUT0", [2, 16], "FP32")
+    inp.set_data_from_numpy(np.ones((2, 16), np.float32))
+    for _ in range(3):
+        triton.infer("tiny", [inp])
+    after = scrape()
+    key = ("nv_inference_request_success", "tiny", None)
+    assert after[key] - before.get(key, 0) == 3
+    assert after[("nv_inference_count", "tiny", None)] - before.get(("nv_inference_count", "tiny", None), 0) == 6
+    assert after[("gepool_request_duration_seconds_count", "tiny", None)] >= 3
+    assert after[("gepool_batch_size_bucket", "tiny", "+Inf")] >= 3
+
+
+def _perf_analyzer_env() -> dict | None:
+    exe = shutil.which("perf_analyzer")
+    if exe is None:
+        return None
+    env = dict(os.environ)
+    try:
+        import nvidia.cuda_runtime
+
+        lib = os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([lib, env.get("LD_LIBRARY_PATH", "")])
+    except ImportError:
+        pass
+    probe = subprocess.run([exe, "--version"], capture_output=True, text=True, env=env)
+    if "error while loading shared libraries" in probe.stderr:
+        return None
+    return env
+
+
+def test_perf_analyzer_concurrency_1_to_8(http_pool):
+    env = _perf_analyzer_env()
+    if env is None:
+        pytest.skip("perf_analyzer cannot run here: it comes with tritonclient==2.40.0 and needs Debian's libb64-0d "
+                    "and libcudart.so.12 (PyPI nvidia-cuda-runtime-cu12)")
+    proc = subprocess.run(["perf_analyzer", "-m", "tiny", "-u", f"127.0.0.1:{http_pool.http_port}", "-i", "http",
+                           "--concurrency-range", "1:8:7", "--measurement-interval", "1000", "-v"],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Concurrency: 1, throughput" in proc.stdout and "Concurrency: 8, throughput" in proc.stdout
+    assert "error" not in proc.stdout.lower().replace("errors: 0", ""), proc.stdout[-3000:]
