@@ -52,11 +52,25 @@ class InstanceGroup:
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ModelQueuePolicy (see gepool.scheduler.queues for what each field does)."""
+
+    timeout_action: str = "REJECT"
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0
+
+
+@dataclass(frozen=True)
 class DynamicBatching:
     preferred_batch_size: tuple[int, ...]
     max_queue_delay_us: int = 0
     preserve_ordering: bool = False
     preferred_given: bool = True  # False: Triton's default [max_batch_size]; an .om's gears may replace it
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    priority_queue_policy: dict[int, QueuePolicy] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -245,11 +259,23 @@ class _Checker:
             if p <= 0 or p > msg.max_batch_size:
                 raise self.fail("preferred_batch_size",
                                 f"{p} must be in 1..max_batch_size ({msg.max_batch_size})")
-        if db.priority_levels or db.HasField("default_queue_policy") or db.priority_queue_policy:
-            raise self.fail("priority_levels" if db.priority_levels else "default_queue_policy",
-                            "queue policies and priority levels are not supported yet")
+        levels = db.priority_levels
+        if levels and not 1 <= db.default_priority_level <= levels:
+            raise self.fail("default_priority_level",
+                            f"must be in 1..priority_levels ({levels}), got {db.default_priority_level}")
+        bad = [k for k in db.priority_queue_policy if not 1 <= k <= max(levels, 1)]
+        if bad:
+            raise self.fail("priority_queue_policy", f"levels {sorted(bad)} are outside 1..priority_levels ({levels})")
+
+        def policy(p) -> QueuePolicy:
+            return QueuePolicy(pb.ModelQueuePolicy.TimeoutAction.Name(p.timeout_action),
+                               p.default_timeout_microseconds, p.allow_timeout_override, p.max_queue_size)
+
         return DynamicBatching(tuple(sorted(set(preferred))), db.max_queue_delay_microseconds, db.preserve_ordering,
-                               preferred_given=bool(db.preferred_batch_size))
+                               preferred_given=bool(db.preferred_batch_size), priority_levels=levels,
+                               default_priority_level=db.default_priority_level,
+                               default_queue_policy=policy(db.default_queue_policy),
+                               priority_queue_policy={k: policy(v) for k, v in db.priority_queue_policy.items()})
 
     def ge_parameters(self, params: dict[str, str]) -> None:
         if "stream_num" in params and not (params["stream_num"].isdigit() and int(params["stream_num"]) >= 1):

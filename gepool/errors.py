@@ -39,7 +39,9 @@ class Unavailable(GepoolError):
 
 
 class Timeout(GepoolError):
-    code, http_status = "TIMEOUT", 504
+    """A request's queue timeout passed before it ran (Triton answers UNAVAILABLE, 503)."""
+
+    code, http_status = "TIMEOUT", 503
 
 
 class WorkerDied(GepoolError):

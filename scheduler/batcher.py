@@ -17,11 +17,12 @@ A batch keeps growing until it can run (Triton server PR #3789): when the chosen
 the worker computes; a request past its delay waits for the worker like the rest.
 """
 
-import collections
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
+
+from gepool.scheduler.queues import PolicyQueues
 
 
 @dataclass(slots=True)
@@ -30,18 +31,21 @@ class Pending:
     rows: int
     key: Hashable
     enqueued: float
+    deadline: float | None = None  # set by the queue policy
+    level: int = 1
 
 
 class DynamicBatcher:
     def __init__(self, max_batch_size: int, preferred: tuple[int, ...] = (), max_queue_delay_us: int = 0,
-                 *, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        """``enabled=False`` is Triton's default scheduler: one request per execution."""
+                 *, enabled: bool = True, clock: Callable[[], float] = time.monotonic,
+                 queues: PolicyQueues | None = None) -> None:
+        """``enabled=False`` is Triton's default scheduler: one request per execution (and no queue policy)."""
         self.max_rows = max(1, max_batch_size)
         self.set_preferred(preferred)
         self.delay = max_queue_delay_us / 1e6
         self.batching = enabled and max_batch_size > 0
         self.clock = clock
-        self.queue: collections.deque[Pending] = collections.deque()
+        self.queue = queues if queues is not None and self.batching else PolicyQueues()
         self.rows = 0
 
     def set_preferred(self, preferred: tuple[int, ...]) -> None:
@@ -51,9 +55,21 @@ class DynamicBatcher:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def add(self, item: Any, rows: int = 1, key: Hashable = None) -> None:
-        self.queue.append(Pending(item, max(1, rows), key, self.clock()))
+    def add(self, item: Any, rows: int = 1, key: Hashable = None, priority: int = 0, timeout_us: int = 0) -> bool:
+        """Queues a request; False when its priority level's queue is full (answer it UNAVAILABLE)."""
+        if not self.queue.admit(Pending(item, max(1, rows), key, self.clock()), priority, timeout_us):
+            return False
         self.rows += max(1, rows)
+        return True
+
+    def expire(self) -> list[Pending]:
+        """Requests whose queue timeout passed and whose policy rejects them; they leave the queue."""
+        gone = self.queue.expire(self.clock())
+        self.rows -= sum(p.rows for p in gone)
+        return gone
+
+    def timeout_deadline(self) -> float | None:
+        return self.queue.next_deadline()
 
     def push_front(self, pendings: list[Pending]) -> None:
         """Returns requests taken by next_batch that could not be placed, keeping their age."""
@@ -68,7 +84,7 @@ class DynamicBatcher:
         if not self.batching:
             return self._take(1)
         count, total, best, send_now = self._walk()
-        exceeded = self.delay > 0 and self.clock() - self.queue[0].enqueued >= self.delay
+        exceeded = self.delay > 0 and self.clock() - self._first().enqueued >= self.delay
         saturated = send_now or total >= self.max_preferred
         if not idle and not saturated:
             return None  # it keeps growing until the worker can run it (even past its delay)
@@ -86,11 +102,11 @@ class DynamicBatcher:
         """When the oldest request's delay runs out (clock time), if waiting is what the rules say."""
         if not self.queue or not self.batching or self.delay == 0:
             return None
-        return self.queue[0].enqueued + self.delay
+        return self._first().enqueued + self.delay
 
     def _walk(self) -> tuple[int, int, int, bool]:
         """(requests walked, their rows, requests up to the largest preferred size reached, send now)."""
-        first_key = self.queue[0].key
+        first_key = self._first().key
         total = best = count = 0
         for p in self.queue:
             if p.key != first_key or total + p.rows > self.max_rows:
@@ -100,6 +116,9 @@ class DynamicBatcher:
             if total in self.preferred:
                 best = count
         return count, total, best, total >= self.max_rows
+
+    def _first(self) -> Pending:
+        return next(iter(self.queue))
 
     def _take(self, n: int) -> list[Pending]:
         out = [self.queue.popleft() for _ in range(n)]

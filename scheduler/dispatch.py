@@ -120,13 +120,13 @@ class Dispatcher:
 
     def fail_batch(self, model: Model, batch: Batch, err: errors.GepoolError) -> None:
         for req in batch.requests:
-            self._error(model, req, err)
+            self.reply_error(model, req, err)
 
     def fail_queued(self, model: Model, err: errors.GepoolError) -> None:
         for p in model.batcher.take_all():
-            self._error(model, p.item, err)
+            self.reply_error(model, p.item, err)
 
-    def _error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
+    def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
         model.stats.failures += 1
         self.clients.send_multipart([req.identity, protocol.Error(req.req_id, err.code, err.message).encode()])
 

@@ -134,6 +134,8 @@ class Front:
             self._restart_due(now)
             for model in self.models.values():
                 if len(model.batcher):
+                    for p in model.batcher.expire():  # a timer, not the end of a running batch
+                        self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
                     self.dispatch.schedule(model)
             self._announce_ready()
             if self.stopping and self._drained(now):
@@ -210,7 +212,10 @@ class Front:
                                        f"(this pool serves {sorted(self.models)})")
         model.check_servable(msg.version)
         req = admit(msg, identity, frames, model.config, model.slot_bytes, self.arenas, time.monotonic())
-        model.batcher.add(req, req.rows, req.key)
+        priority = msg.priority if isinstance(msg.priority, int) else 0
+        timeout_us = msg.timeout_us if isinstance(msg.timeout_us, int) else 0
+        if not model.batcher.add(req, req.rows, req.key, priority, timeout_us):
+            raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         return None
 
     def _register_arena(self, identity: bytes, msg: protocol.RegisterArena) -> dict:

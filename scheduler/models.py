@@ -5,6 +5,7 @@ from gepool.config import ModelConfig, parse_size
 from gepool.ipc import layout, protocol
 from gepool.repository import ModelSource
 from gepool.scheduler.batcher import DynamicBatcher
+from gepool.scheduler.queues import PolicyQueues
 from gepool.scheduler.stats import ModelStats
 from gepool.scheduler.supervisor import FAILED, READY, STARTING
 
@@ -36,8 +37,11 @@ class Model:
         self.slots_per_worker = SLOTS_PER_WORKER
         if self.config is not None and not source.error:
             db = self.config.dynamic_batching
+            queues = PolicyQueues(db.priority_levels, db.default_priority_level, db.default_queue_policy,
+                                  db.priority_queue_policy) if db else None
             self.batcher = DynamicBatcher(self.config.max_batch_size, db.preferred_batch_size if db else (),
-                                          db.max_queue_delay_us if db else 0, enabled=db is not None)
+                                          db.max_queue_delay_us if db else 0, enabled=db is not None,
+                                          queues=queues)
             self.slot_bytes = slot_bytes_for(self.config)
         else:
             self.batcher = DynamicBatcher(0)
@@ -52,10 +56,13 @@ class Model:
             self.batcher.set_preferred(tuple(gears))
 
     def deadline(self) -> float | None:
-        """The batcher's deadline, if a worker could take the batch when it comes."""
+        """When the front must look at this model again: a request's queue timeout (whatever the workers
+        are doing), or the batcher's delay if a worker could take the batch when it comes."""
+        timeout = self.batcher.timeout_deadline()
         if not len(self.batcher) or not any(w.state == READY and w.free for w in self.workers):
-            return None
-        return self.batcher.deadline()
+            return timeout
+        delay = self.batcher.deadline()
+        return min(d for d in (timeout, delay) if d is not None) if (timeout or delay) else None
 
     def check_servable(self, version: int) -> None:
         if self.state != AVAILABLE:

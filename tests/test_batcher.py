@@ -132,11 +132,85 @@ def test_without_dynamic_batching_each_request_runs_alone():
 def test_push_front_keeps_order_and_age():
     b, clock = make()
     b.add("a")
-    t0 = b.queue[0].enqueued
+    t0 = next(iter(b.queue)).enqueued
     taken = b.take_all()
     clock.advance(10)
     b.add("b")
     b.push_front(taken)
     assert [p.item for p in b.queue] == ["a", "b"]
-    assert b.queue[0].enqueued == t0
+    assert next(iter(b.queue)).enqueued == t0
     assert b.rows == 2
+
+
+# -- queue policies and priorities (Triton's §2.2 semantics) -----------------------------------
+from gepool.scheduler.queues import DELAY, Policy, PolicyQueues  # noqa: E402
+
+
+def make_q(policy=Policy(), levels=1, default_level=1, per_level=None, **kw):
+    clock = Clock()
+    q = PolicyQueues(levels, default_level, policy, per_level)
+    return DynamicBatcher(16, (4, 8), 0, clock=clock, queues=q, **kw), clock
+
+
+def test_full_queue_refuses_at_once():
+    b, _ = make_q(Policy(max_queue_size=2))
+    assert b.add("a") and b.add("b")
+    assert not b.add("c")
+    assert len(b) == 2 and b.rows == 2
+
+
+def test_default_timeout_rejects_and_nothing_waits_for_a_batch():
+    b, clock = make_q(Policy(default_timeout_us=1000))
+    b.add("a")
+    assert b.timeout_deadline() == clock.now + 0.001
+    clock.advance(500)
+    assert b.expire() == []
+    clock.advance(600)
+    assert [p.item for p in b.expire()] == ["a"]
+    assert len(b) == 0 and b.rows == 0 and b.timeout_deadline() is None
+
+
+def test_request_timeout_only_shortens_and_only_when_allowed():
+    b, clock = make_q(Policy(default_timeout_us=1000, allow_timeout_override=True))
+    b.add("short", timeout_us=100)
+    b.add("long", timeout_us=5000)  # longer than the default: the default applies
+    clock.advance(200)
+    assert [p.item for p in b.expire()] == ["short"]
+    clock.advance(900)
+    assert [p.item for p in b.expire()] == ["long"]
+    b, clock = make_q(Policy(allow_timeout_override=True))
+    b.add("x", timeout_us=100)  # default 0: Triton ignores the override
+    clock.advance(10_000)
+    assert b.expire() == [] and len(b) == 1
+    b, clock = make_q(Policy(default_timeout_us=1000))
+    b.add("y", timeout_us=100)  # override not allowed
+    clock.advance(200)
+    assert b.expire() == []
+
+
+def test_delay_action_moves_behind_live_requests():
+    b, clock = make_q(Policy(default_timeout_us=1000, timeout_action=DELAY))
+    b.add("old")
+    clock.advance(2000)
+    b.add("new")
+    assert b.expire() == []  # not rejected...
+    assert [p.item for p in b.queue] == ["new", "old"]  # ...but served after the live one
+
+
+def test_priority_levels_go_first_and_default_level_applies():
+    b, _ = make_q(levels=3, default_level=2)
+    b.add("low", priority=3)
+    b.add("default")  # priority 0 -> level 2
+    b.add("bogus", priority=9)  # out of range -> default level
+    b.add("high", priority=1)
+    assert [p.item for p in b.queue] == ["high", "default", "bogus", "low"]
+    assert [p.item for p in b.next_batch()] == ["high", "default", "bogus", "low"]
+
+
+def test_taken_requests_no_longer_time_out():
+    b, clock = make_q(Policy(default_timeout_us=1000))
+    for i in range(4):
+        b.add(i)
+    assert len(b.next_batch()) == 4
+    clock.advance(5000)
+    assert b.expire() == [] and b.timeout_deadline() is None
