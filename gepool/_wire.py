@@ -10,6 +10,7 @@ from gepool.arena import ArenaFull, ClientArena
 from gepool.ipc import dtypes, layout, protocol
 
 _ids = itertools.count(1)
+ARENA_UNKNOWN = "is not registered"  # the front's words for an arena id it does not know
 
 
 def next_id() -> int:

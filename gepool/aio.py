@@ -46,7 +46,6 @@ class AsyncClient:
                 body = await self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name,
                                                                self.arena.size))
                 self._arena_id = body["arena"]
-                self.arena.segment.unlink()
         except BaseException:
             await self.close()
             raise
@@ -58,16 +57,27 @@ class AsyncClient:
             if model not in self._meta:
                 self._meta[model] = await self.model_metadata(model)
             arena, out_bytes = (self.arena, self._arena_id), _wire.output_bytes(self._meta[model], inputs)
-        out = _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes)
-        try:
-            msg, frames = await self._exchange(out.frames, out.req_id, timeout)
-        except errors.PoolUnavailable:
-            return self._orphaned(out)
-        try:
-            return _wire.result(msg, frames, self.arena)
-        finally:
-            for off, size in out.ranges:
-                self.arena.free(off, size)
+        for attempt in (1, 2):
+            if self.arena is not None:
+                arena = (self.arena, self._arena_id)
+            out = _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes)
+            try:
+                msg, frames = await self._exchange(out.frames, out.req_id, timeout)
+            except errors.PoolUnavailable:
+                return self._orphaned(out)
+            try:
+                return _wire.result(msg, frames, self.arena)
+            except errors.InvalidArgument as exc:
+                if attempt == 2 or self.arena is None or _wire.ARENA_UNKNOWN not in exc.message:
+                    raise
+                # a new pool on the endpoint: register the arena again and retry once
+                body = await self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name,
+                                                               self.arena.size))
+                self._arena_id = body["arena"]
+            finally:
+                for off, size in out.ranges:
+                    self.arena.free(off, size)
+        raise AssertionError("unreachable")
 
     def _orphaned(self, out: _wire.Outgoing):
         # The front may still write this request's outputs into its arena range: never reuse it.

@@ -11,7 +11,11 @@ class ArenaFull(Exception):
 
 
 class ClientArena:
-    """A segment plus a first-fit allocator of 256-byte aligned ranges, safe across threads."""
+    """A segment plus a first-fit allocator of 256-byte aligned ranges, safe across threads.
+
+    Its name stays linked while the client lives, so that a pool restarted on the same endpoint can
+    map it again; close() unlinks it, the front unlinks it when it sees the client's process gone, and
+    ``gepool cleanup`` finds it by the pid in its name."""
 
     def __init__(self, size: int) -> None:
         self.size = layout.align(size, 4096)

@@ -50,7 +50,6 @@ class Client:
                 self.arena = ClientArena(arena_bytes)
                 body = self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size))
                 self._arena_id = body["arena"]
-                self.arena.segment.unlink()  # the front has mapped it: nothing can leak from here on
         except BaseException:
             self.close()
             raise
@@ -59,16 +58,32 @@ class Client:
     def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *, version: int | None = None,
               timeout: float | None = None) -> dict:
         """Runs one request and returns {output name: ndarray}; raises a GepoolError subclass on failure."""
-        out = self._encode(model, inputs, outputs, version, timeout)
-        try:
-            msg, frames = self._exchange(out.frames, out.req_id, self._timeout(timeout), f"model '{model}'")
-        except errors.PoolUnavailable:
-            self._orphan(out)
-            raise
-        try:
-            return _wire.result(msg, frames, self.arena)
-        finally:
-            self._release(out)
+        for attempt in (1, 2):
+            out = self._encode(model, inputs, outputs, version, timeout)
+            try:
+                msg, frames = self._exchange(out.frames, out.req_id, self._timeout(timeout), f"model '{model}'")
+            except errors.PoolUnavailable:
+                self._orphan(out)
+                raise
+            try:
+                return _wire.result(msg, frames, self.arena)
+            except errors.InvalidArgument as exc:
+                if attempt == 1 and self._arena_lost(exc):
+                    continue
+                raise
+            finally:
+                self._release(out)
+        raise AssertionError("unreachable")
+
+    def _arena_lost(self, exc: errors.InvalidArgument) -> bool:
+        """A new pool came up on the endpoint (ZMQ reconnected by itself) and does not know our arena:
+        register it again, once, and let the caller retry."""
+        if self.arena is None or _wire.ARENA_UNKNOWN not in exc.message:
+            return False
+        with self._lock:
+            body = self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size))
+            self._arena_id = body["arena"]
+        return True
 
     def infer_async(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
                     version: int | None = None, timeout: float | None = None) -> concurrent.futures.Future:

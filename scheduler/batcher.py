@@ -62,6 +62,14 @@ class DynamicBatcher:
         self.rows += max(1, rows)
         return True
 
+    def retry(self, items: list[tuple[Any, int, Hashable, float]]) -> None:
+        """Puts (item, rows, key, arrival) back at the head of the queue, in order: requests whose worker
+        died get their one more try before anything that arrived after them."""
+        for item, rows, key, arrived in reversed(items):
+            p = Pending(item, max(1, rows), key, arrived, level=self.queue.default_level)
+            self.queue.appendleft(p)
+            self.rows += p.rows
+
     def expire(self) -> list[Pending]:
         """Requests whose queue timeout passed and whose policy rejects them; they leave the queue."""
         gone = self.queue.expire(self.clock())

@@ -53,6 +53,8 @@ class Dispatcher:
         cfg = model.config
         index = w.free.pop()
         slot = w.ring.slots[index]
+        if not w.inflight:
+            w.progress_at = now  # the watchdog's clock starts when the worker gets work
         rows = sum(r.rows for r in reqs)
         sizes = [sum(len(r.inputs[i]) for r in reqs) for i in range(len(cfg.inputs))]
         offsets, _ = layout.pack(sizes)
@@ -79,6 +81,7 @@ class Dispatcher:
             log.error("worker %d reported slot %d seq %d, which is not in flight", w.id, done.slot, done.seq)
             return
         w.rows -= batch.rows
+        w.progress_at = time.monotonic()
         slot = w.ring.slots[done.slot]
         seq, outs, error, (_, t_start, t_end) = slot.result()
         model.stats.computed(batch.rows, t_end - t_start)
@@ -117,6 +120,17 @@ class Dispatcher:
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
         self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, False).encode(), *pieces])
+
+    def recover(self, model: Model, batch: Batch, err: errors.GepoolError, can_retry: bool) -> None:
+        """A batch whose worker died: each request runs once more on another worker, or hears ``err``."""
+        again = []
+        for req in batch.requests:
+            if can_retry and not req.retried:
+                req.retried = True
+                again.append((req, req.rows, req.key, req.arrived))
+            else:
+                self.reply_error(model, req, err)
+        model.batcher.retry(again)
 
     def fail_batch(self, model: Model, batch: Batch, err: errors.GepoolError) -> None:
         for req in batch.requests:

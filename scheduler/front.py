@@ -28,6 +28,7 @@ log = logging.getLogger("gepool.front")
 
 DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
+ARENA_CHECK_S = 1.0
 SERVER_NAME = "gepool"
 
 
@@ -55,6 +56,7 @@ class Front:
         self.stopping = False
         self.drain_deadline: float | None = None
         self._announced = False
+        self._arena_check_at = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -131,6 +133,8 @@ class Front:
                 elif sock in self.by_sentinel:
                     self._on_worker_exit(self.by_sentinel.pop(sock))
             now = time.monotonic()
+            self._watchdog(now)
+            self._reap_arenas(now)
             self._restart_due(now)
             for model in self.models.values():
                 if len(model.batcher):
@@ -143,7 +147,12 @@ class Front:
 
     def _timeout_ms(self) -> int:
         deadlines = [m.deadline() for m in self.models.values()]
-        deadlines += [w.restart_at for w in self.supervisor.workers.values() if w.restart_at is not None]
+        workers = self.supervisor.workers.values()
+        deadlines += [w.restart_at for w in workers if w.restart_at is not None]
+        deadlines += [w.progress_at + self.models[w.model].exec_timeout_s for w in workers
+                      if w.inflight and w.state == READY]
+        if self.arenas:
+            deadlines.append(self._arena_check_at)
         if self.drain_deadline is not None:
             deadlines.append(self.drain_deadline)
         deadlines = [d for d in deadlines if d is not None]
@@ -196,8 +205,7 @@ class Front:
         if isinstance(msg, protocol.UnregisterArena):
             arena = self.arenas.pop(msg.arena, None)
             if arena is not None:
-                arena.view.release()
-                arena.segment.close()
+                arena.close()
             return protocol.Reply(msg.req_id, {"unregistered": arena is not None})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
 
@@ -231,7 +239,7 @@ class Front:
             seg.close()
             raise errors.InvalidArgument(f"arena {msg.name} has {seg.size} bytes, fewer than the {msg.size} declared")
         self._next_arena += 1
-        self.arenas[self._next_arena] = Arena(seg, identity, memoryview(seg.buf))
+        self.arenas[self._next_arena] = Arena(seg, identity, memoryview(seg.buf), naming.owner_pid(msg.name[1:]))
         return {"arena": self._next_arena}
 
     def _query(self, what: str, args: dict) -> dict:
@@ -253,6 +261,7 @@ class Front:
 
     def status(self) -> dict:
         return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint, "stopping": self.stopping,
+                "arenas": len(self.arenas), "pid": os.getpid(),
                 "models": {name: m.summary() for name, m in self.models.items()}}
 
     def _send(self, identity: bytes, msg, frames: list = ()) -> None:
@@ -282,10 +291,42 @@ class Front:
         self.poller.unregister(w.sentinel)
         model = self.models[w.model]
         lost = self.supervisor.on_exit(w, time.monotonic(), self.stopping)
-        for batch in lost.values():
-            self.dispatch.fail_batch(model, batch, errors.WorkerDied(
-                f"the worker running model '{w.model}' died ({w.reason}) while executing this request"))
+        can_retry = not self.stopping and any(o.state == READY for o in model.workers if o is not w)
+        err = errors.WorkerDied(f"the worker running model '{w.model}' died ({w.reason}) while executing "
+                                f"this request")
+        for batch in sorted(lost.values(), key=lambda b: b.seq, reverse=True):  # oldest ends up first
+            self.dispatch.recover(model, batch, err, can_retry)
         self._refresh(model)
+
+    def _watchdog(self, now: float) -> None:
+        """A worker that has held a batch past its model's execution timeout is hung: that batch is
+        answered now, the worker is killed, and its death path replaces it and retries the rest."""
+        for w in self.supervisor.workers.values():
+            model = self.models[w.model]
+            if w.state != READY or not w.inflight or now - w.progress_at < model.exec_timeout_s:
+                continue
+            head = min(w.inflight.values(), key=lambda b: b.seq)
+            del w.inflight[head.slot]
+            w.rows -= head.rows
+            timeout_ms = round((model.exec_timeout_s) * 1000)
+            self.dispatch.fail_batch(model, head, errors.WorkerDied(
+                f"model '{w.model}' did not finish a batch within {timeout_ms} ms (execution_timeout_ms); "
+                f"its worker was killed and is being replaced"))
+            w.reason = "hung: killed by the watchdog"
+            log.error("worker %d (%s) hung; killing it", w.id, w.model)
+            w.process.kill()
+
+    def _reap_arenas(self, now: float) -> None:
+        """A client that died never unregisters: its arena goes when its process does (checked each second)."""
+        if now < self._arena_check_at:
+            return
+        self._arena_check_at = now + ARENA_CHECK_S
+        for arena_id, arena in list(self.arenas.items()):
+            if arena.pid is not None and not naming.pid_alive(arena.pid):
+                log.info("client pid %d is gone; releasing its arena %d", arena.pid, arena_id)
+                del self.arenas[arena_id]
+                arena.segment.unlink()  # its owner can no longer do it
+                arena.close()
 
     def _restart_due(self, now: float) -> None:
         if self.stopping:
@@ -334,8 +375,7 @@ class Front:
         self.supervisor.stop_all(lambda w: self.workers.send_multipart(
             [b"w%d" % w.id, protocol.Stop().encode()]))
         for arena in self.arenas.values():
-            arena.view.release()
-            arena.segment.close()
+            arena.close()
         self.arenas.clear()
         for sock in (getattr(self, "clients", None), getattr(self, "workers", None)):
             if sock is not None:

@@ -10,6 +10,8 @@ from gepool.scheduler.stats import ModelStats
 from gepool.scheduler.supervisor import FAILED, READY, STARTING
 
 SLOTS_PER_WORKER = 2  # one batch runs while the next is copied in
+DEFAULT_EXECUTION_TIMEOUT_MS = 300_000  # a batch running longer means a hung worker: kill and replace it
+GE_WATCHDOG_GRACE_S = 5.0  # an NPU worker times its own batches out first (execution_timeout_ms)
 DEFAULT_VARIABLE_SLOT_BYTES = 64 << 20  # tmpfs pages cost nothing until touched
 
 LOADING, AVAILABLE, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"
@@ -43,9 +45,12 @@ class Model:
                                           db.max_queue_delay_us if db else 0, enabled=db is not None,
                                           queues=queues)
             self.slot_bytes = slot_bytes_for(self.config)
+            ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
+            self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)
         else:
             self.batcher = DynamicBatcher(0)
             self.slot_bytes = 0
+            self.exec_timeout_s = DEFAULT_EXECUTION_TIMEOUT_MS / 1000
 
     def worker_info(self, info: dict) -> None:
         """An NPU worker reports the batch sizes its .om was compiled for: without preferred sizes of
@@ -87,6 +92,7 @@ class Model:
         return {"state": self.state, "reason": self.reason, "version": self.source.version,
                 "workers": len(self.workers), "ready_workers": sum(w.state == READY for w in self.workers),
                 "queued": len(self.batcher), "worker_pids": [w.pid for w in self.workers if w.state == READY],
+                "busy_worker_pids": [w.pid for w in self.workers if w.state == READY and w.inflight],
                 "slots": sum(w.slots for w in self.workers if w.state == READY),
                 "slots_busy": sum(len(w.inflight) for w in self.workers),
                 "restarts": sum(w.restarts for w in self.workers),

@@ -27,6 +27,7 @@ class Request:
     out_size: int
     arrived: float
     key: tuple | None = field(default=None)
+    retried: bool = False  # a request runs at most twice: once more if its worker dies under it
 
 
 @dataclass
@@ -36,6 +37,11 @@ class Arena:
     segment: Segment
     owner: bytes
     view: memoryview
+    pid: int | None = None  # the client process that created it: the arena goes when it does
+
+    def close(self) -> None:
+        self.view.release()
+        self.segment.close()
 
 
 def _shape_of(name: str, shape: object) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ class Worker:
     rows: int = 0  # rows dispatched and not yet answered: the router's measure of load
     concurrency: int = 1  # batches it runs at once (an NPU worker's lanes)
     info: dict = field(default_factory=dict)  # what the worker said about itself when ready
+    progress_at: float = 0.0  # last dispatch to an idle worker or completion: the hang watchdog's clock
     restarts: int = 0
     restart_at: float | None = None
     reason: str = ""

@@ -22,6 +22,7 @@ class Model:
     def initialize(self, config):
         self.gate = config["parameters"].get("gate_file", "")
         self.fail_on = float(config["parameters"].get("fail_on", "nan"))
+        self.sleep = float(config["parameters"].get("sleep_ms", "0")) / 1000
 
     def execute(self, inputs):
         x = inputs["INPUT"]
@@ -31,6 +32,8 @@ class Model:
                 time.sleep(0.005)
         if (x == self.fail_on).any():
             raise RuntimeError("asked to fail")
+        if self.sleep:
+            time.sleep(self.sleep)
         n = x.shape[0]
         return {"OUTPUT": x.copy(), "BATCH": np.full((n, 1), n, np.int32)}
 '''

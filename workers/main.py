@@ -6,6 +6,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ from gepool.workers.backends.base import Backend
 
 LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # distinct, so a model that cannot load is not restarted
 PARENT_CHECK_MS = 500
-FAREWELL_LINGER_MS = 2000  # let the load-failure message reach the front before exiting
+FAREWELL_LINGER_MS = 2000
+EXIT_ORPHANED = 5  # let the load-failure message reach the front before exiting
 
 log = logging.getLogger("gepool.worker")
 
@@ -45,6 +47,7 @@ def run_worker(spec: WorkerSpec) -> None:
     """Entry point of a spawned worker process; exits with 0, or LOAD_FAILED_EXIT."""
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s worker{spec.worker_id} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front stops us
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, connect=spec.endpoint, identity=worker_identity(spec.worker_id))
     ring = Ring.attach(spec.ring)
@@ -77,6 +80,16 @@ def run_worker(spec: WorkerSpec) -> None:
         # A hung device cannot be released in order (its stream never drains): leave it to the OS.
         log.error("device lost: %s; exiting so the worker is replaced", lost)
         os._exit(protocol.EXIT_DEVICE_LOST)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exits the process when the front is gone, even if the main thread is stuck in a model: a worker
+    must never outlive its front (its segments are already unlinked, so nothing is left behind)."""
+    while True:
+        time.sleep(PARENT_CHECK_MS / 1000)
+        if os.getppid() != parent_pid:
+            log.warning("the front (pid %d) is gone; exiting", parent_pid)
+            os._exit(EXIT_ORPHANED)
 
 
 def worker_identity(worker_id: int) -> bytes:
