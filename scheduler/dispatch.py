@@ -93,8 +93,12 @@ class Dispatcher:
             row = 0
             now = time.monotonic()
             for req in batch.requests:
-                self._respond(model, req, arrays, row)
-                model.stats.answered(now - req.arrived)
+                try:
+                    self._respond(model, req, arrays, row)
+                    model.stats.answered(now - req.arrived)
+                except Exception as exc:  # one bad request must not lose the others of the batch
+                    log.exception("internal error answering request %s", req.req_id)
+                    self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
                 row += req.rows
             del arrays  # views into the slot: gone before the slot is reused
         slot.release()

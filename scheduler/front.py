@@ -274,6 +274,12 @@ class Front:
         except (protocol.ProtocolError, IndexError) as exc:
             log.error("bad message from a worker: %s", exc)
             return
+        try:
+            self._on_worker_message(msg)
+        except Exception:  # a bug here must not take every model down; the log keeps the traceback
+            log.exception("internal error handling %s from a worker", type(msg).__name__)
+
+    def _on_worker_message(self, msg) -> None:
         w = self.supervisor.workers.get(getattr(msg, "worker", -1))
         if w is None:
             return

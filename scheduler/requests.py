@@ -44,6 +44,24 @@ class Arena:
         self.segment.close()
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(msg: protocol.Infer) -> None:
+    """Every header field has the type and range the protocol gives it, before anything uses it."""
+    for name in ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size"):
+        if not _is_int(getattr(msg, name)):
+            raise InvalidArgument(f"{name} must be an integer, got {getattr(msg, name)!r}")
+    for name in ("timeout_us", "priority", "out_offset", "out_size"):
+        if getattr(msg, name) < 0:
+            raise InvalidArgument(f"{name} must be >= 0, got {getattr(msg, name)}")
+    if not isinstance(msg.inputs, list):
+        raise InvalidArgument("inputs must be a list")
+    if msg.outputs is not None and not (isinstance(msg.outputs, list) and all(isinstance(o, str) for o in msg.outputs)):
+        raise InvalidArgument("outputs must be null or a list of names")
+
+
 def _shape_of(name: str, shape: object) -> tuple[int, ...]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise InvalidArgument(f"input '{name}': shape must be a list of integers, got {shape!r}")
@@ -55,8 +73,7 @@ def _shape_of(name: str, shape: object) -> tuple[int, ...]:
 def admit(msg: protocol.Infer, identity: bytes, frames: list, config: ModelConfig, slot_bytes: int,
           arenas: dict[int, Arena], now: float) -> Request:
     """Checks one Infer against the model's config; raises a GepoolError naming what is wrong."""
-    if not isinstance(msg.inputs, list):
-        raise InvalidArgument("inputs must be a list")
+    _check_fields(msg)
     given: dict[str, list] = {}
     for ref in msg.inputs:
         if not (isinstance(ref, list) and len(ref) == 4 and isinstance(ref[0], str)):

@@ -83,6 +83,11 @@ def infer_header(inputs, req_id=5, model="tiny") -> bytes:
     ([protocol.Infer(5, "tiny", -1, [["INPUT0", "FP32", [1, 16], 0]], None, 0, 0, 42, 0, 0).encode()],
      "arena 42 is not registered"),
     ([protocol.RegisterArena(5, "/etc/passwd", 10).encode()], "arena name must start"),
+    # found by tests/test_hostile.py: a list where out_size belongs once crashed the front after the batch ran
+    ([protocol.Infer(5, "tiny", -1, [["INPUT0", "FP32", [1, 16], 0]], None, 0, 0, -1, 0, ["x"]).encode(),
+      b"\0" * 64], "out_size must be an integer"),
+    ([protocol.Infer(5, "tiny", -1, [["INPUT0", "FP32", [1, 16], 0]], None, -1, 0, -1, 0, 0).encode(),
+      b"\0" * 64], "timeout_us must be >= 0"),
 ])
 def test_malformed_messages_get_errors(raw, client, frames, words):
     reply = exchange(raw, frames)
