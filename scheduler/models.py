@@ -36,6 +36,7 @@ class Model:
         self.workers: list = []
         self.stats = ModelStats()
         self.seq = 0
+        self.was_ready = False
         self.slots_per_worker = SLOTS_PER_WORKER
         if self.config is not None and not source.error:
             db = self.config.dynamic_batching
@@ -70,7 +71,10 @@ class Model:
         return min(d for d in (timeout, delay) if d is not None) if (timeout or delay) else None
 
     def check_servable(self, version: int) -> None:
-        if self.state != AVAILABLE:
+        # A model whose workers are being restarted after a crash keeps queueing: its requests wait for
+        # the replacement (bounded by their timeouts and the queue policy) instead of being refused.
+        restarting = self.state == LOADING and self.was_ready
+        if self.state != AVAILABLE and not restarting:
             why = f": {self.reason}" if self.reason else ""
             raise errors.ModelNotReady(f"model '{self.name}' is {self.state}{why}")
         if version != protocol.NO_VERSION and version != self.source.version:
@@ -81,6 +85,7 @@ class Model:
         states = [w.state for w in self.workers]
         if READY in states:
             self.state, self.reason = AVAILABLE, ""
+            self.was_ready = True
         elif STARTING in states or any(w.restart_at is not None for w in self.workers):
             self.state = LOADING
         elif states:

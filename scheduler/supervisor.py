@@ -91,6 +91,8 @@ class Supervisor:
             w.process.kill()
             w.process.join()
         code = w.process.exitcode
+        w.process.close()  # its sentinel fd and pipes now, not whenever the object is collected
+        w.process = None
         lost = w.inflight
         w.inflight, w.free, w.rows = {}, [], 0
         self._unlink(w)

@@ -161,3 +161,41 @@ def test_overload_every_request_answered_and_memory_bounded(repo):
     assert sum(outcomes.values()) == 1600, outcomes
     assert outcomes["ok"] > 0 and outcomes["UNAVAILABLE"] + outcomes["TIMEOUT"] > 0, outcomes
     assert rss_after - rss_before < 64 * 1024, (rss_before, rss_after)
+
+
+def test_sigterm_under_load_answers_every_accepted_request(repo):
+    """Three threads keep requests flowing; SIGTERM arrives. Every request before a thread's first refusal
+    was accepted and must succeed; the refusal says the pool is stopping; the front exits 0 and its
+    children go."""
+    import threading
+
+    models, _ = repo
+    pool = Pool(models).start()
+    outcomes: list[list[str]] = [[] for _ in range(3)]
+    try:
+        workers = _descendants(pool.process.pid)
+        client = Client(pool.endpoint, timeout=3)
+
+        def flow(i: int) -> None:
+            while True:
+                try:
+                    client.infer("busy", {"INPUT": np.full((1, 4), i, np.float32)})
+                    outcomes[i].append("ok")
+                except errors.GepoolError as exc:
+                    outcomes[i].append(exc.code)
+                    return
+
+        threads = [threading.Thread(target=flow, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: all(len(o) >= 5 for o in outcomes), 60)
+        pool.process.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert pool.process.wait(60) == 0
+        client.close()
+        assert wait_until(lambda: not any(running(p) for p in workers), 15)
+    finally:
+        pool.stop()
+    for o in outcomes:
+        assert o[-1] in ("UNAVAILABLE", "POOL_UNAVAILABLE") and set(o[:-1]) == {"ok"}, o
