@@ -33,8 +33,25 @@ def scan(repository: str) -> list[ModelSource]:
     return found
 
 
+def model_dir(repository: str, name: object) -> str:
+    """The folder of model ``name``, refusing anything that would leave the repository: separators,
+    '.'/'..', absolute paths, and symlinks whose target lies outside (what a load request may name)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\0" in name or name.startswith("."):
+        raise ValueError(f"model name {name!r} is not a plain directory name in the repository")
+    root = os.path.realpath(repository)
+    path = os.path.join(root, name)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise ValueError(f"model '{name}' resolves to {real}, outside the model repository {root}")
+    return path
+
+
 def load_source(repository: str, name: str) -> ModelSource:
-    path = os.path.join(repository, name)
+    try:
+        path = model_dir(repository, name)
+    except ValueError as exc:
+        return ModelSource(str(name), None, error=str(exc))
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         return ModelSource(name, None, error=f"{cfg_path}: missing (gepool needs an explicit config)")

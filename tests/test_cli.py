@@ -94,10 +94,10 @@ def test_second_pool_on_a_live_endpoint_is_refused(pool, model_repo):
 
 def test_cleanup_removes_what_a_dead_pool_left():
     code = ("from gepool.ipc import naming; from gepool.ipc.ring import Ring; "
-            "Ring.create(naming.segment_name(naming.new_owner_id(), 'w1.0'), 2, 4096)")
-    subprocess.run([sys.executable, "-c", code], check=True)
-    assert naming.list_segments()
+            "print(Ring.create(naming.segment_name(naming.new_owner_id(), 'w1.0'), 2, 4096).segment.name)")
+    name = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert name[1:] in naming.list_segments()
     out = gepool("cleanup")
     assert out.returncode == 0
-    assert "removed 1 segment(s)" in out.stdout
-    assert not naming.list_segments()
+    assert f"removed /dev/shm/{name[1:]}" in out.stdout
+    assert name[1:] not in naming.list_segments()

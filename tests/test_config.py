@@ -154,3 +154,28 @@ def test_bad_ge_parameters_are_named(tmp_path, extra, field):
 def test_ascend_kind_needs_the_ge_backend(tmp_path):
     with pytest.raises(ConfigError, match="KIND_ASCEND needs backend 'ge'"):
         parse_config(write(tmp_path, ASCEND.replace('backend: "ge"', 'platform: "onnxruntime_onnx"')), "m")
+
+
+@pytest.mark.parametrize("name", ["../etc", "/etc", "a/b", "..", ".", "", ".hidden", "x\0y", 7])
+def test_model_names_cannot_leave_the_repository(tmp_path, name):
+    from gepool.repository import model_dir
+
+    with pytest.raises(ValueError, match="repository|plain directory"):
+        model_dir(str(tmp_path), name)
+
+
+def test_a_symlink_out_of_the_repository_is_refused(tmp_path):
+    from gepool.repository import load_source, model_dir, scan
+
+    outside = tmp_path / "outside"
+    (outside / "1").mkdir(parents=True)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "escape").symlink_to(outside)
+    (repo / "inside").symlink_to(repo / "real", target_is_directory=True)
+    (repo / "real").mkdir()
+    with pytest.raises(ValueError, match="outside the model repository"):
+        model_dir(str(repo), "escape")
+    assert model_dir(str(repo), "inside").endswith("inside")  # a link that stays inside is fine
+    assert "outside the model repository" in load_source(str(repo), "escape").error
+    assert "outside the model repository" in {s.name: s for s in scan(str(repo))}["escape"].error
