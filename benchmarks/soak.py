@@ -61,7 +61,7 @@ def main() -> None:
             counts[key] += 1
 
     with Pool(repo) as pool:
-        status = pool.client().status()
+        status = pool.client().status()  # this client stays open for the whole run, like the watcher below
         front = status["pid"]
         seg0, (fd0, rss0) = len(naming.list_segments()), front_figures(front)
 
@@ -85,10 +85,12 @@ def main() -> None:
                         except Exception as exc:  # a future that never resolved: lost
                             note(f"lost:{type(exc).__name__}")
 
+        watcher = pool.client()
+
         def killer() -> None:
             rng = random.Random(99)
             while not stop.wait(args.kill_every):
-                pids = [p for m in pool.client().status()["models"].values() for p in m["worker_pids"]]
+                pids = [p for m in watcher.status()["models"].values() for p in m["worker_pids"]]
                 if pids:
                     os.kill(rng.choice(pids), signal.SIGKILL)
                     note("kills")
@@ -105,7 +107,7 @@ def main() -> None:
         for t in threads:
             t.join()
         time.sleep(2)  # restarts settle
-        end_status = pool.client().status()
+        end_status = watcher.status()
         seg1, (fd1, rss1) = len(naming.list_segments()), front_figures(front)
 
     answered = sum(v for k, v in counts.items() if k not in ("sent", "kills") and not k.startswith("lost"))

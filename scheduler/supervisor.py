@@ -14,6 +14,7 @@ log = logging.getLogger("gepool.supervisor")
 
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 10.0  # a worker that served this long before dying starts its backoff afresh
 STOP_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
 REAP_TIMEOUT_S = 5.0
@@ -42,7 +43,9 @@ class Worker:
     concurrency: int = 1  # batches it runs at once (an NPU worker's lanes)
     info: dict = field(default_factory=dict)  # what the worker said about itself when ready
     progress_at: float = 0.0  # last dispatch to an idle worker or completion: the hang watchdog's clock
-    restarts: int = 0
+    restarts: int = 0  # every restart, for metrics
+    streak: int = 0  # deaths in a row without a stable run: the backoff's exponent
+    ready_at: float = 0.0
     restart_at: float | None = None
     reason: str = ""
     pid: int = 0
@@ -80,6 +83,7 @@ class Supervisor:
             w.process.kill()
             return
         w.state, w.pid, w.info = READY, msg.pid, dict(msg.info) if isinstance(msg.info, dict) else {}
+        w.ready_at = time.monotonic()
         w.free = list(range(len(w.ring.slots)))
         self._unlink(w)  # both sides have mapped it: from now on a crash of anyone leaks nothing
 
@@ -102,9 +106,12 @@ class Supervisor:
             w.state = FAILED if code == protocol.EXIT_LOAD_FAILED else DEAD
             w.reason = w.reason or f"exit code {code}"
         else:
+            if w.state == READY and now - w.ready_at >= STABLE_AFTER_S:
+                w.streak = 0
             w.state = DEAD
             w.reason = f"worker {w.id} died with exit code {code}"
-            w.restart_at = now + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** w.restarts)
+            w.restart_at = now + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** w.streak)
+            w.streak += 1
             w.restarts += 1
             log.warning("%s; restart in %.1fs", w.reason, w.restart_at - now)
         return lost
