@@ -122,3 +122,22 @@ def result(msg: object, frames: list, arena: ClientArena | None) -> object:
             out[name] = np.frombuffer(frames[where].buffer if hasattr(frames[where], "buffer") else frames[where],
                                       dtype).reshape(shape)
     return out
+
+
+def curve_client(server_key: str | None, client_key: str | None) -> tuple[bytes, bytes, bytes] | None:
+    """(server public, client public, client secret) for CURVE, from certificate files; without a client
+    certificate an ephemeral key pair is made (enough for a pool that admits any key)."""
+    if server_key is None:
+        return None
+    import zmq
+
+    from gepool.ipc.sockets import load_keys
+
+    server_public, _ = load_keys(server_key)
+    if client_key is None:
+        public, secret = zmq.curve_keypair()
+    else:
+        public, secret = load_keys(client_key)
+        if secret is None:
+            raise errors.InvalidArgument(f"{client_key} holds no secret key")
+    return server_public, public, secret

@@ -17,12 +17,14 @@ class AsyncClient:
     """Use ``async with AsyncClient(endpoint) as c:`` or ``await AsyncClient.connect(...)``."""
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
-                 arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+                 arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 curve_server_key: str | None = None, curve_client_key: str | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self._shared_memory, self._arena_bytes = shared_memory, arena_bytes
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint)
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint,
+                                 curve_client=_wire.curve_client(curve_server_key, curve_client_key))
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._meta: dict[str, dict] = {}

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP and metrics ports bind")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--curve-secret-key", help="ZMQ certificate file: CURVE encryption/auth for a tcp endpoint")
+    p.add_argument("--curve-authorized-keys", help="folder of client .key files admitted (default: any key)")
 
     p = sub.add_parser("status", help="models and their states")
     p.add_argument("--endpoint")
@@ -66,7 +68,8 @@ def _cmd_start(args) -> int:
     print(f"gepool starting on {endpoint}", flush=True)
     return serve(args.model_repository, endpoint, cpu_threads=args.cpu_threads,
                  log_level=logging.getLevelName(args.log_level.upper()), on_ready=ready, http_port=args.http_port,
-                 http_host=args.http_host, metrics_port=args.metrics_port)
+                 http_host=args.http_host, metrics_port=args.metrics_port, curve_secret_key=args.curve_secret_key,
+                 curve_authorized_keys=args.curve_authorized_keys)
 
 
 def _cmd_status(args) -> int:

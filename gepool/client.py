@@ -29,8 +29,12 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
-                 connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT_S, curve_server_key: str | None = None,
+                 curve_client_key: str | None = None) -> None:
+        """``curve_server_key``: the pool's certificate (public part is enough) to talk CURVE over tcp;
+        ``curve_client_key``: this client's certificate when the pool only admits known keys."""
         self.endpoint = endpoint or default_endpoint()
+        self._curve = _wire.curve_client(curve_server_key, curve_client_key)
         self.timeout = timeout
         self._ctx = zmq.Context()
         self._local = threading.local()
@@ -145,7 +149,7 @@ class Client:
     def _socket(self) -> zmq.Socket:
         sock = getattr(self._local, "sock", None)
         if sock is None:
-            sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint)
+            sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint, curve_client=self._curve)
             with self._lock:
                 self._sockets.append(sock)
             self._local.sock = sock
@@ -167,7 +171,7 @@ class Client:
     def _io_thread(self) -> "_IoThread":
         with self._lock:
             if self._io is None:
-                self._io = _IoThread(self._ctx, self.endpoint)
+                self._io = _IoThread(self._ctx, self.endpoint, self._curve)
                 self._io.start()
             return self._io
 
@@ -201,9 +205,9 @@ class Client:
 class _IoThread(threading.Thread):
     """Owns one socket; callers hand it encoded requests through a deque and a wake-up pipe."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: tuple | None = None) -> None:
         super().__init__(name="gepool-client-io", daemon=True)
-        self.ctx, self.endpoint = ctx, endpoint
+        self.ctx, self.endpoint, self.curve = ctx, endpoint, curve
         self.outbox: collections.deque = collections.deque()
         self.pending: dict[int, tuple] = {}
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -223,7 +227,7 @@ class _IoThread(threading.Thread):
         os.close(self.wake_w)
 
     def run(self) -> None:
-        sock = make_socket(self.ctx, zmq.DEALER, connect=self.endpoint)
+        sock = make_socket(self.ctx, zmq.DEALER, connect=self.endpoint, curve_client=self.curve)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)

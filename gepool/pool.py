@@ -36,18 +36,20 @@ def start_worker(**kwargs):
 
 def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0, log_level: int = logging.INFO,
           on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
-          metrics_port: int = 0) -> int:
+          metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready and stops after the front has drained."""
     from gepool.scheduler.front import Front, FrontOptions
 
     opts = FrontOptions(repository=os.path.abspath(repository), endpoint=endpoint or default_endpoint(),
-                        owner_id=owner_id or naming.new_owner_id(), cpu_threads=cpu_threads, log_level=log_level)
+                        owner_id=owner_id or naming.new_owner_id(), cpu_threads=cpu_threads, log_level=log_level,
+                        curve_secret_key=curve_secret_key, curve_authorized_keys=curve_authorized_keys)
     gateway: list[subprocess.Popen] = []
 
     def ready(status: dict) -> None:
         if http_port or metrics_port:
-            gateway.append(_start_gateway(status["endpoint"], http_host, http_port, metrics_port, log_level))
+            gateway.append(_start_gateway(status["endpoint"], http_host, http_port, metrics_port, log_level,
+                                          curve_secret_key))
             status["http"] = f"http://{http_host}:{http_port}" if http_port else None
             status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
         if on_ready is not None:
@@ -60,14 +62,16 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
             _stop(proc)
 
 
-def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int) -> subprocess.Popen:
+def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
+                   curve_key: str | None = None) -> subprocess.Popen:
     """The HTTP sidecar; returns once it listens (it reaches the front on its own, lazily)."""
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.Popen([sys.executable, "-m", "gepool.http.server", "--endpoint", endpoint,
                                  "--http-host", host, "--http-port", str(http_port), "--metrics-port",
                                  str(metrics_port), "--ready-fd", str(write_fd),
-                                 "--log-level", logging.getLevelName(log_level)],
+                                 "--log-level", logging.getLevelName(log_level),
+                                 *(["--curve-key", curve_key] if curve_key else [])],
                                 pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     finally:
         os.close(write_fd)
@@ -106,7 +110,8 @@ def _front_process(argv: list[str]) -> int:
     try:
         code = serve(args["repository"], args["endpoint"], cpu_threads=args["cpu_threads"],
                      log_level=args["log_level"], on_ready=lambda status: report("ready", status),
-                     http_port=args["http_port"], http_host=args["http_host"], metrics_port=args["metrics_port"])
+                     http_port=args["http_port"], http_host=args["http_host"], metrics_port=args["metrics_port"],
+                     curve_secret_key=args["curve_secret_key"], curve_authorized_keys=args["curve_authorized_keys"])
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -122,12 +127,16 @@ class Pool:
 
     def __init__(self, model_repository: str, *, endpoint: str | None = None, cpu_threads: int = 0,
                  log_level: int = logging.WARNING, start_timeout: float = START_TIMEOUT_S, http_port: int = 0,
-                 http_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
-        """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar."""
+                 http_host: str = "127.0.0.1", metrics_port: int = 0, curve_secret_key: str | None = None,
+                 curve_authorized_keys: str | None = None) -> None:
+        """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
+        ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
+        public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key."""
         self.repository = model_repository
         self.endpoint = endpoint or f"ipc://{os.path.dirname(default_endpoint()[6:])}/pool-{naming.new_owner_id()}.sock"
         self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout
         self.http_port, self.http_host, self.metrics_port = http_port, http_host, metrics_port
+        self.curve_secret_key, self.curve_authorized_keys = curve_secret_key, curve_authorized_keys
         self.process = None
         self.status: dict = {}
         self._clients: list = []
@@ -138,7 +147,8 @@ class Pool:
         read_fd, write_fd = os.pipe()
         args = {"repository": self.repository, "endpoint": self.endpoint, "cpu_threads": self.cpu_threads,
                 "log_level": self.log_level, "http_port": self.http_port, "http_host": self.http_host,
-                "metrics_port": self.metrics_port}
+                "metrics_port": self.metrics_port, "curve_secret_key": self.curve_secret_key,
+                "curve_authorized_keys": self.curve_authorized_keys}
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
                                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
@@ -160,6 +170,9 @@ class Pool:
         """A Client connected to this pool; closed when the pool stops."""
         from gepool.client import Client
 
+        if self.curve_secret_key:  # the owner of the pool speaks with the pool's own keys
+            kwargs.setdefault("curve_server_key", self.curve_secret_key)
+            kwargs.setdefault("curve_client_key", self.curve_secret_key)
         c = Client(self.endpoint, **kwargs)
         self._clients.append(c)
         return c

@@ -22,10 +22,26 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
+def load_keys(path: str) -> tuple[bytes, bytes | None]:
+    """(public, secret) from a ZMQ certificate file (zmq.auth.create_certificates writes them); the
+    secret is None for a .key file that holds only the public half."""
+    import zmq.auth
+
+    return zmq.auth.load_certificate(path)
+
+
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-                identity: bytes | None = None) -> zmq.Socket:
-    """A socket with gepool's options; an ipc endpoint it binds is made owner-only (0600)."""
+                identity: bytes | None = None, curve_server: tuple[bytes, bytes] | None = None,
+                curve_client: tuple[bytes, bytes, bytes] | None = None) -> zmq.Socket:
+    """A socket with gepool's options; an ipc endpoint it binds is made owner-only (0600).
+    ``curve_server=(public, secret)`` or ``curve_client=(server_public, public, secret)`` turn on ZMQ's
+    CURVE encryption and authentication (for tcp endpoints)."""
     sock = ctx.socket(kind)
+    if curve_server is not None:
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = curve_server
+    if curve_client is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve_client
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)

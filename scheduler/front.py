@@ -40,6 +40,8 @@ class FrontOptions:
     cpu_threads: int = 0  # the CPU thread budget shared by CPU workers; 0 = every core
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     log_level: int = logging.INFO
+    curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
+    curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
 
 
 class Front:
@@ -62,7 +64,7 @@ class Front:
     def run(self) -> int:
         """Serves until SIGINT/SIGTERM; returns the process exit code."""
         _refuse_live_pool(self.ctx, self.opts.endpoint)
-        self.clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint)
+        self.clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint, curve_server=self._curve())
         # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
         self.opts.endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
@@ -85,6 +87,30 @@ class Front:
             os.close(wake_r)
             os.close(wake_w)
         return 0
+
+    def _curve(self) -> tuple[bytes, bytes] | None:
+        """CURVE for the client socket, with a ZAP handler that admits the authorized client keys (and the
+        pool's own, which its HTTP sidecar uses)."""
+        if not self.opts.curve_secret_key:
+            return None
+        from zmq.auth.thread import ThreadAuthenticator
+
+        from gepool.ipc.sockets import load_keys
+
+        public, secret = load_keys(self.opts.curve_secret_key)
+        if secret is None:
+            raise errors.InvalidArgument(f"{self.opts.curve_secret_key} holds no secret key")
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        if self.opts.curve_authorized_keys:
+            allowed = {public} | {load_keys(os.path.join(self.opts.curve_authorized_keys, f))[0]
+                                  for f in os.listdir(self.opts.curve_authorized_keys) if f.endswith(".key")}
+            self.auth.configure_curve_callback("*", credentials_provider=_AllowKeys(allowed))
+        else:
+            import zmq.auth
+
+            self.auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        return public, secret
 
     def _load_all(self) -> None:
         sources = scan(self.opts.repository)
@@ -386,6 +412,8 @@ class Front:
         for sock in (getattr(self, "clients", None), getattr(self, "workers", None)):
             if sock is not None:
                 sock.close(0)
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
         self.ctx.term()
         for endpoint in (self.opts.endpoint, self.worker_endpoint):
             if endpoint.startswith("ipc://"):
@@ -393,6 +421,16 @@ class Front:
                     os.unlink(endpoint[len("ipc://"):])
                 except FileNotFoundError:
                     pass
+
+
+class _AllowKeys:
+    """A ZAP credentials provider: a client key is admitted if it is one of the authorized ones."""
+
+    def __init__(self, allowed: set[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
 
 
 def _runtime_dir() -> str:

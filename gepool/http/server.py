@@ -36,8 +36,8 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Gateway:
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str, curve_key: str | None = None) -> None:
+        self.endpoint, self.curve_key = endpoint, curve_key
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
         self.regions = Regions()
@@ -45,7 +45,8 @@ class Gateway:
     async def connect(self) -> None:
         """Keeps trying: the gateway listens before the front is ready, and outlives nothing it needs."""
         while True:
-            client = AsyncClient(self.endpoint, timeout=REQUEST_TIMEOUT_S)
+            client = AsyncClient(self.endpoint, timeout=REQUEST_TIMEOUT_S, curve_server_key=self.curve_key,
+                                 curve_client_key=self.curve_key)  # the pool's own key pair, always admitted
             try:
                 await client.start(connect_timeout=2.0)
             except errors.PoolUnavailable:
@@ -278,8 +279,9 @@ def http_app(gw: Gateway) -> web.Application:
     return app
 
 
-async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None) -> None:
-    gw = Gateway(endpoint)
+async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
+                curve_key: str | None = None) -> None:
+    gw = Gateway(endpoint, curve_key)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
     for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
@@ -325,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--curve-key", help="the pool's CURVE certificate, when its endpoint uses CURVE")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd))
+    asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
+                      args.curve_key))
     return 0
 
 
