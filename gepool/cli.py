@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP and metrics ports bind")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--exit-timeout-secs", type=float, default=0.0,
+                   help="on SIGTERM, report not ready but keep serving this long before draining (default 0)")
     p.add_argument("--curve-secret-key", help="ZMQ certificate file: CURVE encryption/auth for a tcp endpoint")
     p.add_argument("--curve-authorized-keys", help="folder of client .key files admitted (default: any key)")
 
@@ -69,7 +71,7 @@ def _cmd_start(args) -> int:
     return serve(args.model_repository, endpoint, cpu_threads=args.cpu_threads,
                  log_level=logging.getLevelName(args.log_level.upper()), on_ready=ready, http_port=args.http_port,
                  http_host=args.http_host, metrics_port=args.metrics_port, curve_secret_key=args.curve_secret_key,
-                 curve_authorized_keys=args.curve_authorized_keys)
+                 curve_authorized_keys=args.curve_authorized_keys, exit_grace_s=args.exit_timeout_secs)
 
 
 def _cmd_status(args) -> int:

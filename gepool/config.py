@@ -90,6 +90,24 @@ class VersionPolicy:
 
 
 @dataclass(frozen=True)
+class WarmupInput:
+    datatype: str
+    dims: tuple[int, ...]
+    data: str  # "zero", "random" or "file"
+    file: str = ""  # for "file": a name in <model>/warmup/
+
+
+@dataclass(frozen=True)
+class WarmupSample:
+    """Triton's model_warmup entry: run ``count`` times on a batch of ``batch_size`` before READY."""
+
+    name: str
+    batch_size: int
+    count: int
+    inputs: dict[str, WarmupInput]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     backend: str
@@ -103,6 +121,7 @@ class ModelConfig:
     default_model_filename: str = ""
     platform: str = ""
     source: str = ""  # the config.pbtxt path, for messages
+    model_warmup: tuple[WarmupSample, ...] = ()
 
     @property
     def model_filename(self) -> str:
@@ -182,6 +201,7 @@ class _Checker:
             instance_groups=self.groups(msg, backend),
             dynamic_batching=self.batching(msg) if which == "dynamic_batching" else None,
             version_policy=self.versions(msg),
+            model_warmup=self.warmups(msg, inputs),
             parameters=params,
             default_model_filename=msg.default_model_filename,
             source=self.path,
@@ -276,6 +296,26 @@ class _Checker:
                                default_priority_level=db.default_priority_level,
                                default_queue_policy=policy(db.default_queue_policy),
                                priority_queue_policy={k: policy(v) for k, v in db.priority_queue_policy.items()})
+
+    def warmups(self, msg: pb.ModelConfig, inputs: tuple[TensorConfig, ...]) -> tuple[WarmupSample, ...]:
+        out = []
+        names = {t.name for t in inputs}
+        for w in msg.model_warmup:
+            if set(w.inputs) != names:
+                raise self.fail("model_warmup", f"warmup '{w.name}' must give exactly the inputs {sorted(names)}, "
+                                                f"not {sorted(w.inputs)}")
+            if msg.max_batch_size and not 1 <= (w.batch_size or 1) <= msg.max_batch_size:
+                raise self.fail("batch_size", f"warmup '{w.name}': batch_size {w.batch_size} is outside "
+                                              f"1..max_batch_size ({msg.max_batch_size})")
+            samples = {}
+            for name, i in w.inputs.items():
+                datatype = pb.DataType.Name(i.data_type).removeprefix("TYPE_")
+                datatype = dtypes.BYTES if datatype == "STRING" else datatype
+                kind = {"zero_data": "zero", "random_data": "random", "input_data_file": "file"}.get(
+                    i.WhichOneof("input_data_type") or "", "zero")
+                samples[name] = WarmupInput(datatype, tuple(i.dims), kind, i.input_data_file)
+            out.append(WarmupSample(w.name or f"warmup{len(out)}", w.batch_size or 1, w.count or 1, samples))
+        return tuple(out)
 
     def ge_parameters(self, params: dict[str, str]) -> None:
         if "stream_num" in params and not (params["stream_num"].isdigit() and int(params["stream_num"]) >= 1):

@@ -40,6 +40,7 @@ class FrontOptions:
     cpu_threads: int = 0  # the CPU thread budget shared by CPU workers; 0 = every core
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     log_level: int = logging.INFO
+    exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
 
@@ -57,6 +58,7 @@ class Front:
         self.by_sentinel: dict[int, Worker] = {}
         self.stopping = False
         self.drain_deadline: float | None = None
+        self.grace_until: float | None = None
         self._announced = False
         self._arena_check_at = 0.0
 
@@ -154,8 +156,7 @@ class Front:
                 elif sock is self.workers:
                     self._drain(self.workers, self._on_worker)
                 elif sock == wake_r:
-                    _read_all(wake_r)
-                    self._begin_stop()
+                    self._on_signals(_read_all(wake_r))
                 elif sock in self.by_sentinel:
                     self._on_worker_exit(self.by_sentinel.pop(sock))
             now = time.monotonic()
@@ -168,6 +169,8 @@ class Front:
                         self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
                     self.dispatch.schedule(model)
             self._announce_ready()
+            if self.grace_until is not None and now >= self.grace_until:
+                self._begin_stop()
             if self.stopping and self._drained(now):
                 return
 
@@ -181,6 +184,8 @@ class Front:
             deadlines.append(self._arena_check_at)
         if self.drain_deadline is not None:
             deadlines.append(self.drain_deadline)
+        if self.grace_until is not None:
+            deadlines.append(self.grace_until)
         deadlines = [d for d in deadlines if d is not None]
         if not deadlines:
             return -1
@@ -286,7 +291,8 @@ class Front:
         raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config)")
 
     def status(self) -> dict:
-        return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint, "stopping": self.stopping,
+        return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint,
+                "stopping": self.stopping or self.grace_until is not None,
                 "arenas": len(self.arenas), "pid": os.getpid(),
                 "models": {name: m.summary() for name, m in self.models.items()}}
 
@@ -381,6 +387,16 @@ class Front:
             self.dispatch.fail_queued(model, errors.ModelNotReady(reason))
 
     # -- shutdown ------------------------------------------------------------------------
+    def _on_signals(self, received: bytes) -> None:
+        """SIGTERM with a grace period: not ready at once (load balancers move away), still serving until
+        the grace ends, then the drain. SIGINT, or no grace: the drain at once."""
+        if signal.SIGTERM in received and self.opts.exit_grace_s > 0 and not self.stopping:
+            if self.grace_until is None:
+                log.info("SIGTERM: not ready; serving for %.1fs more, then draining", self.opts.exit_grace_s)
+                self.grace_until = time.monotonic() + self.opts.exit_grace_s
+            return
+        self._begin_stop()
+
     def _begin_stop(self) -> None:
         if not self.stopping:
             log.info("stopping: draining requests in flight")
@@ -439,12 +455,15 @@ def _runtime_dir() -> str:
     return os.path.dirname(default_endpoint()[len("ipc://"):])
 
 
-def _read_all(fd: int) -> None:
+def _read_all(fd: int) -> bytes:
+    """What the signal wake-up pipe holds: one byte per signal, its number."""
+    data = b""
     try:
-        while os.read(fd, 512):
-            pass
+        while chunk := os.read(fd, 512):
+            data += chunk
     except BlockingIOError:
         pass
+    return data
 
 
 def _refuse_live_pool(ctx: zmq.Context, endpoint: str) -> None:

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -92,3 +93,21 @@ def test_tcp_endpoint_on_loopback_with_both_carriers(small_repo):
             with Client(pool.endpoint, shared_memory=shared) as c:
                 x = np.arange(32, dtype=np.float32).reshape(2, 16)
                 np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+
+
+def test_sigterm_grace_reports_not_ready_but_keeps_serving(small_repo):
+    repo, _ = small_repo
+    pool = Pool(repo, exit_grace_s=1.5).start()
+    try:
+        with Client(pool.endpoint) as c:
+            x = np.ones((1, 16), np.float32)
+            pool.process.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: c.status()["stopping"])  # not ready at once...
+            assert c.infer("tiny", {"INPUT0": x})["OUTPUT0"][0, 0] == 3.0  # ...yet still serving
+            with pytest.raises((errors.Unavailable, errors.PoolUnavailable)):
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:  # until the grace ends and the drain refuses
+                    c.infer("tiny", {"INPUT0": x}, timeout=5)
+        assert pool.process.wait(60) == 0
+    finally:
+        pool.stop()

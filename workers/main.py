@@ -53,7 +53,7 @@ def run_worker(spec: WorkerSpec) -> None:
     ring = Ring.attach(spec.ring)
     try:
         backend = create_backend(spec.config, spec.version_dir, spec.device, spec.threads)
-        backend.warmup()
+        warmup_runs = backend.warmup()
     except Exception as exc:
         log.exception("model %s failed to load", spec.config.name)
         sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
@@ -61,7 +61,7 @@ def run_worker(spec: WorkerSpec) -> None:
         sock.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
-    info = dict(getattr(backend, "info", {}))
+    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0)
     sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
     lost = None
     try:

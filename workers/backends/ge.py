@@ -131,8 +131,10 @@ class GeBackend(Backend):
             self.free.put(lane)
         self.info = {"gears": self.gears, "lanes": self.lane_count, "device_memory": self.pool.held}
 
-    def warmup(self) -> None:
-        """Left to the first batches: a warm-up here would need the worker's slot ring."""
+    def warmup(self) -> int:
+        """Not yet: the ge backend runs batches through slots, so its warm-up belongs in the worker loop
+        (the first batch of each gear is slow on a real card: issue 5)."""
+        return 0
 
     # -- batches ---------------------------------------------------------------------------
     def start(self, notify: Callable[[int, int], None], fatal: Callable[[str], None]) -> None:
