@@ -10,8 +10,9 @@ import zmq
 from gepool import errors
 from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import TensorDesc
+from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.models import Model
-from gepool.scheduler.requests import Arena, Request
+from gepool.scheduler.requests import Request
 from gepool.scheduler.supervisor import READY, Worker
 
 log = logging.getLogger("gepool.dispatch")
@@ -26,7 +27,7 @@ class Batch:
 
 
 class Dispatcher:
-    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: dict[int, Arena]) -> None:
+    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas) -> None:
         self.clients, self.workers, self.arenas = clients, workers, arenas
 
     def schedule(self, model: Model) -> None:

@@ -15,20 +15,21 @@ from dataclasses import dataclass
 import zmq
 
 from gepool import errors
-from gepool.config import BACKEND_GE, lanes_per_worker, render_config
-from gepool.ipc import naming, protocol
+from gepool.config import BACKEND_GE, lanes_per_worker
+from gepool.config_json import render_config
+from gepool.ipc import protocol
 from gepool.ipc.sockets import make_socket
 from gepool.repository import ModelSource, scan
+from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.models import Model
-from gepool.scheduler.requests import Arena, admit
+from gepool.scheduler.requests import admit
 from gepool.scheduler.supervisor import READY, STARTING, Supervisor, Worker
 
 log = logging.getLogger("gepool.front")
 
 DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
-ARENA_CHECK_S = 1.0
 SERVER_NAME = "gepool"
 
 
@@ -50,8 +51,7 @@ class Front:
         self.opts = options
         self.on_ready = on_ready
         self.models: dict[str, Model] = {}
-        self.arenas: dict[int, Arena] = {}
-        self._next_arena = 0
+        self.arenas = Arenas()
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{_runtime_dir()}/gepool-{options.owner_id}.workers"
         self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level)
@@ -60,7 +60,6 @@ class Front:
         self.drain_deadline: float | None = None
         self.grace_until: float | None = None
         self._announced = False
-        self._arena_check_at = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -91,28 +90,12 @@ class Front:
         return 0
 
     def _curve(self) -> tuple[bytes, bytes] | None:
-        """CURVE for the client socket, with a ZAP handler that admits the authorized client keys (and the
-        pool's own, which its HTTP sidecar uses)."""
         if not self.opts.curve_secret_key:
             return None
-        from zmq.auth.thread import ThreadAuthenticator
+        from gepool.scheduler.curve import start_curve
 
-        from gepool.ipc.sockets import load_keys
-
-        public, secret = load_keys(self.opts.curve_secret_key)
-        if secret is None:
-            raise errors.InvalidArgument(f"{self.opts.curve_secret_key} holds no secret key")
-        self.auth = ThreadAuthenticator(self.ctx)
-        self.auth.start()
-        if self.opts.curve_authorized_keys:
-            allowed = {public} | {load_keys(os.path.join(self.opts.curve_authorized_keys, f))[0]
-                                  for f in os.listdir(self.opts.curve_authorized_keys) if f.endswith(".key")}
-            self.auth.configure_curve_callback("*", credentials_provider=_AllowKeys(allowed))
-        else:
-            import zmq.auth
-
-            self.auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
-        return public, secret
+        self.auth, keys = start_curve(self.ctx, self.opts.curve_secret_key, self.opts.curve_authorized_keys)
+        return keys
 
     def _load_all(self) -> None:
         sources = scan(self.opts.repository)
@@ -161,7 +144,7 @@ class Front:
                     self._on_worker_exit(self.by_sentinel.pop(sock))
             now = time.monotonic()
             self._watchdog(now)
-            self._reap_arenas(now)
+            self.arenas.reap(now)
             self._restart_due(now)
             for model in self.models.values():
                 if len(model.batcher):
@@ -180,8 +163,8 @@ class Front:
         deadlines += [w.restart_at for w in workers if w.restart_at is not None]
         deadlines += [w.progress_at + self.models[w.model].exec_timeout_s for w in workers
                       if w.inflight and w.state == READY]
-        if self.arenas:
-            deadlines.append(self._arena_check_at)
+        if len(self.arenas):
+            deadlines.append(self.arenas.check_at)
         if self.drain_deadline is not None:
             deadlines.append(self.drain_deadline)
         if self.grace_until is not None:
@@ -232,12 +215,9 @@ class Front:
         if isinstance(msg, protocol.Query):
             return protocol.Reply(msg.req_id, self._query(msg.what, msg.args))
         if isinstance(msg, protocol.RegisterArena):
-            return protocol.Reply(msg.req_id, self._register_arena(identity, msg))
+            return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
         if isinstance(msg, protocol.UnregisterArena):
-            arena = self.arenas.pop(msg.arena, None)
-            if arena is not None:
-                arena.close()
-            return protocol.Reply(msg.req_id, {"unregistered": arena is not None})
+            return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
 
     def _infer(self, identity: bytes, msg: protocol.Infer, frames: list) -> None:
@@ -256,22 +236,6 @@ class Front:
         if not model.batcher.add(req, req.rows, req.key, priority, timeout_us):
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         return None
-
-    def _register_arena(self, identity: bytes, msg: protocol.RegisterArena) -> dict:
-        from gepool.ipc.shm import Segment
-
-        if not isinstance(msg.name, str) or not msg.name.startswith("/" + naming.PREFIX):
-            raise errors.InvalidArgument(f"arena name must start with '/{naming.PREFIX}', got {msg.name!r}")
-        try:
-            seg = Segment.attach(msg.name)
-        except Exception as exc:
-            raise errors.InvalidArgument(f"cannot map arena {msg.name}: {exc}") from None
-        if seg.size < msg.size:
-            seg.close()
-            raise errors.InvalidArgument(f"arena {msg.name} has {seg.size} bytes, fewer than the {msg.size} declared")
-        self._next_arena += 1
-        self.arenas[self._next_arena] = Arena(seg, identity, memoryview(seg.buf), naming.owner_pid(msg.name[1:]))
-        return {"arena": self._next_arena}
 
     def _query(self, what: str, args: dict) -> dict:
         if what == "status":
@@ -354,18 +318,6 @@ class Front:
             log.error("worker %d (%s) hung; killing it", w.id, w.model)
             w.process.kill()
 
-    def _reap_arenas(self, now: float) -> None:
-        """A client that died never unregisters: its arena goes when its process does (checked each second)."""
-        if now < self._arena_check_at:
-            return
-        self._arena_check_at = now + ARENA_CHECK_S
-        for arena_id, arena in list(self.arenas.items()):
-            if arena.pid is not None and not naming.pid_alive(arena.pid):
-                log.info("client pid %d is gone; releasing its arena %d", arena.pid, arena_id)
-                del self.arenas[arena_id]
-                arena.segment.unlink()  # its owner can no longer do it
-                arena.close()
-
     def _restart_due(self, now: float) -> None:
         if self.stopping:
             return
@@ -422,9 +374,7 @@ class Front:
                 w.inflight.clear()
         self.supervisor.stop_all(lambda w: self.workers.send_multipart(
             [b"w%d" % w.id, protocol.Stop().encode()]))
-        for arena in self.arenas.values():
-            arena.close()
-        self.arenas.clear()
+        self.arenas.close()
         for sock in (getattr(self, "clients", None), getattr(self, "workers", None)):
             if sock is not None:
                 sock.close(0)
@@ -437,16 +387,6 @@ class Front:
                     os.unlink(endpoint[len("ipc://"):])
                 except FileNotFoundError:
                     pass
-
-
-class _AllowKeys:
-    """A ZAP credentials provider: a client key is admitted if it is one of the authorized ones."""
-
-    def __init__(self, allowed: set[bytes]) -> None:
-        self.allowed = allowed
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.allowed
 
 
 def _runtime_dir() -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from gepool.config import ModelConfig
 from gepool.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes, layout, protocol
-from gepool.ipc.shm import Segment
+from gepool.scheduler.arenas import Arena, Arenas
 
 
 @dataclass(slots=True, eq=False)
@@ -28,20 +28,6 @@ class Request:
     arrived: float
     key: tuple | None = field(default=None)
     retried: bool = False  # a request runs at most twice: once more if its worker dies under it
-
-
-@dataclass
-class Arena:
-    """A client's shared-memory arena, mapped into the front."""
-
-    segment: Segment
-    owner: bytes
-    view: memoryview
-    pid: int | None = None  # the client process that created it: the arena goes when it does
-
-    def close(self) -> None:
-        self.view.release()
-        self.segment.close()
 
 
 def _is_int(v: object) -> bool:
@@ -71,7 +57,7 @@ def _shape_of(name: str, shape: object) -> tuple[int, ...]:
 
 
 def admit(msg: protocol.Infer, identity: bytes, frames: list, config: ModelConfig, slot_bytes: int,
-          arenas: dict[int, Arena], now: float) -> Request:
+          arenas: Arenas, now: float) -> Request:
     """Checks one Infer against the model's config; raises a GepoolError naming what is wrong."""
     _check_fields(msg)
     given: dict[str, list] = {}
