@@ -20,17 +20,51 @@ class ModelSource:
     error: str | None = None
 
 
-def scan(repository: str) -> list[ModelSource]:
-    """Every model directory in the repository, each loadable or carrying its error."""
+def model_names(repository: str) -> list[str]:
+    """The model directories in the repository."""
     if not os.path.isdir(repository):
         raise FileNotFoundError(f"model repository '{repository}' is not a directory")
-    found = []
-    for name in sorted(os.listdir(repository)):
-        path = os.path.join(repository, name)
-        if name.startswith(".") or not os.path.isdir(path):
-            continue
-        found.append(load_source(repository, name))
-    return found
+    return sorted(n for n in os.listdir(repository)
+                  if not n.startswith(".") and os.path.isdir(os.path.join(repository, n)))
+
+
+def scan(repository: str) -> list[ModelSource]:
+    """Every model directory in the repository (its highest selected version), loadable or with its error."""
+    return [load_source(repository, name) for name in model_names(repository)]
+
+
+def signature(repository: str, name: str) -> tuple:
+    """What a poll compares to see a model changed: its files' names, sizes and modification times."""
+    try:
+        root = model_dir(repository, name)
+    except ValueError:
+        return ()
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            try:
+                st = os.stat(os.path.join(folder, f))
+            except OSError:
+                continue
+            out.append((os.path.relpath(os.path.join(folder, f), root), st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def load_sources(repository: str, name: str) -> list[ModelSource]:
+    """One source per version the version_policy selects (highest first), or a single one with the error."""
+    first = load_source(repository, name)
+    if first.error or first.config is None:
+        return [first]
+    path = os.path.dirname(first.version_dir)
+    versions = [int(v) for v in os.listdir(path) if v.isdigit() and os.path.isdir(os.path.join(path, v))]
+    out = []
+    for version in first.config.version_policy.select(versions):
+        version_dir = os.path.join(path, str(version))
+        model_file = os.path.join(version_dir, first.config.model_filename)
+        error = None if os.path.exists(model_file) else f"{model_file}: model file missing"
+        out.append(ModelSource(name, first.config, version, version_dir, error))
+    return out
 
 
 def model_dir(repository: str, name: object) -> str:

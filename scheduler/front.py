@@ -15,12 +15,11 @@ from dataclasses import dataclass
 import zmq
 
 from gepool import errors
-from gepool.config import BACKEND_GE, lanes_per_worker
 from gepool.config_json import render_config
 from gepool.ipc import protocol
 from gepool.ipc.sockets import make_socket
-from gepool.repository import ModelSource, scan
 from gepool.scheduler.arenas import Arenas
+from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.models import Model
 from gepool.scheduler.requests import admit
@@ -42,6 +41,9 @@ class FrontOptions:
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     log_level: int = logging.INFO
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
+    model_control_mode: str = "none"  # none | explicit | poll (Triton's names)
+    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start
+    poll_secs: float = 15.0
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
 
@@ -50,7 +52,7 @@ class Front:
     def __init__(self, options: FrontOptions, start_worker: Callable, on_ready: Callable[[dict], None] | None = None):
         self.opts = options
         self.on_ready = on_ready
-        self.models: dict[str, Model] = {}
+        self.control = ModelControl(self)
         self.arenas = Arenas()
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{_runtime_dir()}/gepool-{options.owner_id}.workers"
@@ -78,7 +80,7 @@ class Front:
         old_fd = signal.set_wakeup_fd(wake_w)
         old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self._load_all()
+            self.control.start()
             self._loop(wake_r)
         finally:
             self._shutdown()
@@ -97,37 +99,8 @@ class Front:
         self.auth, keys = start_curve(self.ctx, self.opts.curve_secret_key, self.opts.curve_authorized_keys)
         return keys
 
-    def _load_all(self) -> None:
-        sources = scan(self.opts.repository)
-        cpu_instances = sum(s.config.instance_count for s in sources
-                            if s.config and not s.error and s.config.backend != BACKEND_GE)
-        threads = max(1, (self.opts.cpu_threads or os.cpu_count() or 1) // max(1, cpu_instances))
-        for src in sources:
-            self._load(src, threads)
-
-    def _load(self, src: ModelSource, threads: int) -> None:
-        model = Model(src)
-        self.models[src.name] = model
-        if src.error:
-            log.error("model %s unavailable: %s", src.name, src.error)
-            return
-        if src.config.backend == BACKEND_GE:
-            # One worker per NPU; the instances and streams on it are its lanes (batches in flight).
-            lanes = lanes_per_worker(src.config)
-            devices = sorted({d for g in src.config.instance_groups for d in g.devices})
-            placements = [(f"ascend:{d}", lanes) for d in devices]
-        else:
-            placements = [(f"cpu:{d}" if g.devices else "cpu", 1) for g in src.config.instance_groups
-                          for d in (g.devices or (None,)) for _ in range(g.count)]
-        for device, lanes in placements:
-            w = self.supervisor.add(src.name, device, threads, model.slots_per_worker * lanes, model.slot_bytes)
-            w.concurrency = lanes
-            model.workers.append(w)
-            self._spawn(w)
-
-    def _spawn(self, w: Worker) -> None:
-        model = self.models[w.model]
-        self.supervisor.spawn(w, model.config, model.source.version_dir)
+    def spawn(self, w: Worker) -> None:
+        self.supervisor.spawn(w, w.model.config, w.model.source.version_dir)
         self.by_sentinel[w.sentinel] = w
         self.poller.register(w.sentinel, zmq.POLLIN)
 
@@ -146,7 +119,10 @@ class Front:
             self._watchdog(now)
             self.arenas.reap(now)
             self._restart_due(now)
-            for model in self.models.values():
+            if not self.stopping:
+                self.control.poll(now)
+                self.control.drain()
+            for model in self.control.models():
                 if len(model.batcher):
                     for p in model.batcher.expire():  # a timer, not the end of a running batch
                         self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
@@ -158,11 +134,12 @@ class Front:
                 return
 
     def _timeout_ms(self) -> int:
-        deadlines = [m.deadline() for m in self.models.values()]
+        deadlines = [m.deadline() for m in self.control.models()]
         workers = self.supervisor.workers.values()
         deadlines += [w.restart_at for w in workers if w.restart_at is not None]
-        deadlines += [w.progress_at + self.models[w.model].exec_timeout_s for w in workers
-                      if w.inflight and w.state == READY]
+        deadlines += [w.progress_at + w.model.exec_timeout_s for w in workers if w.inflight and w.state == READY]
+        if self.control.poll_at is not None:
+            deadlines.append(self.control.poll_at)
         if len(self.arenas):
             deadlines.append(self.arenas.check_at)
         if self.drain_deadline is not None:
@@ -191,7 +168,7 @@ class Front:
             msg = protocol.decode(frames[1].buffer)
         except protocol.ProtocolError as exc:
             log.warning("dropping a bad message: %s", exc)
-            self._send(identity, protocol.Error(0, errors.ProtocolMismatch.code, str(exc)))
+            self.send(identity, protocol.Error(0, errors.ProtocolMismatch.code, str(exc)))
             return
         req_id = getattr(msg, "req_id", 0)
         try:
@@ -202,7 +179,7 @@ class Front:
             log.exception("internal error handling %s", type(msg).__name__)
             reply = protocol.Error(req_id if isinstance(req_id, int) else 0, "INTERNAL", f"internal error: {exc}")
         if reply is not None:
-            self._send(identity, reply)
+            self.send(identity, reply)
 
     def _handle(self, identity: bytes, msg, frames: list):
         if isinstance(msg, protocol.Infer):
@@ -213,6 +190,10 @@ class Front:
                                               f"this pool {protocol.PROTOCOL_VERSION}")
             return protocol.Welcome(msg.req_id, protocol.PROTOCOL_VERSION, self.opts.owner_id, SERVER_NAME)
         if isinstance(msg, protocol.Query):
+            if msg.what in ("load", "unload"):
+                name = msg.args.get("model") if isinstance(msg.args, dict) else None
+                body = self.control.request(msg.what, name, (identity, msg.req_id))
+                return None if body is None else protocol.Reply(msg.req_id, body)
             return protocol.Reply(msg.req_id, self._query(msg.what, msg.args))
         if isinstance(msg, protocol.RegisterArena):
             return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
@@ -225,43 +206,45 @@ class Front:
             raise errors.InvalidArgument("req_id must be an integer and model a string")
         if self.stopping:
             raise errors.Unavailable("the pool is shutting down")
-        model = self.models.get(msg.model)
-        if model is None:
-            raise errors.ModelNotFound(f"Request for unknown model: '{msg.model}' is not found "
-                                       f"(this pool serves {sorted(self.models)})")
-        model.check_servable(msg.version)
+        group = self.control.group(msg.model)
+        model = group.route(msg.version if isinstance(msg.version, int) else protocol.NO_VERSION)
+        model.check_servable()
         req = admit(msg, identity, frames, model.config, model.slot_bytes, self.arenas, time.monotonic())
         priority = msg.priority if isinstance(msg.priority, int) else 0
         timeout_us = msg.timeout_us if isinstance(msg.timeout_us, int) else 0
         if not model.batcher.add(req, req.rows, req.key, priority, timeout_us):
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
+        group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         return None
 
     def _query(self, what: str, args: dict) -> dict:
         if what == "status":
             return self.status()
         if what == "stats":
-            return {name: m.stats.as_dict() for name, m in self.models.items()}
+            return {name: dict(g.stats.as_dict(), version_requests={str(k): v for k, v in g.version_requests.items()})
+                    for name, g in self.control.groups.items()}
         if what in ("metadata", "config"):
-            name = args.get("model") if isinstance(args, dict) else None
-            model = self.models.get(name)
-            if model is None:
-                raise errors.ModelNotFound(f"Request for unknown model: '{name}' is not found")
+            group = self.control.group(args.get("model") if isinstance(args, dict) else None)
             if what == "metadata":
-                return model.metadata()
-            if model.config is None:
-                raise errors.ModelNotReady(f"model '{name}' has no valid config: {model.reason}")
-            return render_config(model.config.source, name)
-        raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config)")
+                return group.metadata()
+            model = group.default() or next(iter(group.loading + group.failed), None)
+            if model is None or model.config is None:
+                raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")
+            return render_config(model.config.source, group.name)
+        raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config, load, unload)")
 
     def status(self) -> dict:
         return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint,
                 "stopping": self.stopping or self.grace_until is not None,
                 "arenas": len(self.arenas), "pid": os.getpid(),
-                "models": {name: m.summary() for name, m in self.models.items()}}
+                "model_control_mode": self.opts.model_control_mode,
+                "models": {name: g.summary() for name, g in self.control.groups.items()}}
 
-    def _send(self, identity: bytes, msg, frames: list = ()) -> None:
+    def send(self, identity: bytes, msg, frames: list = ()) -> None:
         self.clients.send_multipart([identity, msg.encode(), *frames], copy=False)
+
+    def send_worker(self, w: Worker, msg) -> None:
+        self.workers.send_multipart([b"w%d" % w.id, msg.encode()])
 
     # -- workers -------------------------------------------------------------------------
     def _on_worker(self, frames: list) -> None:
@@ -280,31 +263,35 @@ class Front:
         if w is None:
             return
         if isinstance(msg, protocol.Done):
-            self.dispatch.complete(self.models[w.model], w, msg)
+            self.dispatch.complete(w.model, w, msg)
         elif isinstance(msg, protocol.WorkerReady):
             self.supervisor.on_ready(w, msg)
-            self.models[w.model].worker_info(msg.info)
-            self._refresh(self.models[w.model])
-            log.info("worker %d (%s) ready", w.id, w.model)
+            w.model.worker_info(msg.info)
+            self._refresh(w.model)
+            log.info("worker %d (%s v%s) ready", w.id, w.model.name, w.model.version)
+            if w.retired:  # its generation was replaced or unloaded while it loaded
+                self.send_worker(w, protocol.Stop())
         elif isinstance(msg, protocol.WorkerFailed):
             w.reason = msg.reason
 
     def _on_worker_exit(self, w: Worker) -> None:
         self.poller.unregister(w.sentinel)
-        model = self.models[w.model]
+        model = w.model
         lost = self.supervisor.on_exit(w, time.monotonic(), self.stopping)
         can_retry = not self.stopping and any(o.state == READY for o in model.workers if o is not w)
-        err = errors.WorkerDied(f"the worker running model '{w.model}' died ({w.reason}) while executing "
+        err = errors.WorkerDied(f"the worker running model '{model.name}' died ({w.reason}) while executing "
                                 f"this request")
         for batch in sorted(lost.values(), key=lambda b: b.seq, reverse=True):  # oldest ends up first
             self.dispatch.recover(model, batch, err, can_retry)
+        if w.retired:
+            self.supervisor.forget(w)
         self._refresh(model)
 
     def _watchdog(self, now: float) -> None:
         """A worker that has held a batch past its model's execution timeout is hung: that batch is
         answered now, the worker is killed, and its death path replaces it and retries the rest."""
         for w in self.supervisor.workers.values():
-            model = self.models[w.model]
+            model = w.model
             if w.state != READY or not w.inflight or now - w.progress_at < model.exec_timeout_s:
                 continue
             head = min(w.inflight.values(), key=lambda b: b.seq)
@@ -312,10 +299,10 @@ class Front:
             w.rows -= head.rows
             timeout_ms = round((model.exec_timeout_s) * 1000)
             self.dispatch.fail_batch(model, head, errors.WorkerDied(
-                f"model '{w.model}' did not finish a batch within {timeout_ms} ms (execution_timeout_ms); "
+                f"model '{model.name}' did not finish a batch within {timeout_ms} ms (execution_timeout_ms); "
                 f"its worker was killed and is being replaced"))
             w.reason = "hung: killed by the watchdog"
-            log.error("worker %d (%s) hung; killing it", w.id, w.model)
+            log.error("worker %d (%s) hung; killing it", w.id, model.name)
             w.process.kill()
 
     def _restart_due(self, now: float) -> None:
@@ -323,7 +310,7 @@ class Front:
             return
         for w in list(self.supervisor.workers.values()):
             if w.restart_at is not None and w.restart_at <= now:
-                self._spawn(w)
+                self.spawn(w)
 
     def _announce_ready(self) -> None:
         if self._announced or any(w.state == STARTING for w in self.supervisor.workers.values()):
@@ -334,6 +321,7 @@ class Front:
 
     def _refresh(self, model: Model) -> None:
         model.refresh_state()
+        self.control.on_refresh(model)
         if model.state == "UNAVAILABLE" and len(model.batcher):
             reason = f"model '{model.name}' is unavailable: {model.reason}"
             self.dispatch.fail_queued(model, errors.ModelNotReady(reason))
@@ -356,7 +344,7 @@ class Front:
             self.drain_deadline = time.monotonic() + self.opts.drain_timeout_s
 
     def _drained(self, now: float) -> bool:
-        busy = any(len(m.batcher) for m in self.models.values()) or any(
+        busy = any(len(m.batcher) for m in self.control.models()) or any(
             w.inflight for w in self.supervisor.workers.values())
         if busy and now < self.drain_deadline and any(w.state == READY for w in self.supervisor.workers.values()):
             return False
@@ -364,7 +352,7 @@ class Front:
 
     def _shutdown(self) -> None:
         unavailable = errors.Unavailable("the pool stopped before this request ran")
-        for model in self.models.values():
+        for model in self.control.models():
             if not hasattr(self, "dispatch"):
                 break
             self.dispatch.fail_queued(model, unavailable)

@@ -2,7 +2,7 @@
 
 from gepool import errors
 from gepool.config import ModelConfig, parse_size
-from gepool.ipc import layout, protocol
+from gepool.ipc import layout
 from gepool.repository import ModelSource
 from gepool.scheduler.batcher import DynamicBatcher
 from gepool.scheduler.queues import PolicyQueues
@@ -29,12 +29,15 @@ def slot_bytes_for(config: ModelConfig) -> int:
 
 
 class Model:
-    def __init__(self, source: ModelSource) -> None:
+    """One generation of one version of a model: its workers, queue and batcher."""
+
+    def __init__(self, source: ModelSource, stats: ModelStats | None = None, generation: int = 0) -> None:
         self.name, self.source, self.config = source.name, source, source.config
+        self.version, self.generation = source.version, generation
         self.state = UNAVAILABLE if source.error else LOADING
         self.reason = source.error or ""
         self.workers: list = []
-        self.stats = ModelStats()
+        self.stats = stats if stats is not None else ModelStats()
         self.seq = 0
         self.was_ready = False
         self.slots_per_worker = SLOTS_PER_WORKER
@@ -70,16 +73,15 @@ class Model:
         delay = self.batcher.deadline()
         return min(d for d in (timeout, delay) if d is not None) if (timeout or delay) else None
 
-    def check_servable(self, version: int) -> None:
-        # A model whose workers are being restarted after a crash keeps queueing: its requests wait for
-        # the replacement (bounded by their timeouts and the queue policy) instead of being refused.
-        restarting = self.state == LOADING and self.was_ready
-        if self.state != AVAILABLE and not restarting:
+    def servable(self) -> bool:
+        """READY, or restarting after a crash: such a model keeps queueing, and its requests wait for the
+        replacement (bounded by their timeouts and the queue policy) instead of being refused."""
+        return self.state == AVAILABLE or (self.state == LOADING and self.was_ready)
+
+    def check_servable(self) -> None:
+        if not self.servable():
             why = f": {self.reason}" if self.reason else ""
             raise errors.ModelNotReady(f"model '{self.name}' is {self.state}{why}")
-        if version != protocol.NO_VERSION and version != self.source.version:
-            raise errors.ModelNotFound(f"model '{self.name}' has no version {version} ready "
-                                       f"(serving version {self.source.version})")
 
     def refresh_state(self) -> None:
         states = [w.state for w in self.workers]

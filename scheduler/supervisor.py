@@ -28,7 +28,7 @@ StartWorker = Callable[..., Any]
 @dataclass(eq=False)
 class Worker:
     id: int
-    model: str
+    model: Any  # the scheduler's Model this worker serves
     device: str
     threads: int
     slots: int
@@ -43,6 +43,7 @@ class Worker:
     concurrency: int = 1  # batches it runs at once (an NPU worker's lanes)
     info: dict = field(default_factory=dict)  # what the worker said about itself when ready
     progress_at: float = 0.0  # last dispatch to an idle worker or completion: the hang watchdog's clock
+    retired: bool = False  # asked to stop (its model generation drained or was unloaded): never restarted
     restarts: int = 0  # every restart, for metrics
     streak: int = 0  # deaths in a row without a stable run: the backoff's exponent
     ready_at: float = 0.0
@@ -61,7 +62,7 @@ class Supervisor:
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
 
-    def add(self, model: str, device: str, threads: int, slots: int, slot_bytes: int) -> Worker:
+    def add(self, model: Any, device: str, threads: int, slots: int, slot_bytes: int) -> Worker:
         self._next_id += 1
         w = Worker(self._next_id, model, device, threads, slots, slot_bytes)
         self.workers[w.id] = w
@@ -75,7 +76,8 @@ class Supervisor:
         w.process = self.start_worker(
             worker_id=w.id, config=config, version_dir=version_dir, device=w.device, threads=w.threads,
             ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level)
-        log.info("worker %d (%s on %s) started, pid %d", w.id, w.model, w.device, w.process.pid)
+        log.info("worker %d (%s v%s on %s) started, pid %d", w.id, w.model.name, w.model.version, w.device,
+                 w.process.pid)
 
     def on_ready(self, w: Worker, msg: protocol.WorkerReady) -> None:
         if msg.version != protocol.PROTOCOL_VERSION:
@@ -102,7 +104,7 @@ class Supervisor:
         self._unlink(w)
         w.ring.close()
         w.ring = None
-        if code == protocol.EXIT_LOAD_FAILED or stopping:
+        if code == protocol.EXIT_LOAD_FAILED or stopping or w.retired:
             w.state = FAILED if code == protocol.EXIT_LOAD_FAILED else DEAD
             w.reason = w.reason or f"exit code {code}"
         else:
@@ -121,8 +123,9 @@ class Supervisor:
             w.ring.segment.unlink()
             w.ring_linked = False
 
-    def alive(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.state in (STARTING, READY)]
+    def forget(self, w: Worker) -> None:
+        """A retired worker that has exited leaves the supervisor's books."""
+        self.workers.pop(w.id, None)
 
     def stop_all(self, send: Callable[[Worker], None]) -> None:
         """Stop messages, then terminate, then kill: each step waits on the processes' own exit."""

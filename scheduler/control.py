@@ -1,0 +1,199 @@
+"""Model control: which models and versions the front serves, (re)loading without loss, unloading, polling.
+
+Triton's modes: ``none`` loads the whole repository at start and refuses load/unload; ``explicit``
+loads only what it is told (``--load-model`` at start, then load/unload requests); ``poll`` loads
+the repository and rescans it every ``poll_secs``, reloading what changed and unloading what went.
+"""
+
+import logging
+import os
+import time
+
+from gepool import errors
+from gepool.config import BACKEND_GE, lanes_per_worker
+from gepool.ipc import protocol
+from gepool.repository import load_sources, model_dir, model_names, scan, signature
+from gepool.scheduler.groups import Group
+from gepool.scheduler.models import LOADING, Model
+from gepool.scheduler.supervisor import READY, STARTING
+
+log = logging.getLogger("gepool.control")
+
+MODES = ("none", "explicit", "poll")
+
+
+class ModelControl:
+    def __init__(self, front) -> None:
+        self.front = front
+        self.groups: dict[str, Group] = {}
+        self.generation = 0
+        self.threads = 1
+        self.poll_at: float | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.front.opts.model_control_mode
+
+    def models(self) -> list[Model]:
+        return [m for g in self.groups.values() for m in g.models()]
+
+    def start(self) -> None:
+        opts = self.front.opts
+        sources = scan(opts.repository)
+        cpu = sum(s.config.instance_count for s in sources if s.config and not s.error
+                  and s.config.backend != BACKEND_GE)
+        self.threads = max(1, (opts.cpu_threads or os.cpu_count() or 1) // max(1, cpu))
+        names = list(opts.load_models) if self.mode == "explicit" else [s.name for s in sources]
+        for name in names:
+            self.load(name)
+        if self.mode == "poll":
+            self.poll_at = time.monotonic() + opts.poll_secs
+
+    def group(self, name: object) -> Group:
+        group = self.groups.get(name) if isinstance(name, str) else None
+        if group is None or group.unloading:
+            served = sorted(n for n, g in self.groups.items() if not g.unloading)
+            raise errors.ModelNotFound(f"Request for unknown model: '{name}' is not found (this pool serves {served})")
+        return group
+
+    # -- load and unload -------------------------------------------------------------------
+    def request(self, what: str, name: object, waiter: tuple[bytes, int]) -> dict | None:
+        """A client's load/unload; a load is answered when it settles (None: the reply comes later)."""
+        if self.mode == "none":
+            raise errors.Unavailable(f"explicit model {what} is not allowed: this pool runs with model control "
+                                     f"mode NONE (start it with --model-control-mode explicit or poll)")
+        try:
+            model_dir(self.front.opts.repository, name)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+        if what == "unload":
+            if name not in self.groups or self.groups[name].unloading:
+                raise errors.ModelNotFound(f"Request for unknown model: '{name}' is not loaded")
+            self.unload(name)
+            return {"unloaded": name}
+        self.load(name, waiter)
+        return None
+
+    def load(self, name: str, waiter: tuple[bytes, int] | None = None) -> None:
+        """Starts a new generation of every selected version beside what serves now."""
+        group = self.groups.get(name)
+        if group is None or group.unloading and not group.models():
+            group = self.groups[name] = Group(name)
+        group.unloading = False
+        if waiter is not None:
+            group.waiters.append(waiter)
+        if group.loading:
+            return  # a load is under way; this request is answered when it settles
+        group.signature = signature(self.front.opts.repository, name)
+        for src in load_sources(self.front.opts.repository, name):
+            self.generation += 1
+            model = Model(src, group.stats, self.generation)
+            group.loading.append(model)
+            if src.error:
+                log.error("model %s version %s cannot load: %s", name, src.version, src.error)
+                continue
+            self._place(model)
+        self.settle(group)
+
+    def _place(self, model: Model) -> None:
+        cfg = model.config
+        if cfg.backend == BACKEND_GE:
+            # One worker per NPU; the instances and streams on it are its lanes (batches in flight).
+            lanes = lanes_per_worker(cfg)
+            placements = [(f"ascend:{d}", lanes) for d in sorted({d for g in cfg.instance_groups for d in g.devices})]
+        else:
+            placements = [(f"cpu:{d}" if g.devices else "cpu", 1) for g in cfg.instance_groups
+                          for d in (g.devices or (None,)) for _ in range(g.count)]
+        for device, lanes in placements:
+            w = self.front.supervisor.add(model, device, self.threads, model.slots_per_worker * lanes,
+                                          model.slot_bytes)
+            w.concurrency = lanes
+            model.workers.append(w)
+            self.front.spawn(w)
+
+    def unload(self, name: str) -> None:
+        group = self.groups[name]
+        group.unloading = True
+        group.draining += [*group.serving.values(), *group.loading]
+        group.serving, group.loading = {}, []
+        self._answer(group, errors.Unavailable(f"model '{name}' was unloaded before its load finished"))
+
+    def settle(self, group: Group) -> None:
+        result = group.settle()
+        if result is None:
+            return
+        old, failed = result
+        for model in failed:
+            self.retire(model)
+        if old:
+            log.info("model %s: versions %s now serving; %d older generation(s) draining", group.name,
+                     sorted(group.serving), len(old))
+        swapped = bool(old) or (group.serving and not failed)
+        if not group.serving:
+            error = errors.ModelNotReady(f"model '{group.name}' failed to load: {group.error}")
+        elif failed and not swapped:
+            error = errors.ModelNotReady(f"model '{group.name}' failed to load; the generation already "
+                                         f"serving keeps serving: {group.error}")
+        else:
+            error = None
+        self._answer(group, error)
+
+    def _answer(self, group: Group, error: errors.GepoolError | None) -> None:
+        for identity, req_id in group.waiters:
+            if error is not None:
+                msg = protocol.Error(req_id, error.code, error.message)
+            else:
+                msg = protocol.Reply(req_id, {"loaded": group.name, "versions": sorted(group.serving),
+                                              "failed": group.error})
+            self.front.send(identity, msg)
+        group.waiters = []
+
+    # -- draining and retiring --------------------------------------------------------------
+    def retire(self, model: Model) -> None:
+        """Stops a generation's workers for good (Stop to a ready worker, kill to one still starting)."""
+        for w in model.workers:
+            if w.retired or w.process is None:
+                continue
+            w.retired = True
+            if w.state == READY:
+                self.front.send_worker(w, protocol.Stop())
+            elif w.state == STARTING:
+                w.process.kill()
+
+    def drain(self) -> None:
+        """Generations that were replaced or unloaded stop once nothing of theirs is queued or running."""
+        for name, group in list(self.groups.items()):
+            for model in list(group.draining):
+                if len(model.batcher) or any(w.inflight for w in model.workers):
+                    continue
+                if any(w.process is not None for w in model.workers):
+                    self.retire(model)
+                    continue
+                group.draining.remove(model)
+            if group.unloading and not group.models():
+                del self.groups[name]
+
+    def on_refresh(self, model: Model) -> None:
+        group = self.groups.get(model.name)
+        if group is not None and model in group.loading and model.state != LOADING:
+            self.settle(group)
+
+    # -- polling ----------------------------------------------------------------------------
+    def poll(self, now: float) -> None:
+        if self.poll_at is None or now < self.poll_at:
+            return
+        self.poll_at = now + self.front.opts.poll_secs
+        repo = self.front.opts.repository
+        try:
+            names = set(model_names(repo))
+        except FileNotFoundError:
+            return
+        for name in sorted(names):
+            group = self.groups.get(name)
+            if group is None or group.unloading or (not group.loading and signature(repo, name) != group.signature):
+                log.info("repository poll: (re)loading %s", name)
+                self.load(name)
+        for name, group in list(self.groups.items()):
+            if name not in names and not group.unloading:
+                log.info("repository poll: %s is gone; unloading", name)
+                self.unload(name)
