@@ -94,6 +94,12 @@ class AsyncClient:
     async def stats(self) -> dict:
         return await self._call(protocol.Query(_wire.next_id(), "stats", {}))
 
+    async def load(self, model: str, timeout: float | None = None) -> dict:
+        return await self._call(protocol.Query(_wire.next_id(), "load", {"model": model}), timeout)
+
+    async def unload(self, model: str) -> dict:
+        return await self._call(protocol.Query(_wire.next_id(), "unload", {"model": model}))
+
     async def query(self, what: str, args: dict | None = None):
         return await self._call(protocol.Query(_wire.next_id(), what, args or {}))
 

@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP and metrics ports bind")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none",
+                   help="none: serve the repository as started; explicit: load/unload on request; poll: follow it")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="explicit mode: a model to load at start (repeatable)")
+    p.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll mode: seconds between scans")
     p.add_argument("--exit-timeout-secs", type=float, default=0.0,
                    help="on SIGTERM, report not ready but keep serving this long before draining (default 0)")
     p.add_argument("--curve-secret-key", help="ZMQ certificate file: CURVE encryption/auth for a tcp endpoint")
@@ -36,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--endpoint")
     p.add_argument("--shared-memory", action="store_true")
+
+    for action in ("load", "unload"):
+        p = sub.add_parser(action, help=f"{action} a model (pools started with --model-control-mode explicit/poll)")
+        p.add_argument("model")
+        p.add_argument("--endpoint")
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by dead pools")
     p.add_argument("--dry-run", action="store_true")
@@ -71,7 +81,9 @@ def _cmd_start(args) -> int:
     return serve(args.model_repository, endpoint, cpu_threads=args.cpu_threads,
                  log_level=logging.getLevelName(args.log_level.upper()), on_ready=ready, http_port=args.http_port,
                  http_host=args.http_host, metrics_port=args.metrics_port, curve_secret_key=args.curve_secret_key,
-                 curve_authorized_keys=args.curve_authorized_keys, exit_grace_s=args.exit_timeout_secs)
+                 curve_authorized_keys=args.curve_authorized_keys, exit_grace_s=args.exit_timeout_secs,
+                 model_control_mode=args.model_control_mode, load_models=tuple(args.load_model),
+                 poll_secs=args.repository_poll_secs)
 
 
 def _cmd_status(args) -> int:
@@ -105,6 +117,22 @@ def _cmd_infer(args) -> int:
     for name, arr in outputs.items():
         print(f"{name} {arr.dtype} {list(arr.shape)}")
         print(np.array2string(arr, threshold=20, edgeitems=3))
+    return 0
+
+
+def _cmd_load(args) -> int:
+    from gepool.client import Client
+
+    with Client(args.endpoint) as c:
+        print(json.dumps(c.load(args.model)))
+    return 0
+
+
+def _cmd_unload(args) -> int:
+    from gepool.client import Client
+
+    with Client(args.endpoint) as c:
+        print(json.dumps(c.unload(args.model)))
     return 0
 
 

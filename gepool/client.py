@@ -107,6 +107,15 @@ class Client:
         return self._call(protocol.Query(_wire.next_id(), "stats", {}))
 
     # -- plumbing ------------------------------------------------------------------------
+    def load(self, model: str, timeout: float | None = None) -> dict:
+        """Loads or reloads a model and returns once the new generation serves (or raises why it could not);
+        requests keep flowing to the old one meanwhile."""
+        return self._call(protocol.Query(_wire.next_id(), "load", {"model": model}), timeout)
+
+    def unload(self, model: str) -> dict:
+        """Stops routing to the model; what it has queued or running finishes, then its workers stop."""
+        return self._call(protocol.Query(_wire.next_id(), "unload", {"model": model}))
+
     def query(self, what: str, args: dict | None = None):
         """A front query by name: status, stats, metadata or config (args: {"model": name})."""
         return self._call(protocol.Query(_wire.next_id(), what, args or {}))

@@ -59,9 +59,9 @@ class ModelControl:
     # -- load and unload -------------------------------------------------------------------
     def request(self, what: str, name: object, waiter: tuple[bytes, int]) -> dict | None:
         """A client's load/unload; a load is answered when it settles (None: the reply comes later)."""
-        if self.mode == "none":
+        if self.mode != "explicit":
             raise errors.Unavailable(f"explicit model {what} is not allowed: this pool runs with model control "
-                                     f"mode NONE (start it with --model-control-mode explicit or poll)")
+                                     f"mode {self.mode.upper()} (start it with --model-control-mode explicit)")
         try:
             model_dir(self.front.opts.repository, name)
         except ValueError as exc:

@@ -237,3 +237,12 @@ def test_perf_analyzer_concurrency_1_to_8(http_pool):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Concurrency: 1, throughput" in proc.stdout and "Concurrency: 8, throughput" in proc.stdout
     assert "error" not in proc.stdout.lower().replace("errors: 0", ""), proc.stdout[-3000:]
+
+
+def test_repository_index_and_control_mode(http_pool, triton):
+    from tritonclient.utils import InferenceServerException
+
+    index = {m["name"]: m for m in triton.get_model_repository_index()}
+    assert index["tiny"]["state"] == "READY" and index["tiny"]["version"] == "1"
+    with pytest.raises(InferenceServerException, match="NONE"):  # this pool was started in mode none
+        triton.load_model("tiny")

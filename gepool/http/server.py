@@ -210,9 +210,18 @@ class Gateway:
 
     @route
     async def repository_control(self, request):
-        await self._json_body(request)
-        raise errors.Unavailable(f"explicit model {request.match_info['action']} is not allowed: this pool runs "
-                                 f"with model control mode NONE")
+        body = await self._json_body(request)
+        if (body.get("parameters") or {}).get("config") or any(k.startswith("file:") for k in
+                                                                 (body.get("parameters") or {})):
+            raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
+                                         "repository and load again")
+        client = await self.front()
+        model = request.match_info["model"]
+        if request.match_info["action"] == "load":
+            await client.load(model)
+        else:
+            await client.unload(model)
+        return web.Response(status=200)
 
     # -- shared memory ---------------------------------------------------------------------
     @route
