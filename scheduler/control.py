@@ -15,6 +15,7 @@ from gepool.ipc import protocol
 from gepool.repository import load_sources, model_dir, model_names, scan, signature
 from gepool.scheduler.groups import Group
 from gepool.scheduler.models import LOADING, Model
+from gepool.scheduler.stats import Tee
 from gepool.scheduler.supervisor import READY, STARTING
 
 log = logging.getLogger("gepool.control")
@@ -87,7 +88,7 @@ class ModelControl:
         group.signature = signature(self.front.opts.repository, name)
         for src in load_sources(self.front.opts.repository, name):
             self.generation += 1
-            model = Model(src, group.stats, self.generation)
+            model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation)
             group.loading.append(model)
             if src.error:
                 log.error("model %s version %s cannot load: %s", name, src.version, src.error)

@@ -146,7 +146,7 @@ class Dispatcher:
             self.reply_error(model, p.item, err)
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
-        model.stats.failures += 1
+        model.stats.failed()
         self.clients.send_multipart([req.identity, protocol.Error(req.req_id, err.code, err.message).encode()])
 
 

@@ -221,8 +221,7 @@ class Front:
         if what == "status":
             return self.status()
         if what == "stats":
-            return {name: dict(g.stats.as_dict(), version_requests={str(k): v for k, v in g.version_requests.items()})
-                    for name, g in self.control.groups.items()}
+            return {name: g.stats_dict() for name, g in self.control.groups.items()}
         if what in ("metadata", "config"):
             group = self.control.group(args.get("model") if isinstance(args, dict) else None)
             if what == "metadata":

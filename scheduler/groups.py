@@ -35,10 +35,20 @@ class Group:
         self.error = ""
         self.waiters: list[tuple[bytes, int]] = []  # load requests answered when the load settles
         self.stats = ModelStats()  # across versions and generations
+        self.by_version: dict[int, ModelStats] = {}  # per version, across generations
         self.version_requests: dict[int, int] = {}
         self.unloading = False
         self.signature: tuple = ()
         self._rng = random.Random(0)
+
+    def version_stats(self, version: int | None) -> ModelStats:
+        return self.by_version.setdefault(version if version is not None else 0, ModelStats())
+
+    def stats_dict(self) -> dict:
+        out = self.stats.as_dict()
+        out["version_requests"] = {str(k): v for k, v in sorted(self.version_requests.items())}
+        out["versions"] = {str(v): s.as_dict() for v, s in sorted(self.by_version.items())}
+        return out
 
     def models(self) -> list[Model]:
         return [*self.serving.values(), *self.loading, *self.draining]

@@ -57,6 +57,9 @@ class ModelStats:
         self.request.observe(seconds)
         self.last_inference = time.time()
 
+    def failed(self) -> None:
+        self.failures += 1
+
     def as_dict(self) -> dict:
         return {
             "requests": self.requests, "failures": self.failures, "batches": self.batches, "rows": self.rows,
@@ -67,3 +70,27 @@ class ModelStats:
             "histograms": {"request": self.request.as_dict(), "queue": self.queue.as_dict(),
                            "compute": self.compute.as_dict()},
         }
+
+
+class Tee:
+    """Records into several ModelStats at once: a model version's own, and its name's across versions
+    (so a candidate version in a gray release can be compared with the one it may replace)."""
+
+    def __init__(self, *stats: ModelStats) -> None:
+        self.parts = stats
+
+    def dispatched(self, rows: int, waits: list[float]) -> None:
+        for s in self.parts:
+            s.dispatched(rows, waits)
+
+    def computed(self, rows: int, seconds: float) -> None:
+        for s in self.parts:
+            s.computed(rows, seconds)
+
+    def answered(self, seconds: float) -> None:
+        for s in self.parts:
+            s.answered(seconds)
+
+    def failed(self) -> None:
+        for s in self.parts:
+            s.failed()

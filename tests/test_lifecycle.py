@@ -162,7 +162,10 @@ def test_versions_and_traffic_split(tmp_path):
         got = [f.result(timeout=120)["OUTPUT"][0, 0] for f in futures]
         share = got.count(2.0) / len(got)
         assert 0.06 < share < 0.14, share  # 10% asked; generous bounds over 2,000 draws
-        assert c.stats()["a"]["version_requests"]["2"] >= got.count(2.0)
+        stats = c.stats()["a"]
+        assert stats["version_requests"]["2"] >= got.count(2.0)
+        assert stats["versions"]["2"]["requests"] >= got.count(2.0)  # per-version stats, to compare the two
+        assert stats["versions"]["1"]["requests"] + stats["versions"]["2"]["requests"] == stats["requests"]
 
 
 def _rss_kb(pid: int) -> int:
