@@ -153,9 +153,12 @@ class ModelControl:
     def retire(self, model: Model) -> None:
         """Stops a generation's workers for good (Stop to a ready worker, kill to one still starting)."""
         for w in model.workers:
-            if w.retired or w.process is None:
+            if w.retired:
                 continue
-            w.retired = True
+            w.retired, w.restart_at = True, None  # a worker waiting out its restart backoff is not restarted
+            if w.process is None:
+                self.front.supervisor.forget(w)
+                continue
             if w.state == READY:
                 self.front.send_worker(w, protocol.Stop())
             elif w.state == STARTING:
@@ -167,9 +170,9 @@ class ModelControl:
             for model in list(group.draining):
                 if len(model.batcher) or any(w.inflight for w in model.workers):
                     continue
+                self.retire(model)
                 if any(w.process is not None for w in model.workers):
-                    self.retire(model)
-                    continue
+                    continue  # Stop sent; it leaves the books when its workers have exited
                 group.draining.remove(model)
             if group.unloading and not group.models():
                 del self.groups[name]

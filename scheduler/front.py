@@ -308,7 +308,7 @@ class Front:
         if self.stopping:
             return
         for w in list(self.supervisor.workers.values()):
-            if w.restart_at is not None and w.restart_at <= now:
+            if w.restart_at is not None and w.restart_at <= now and not w.retired:
                 self.spawn(w)
 
     def _announce_ready(self) -> None:
