@@ -47,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("model")
         p.add_argument("--endpoint")
 
+    p = sub.add_parser("bench", help="load a model at concurrency levels or Poisson rates; latency and throughput")
+    p.add_argument("model")
+    p.add_argument("--endpoint")
+    p.add_argument("--concurrency", default="", help="closed-loop levels, e.g. 1,2,4,8,16")
+    p.add_argument("--rate", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 100,200")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per level")
+    p.add_argument("--batch-size", type=int, default=1, help="rows per request")
+    p.add_argument("--shared-memory", action="store_true")
+    p.add_argument("--output", help="write the report as JSON here")
+
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by dead pools")
     p.add_argument("--dry-run", action="store_true")
 
@@ -133,6 +143,23 @@ def _cmd_unload(args) -> int:
 
     with Client(args.endpoint) as c:
         print(json.dumps(c.unload(args.model)))
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from gepool.bench import bench, format_report
+    from gepool.client import Client
+
+    concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    rates = [float(x) for x in args.rate.split(",") if x]
+    if not concurrency and not rates:
+        concurrency = [1, 2, 4, 8, 16]
+    with Client(args.endpoint, shared_memory=args.shared_memory) as c:
+        report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size)
+    print(format_report(report))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
     return 0
 
 

@@ -1,0 +1,194 @@
+"""``gepool bench``: closed-loop (concurrency) and open-loop (Poisson rate) load against a pool, with
+latency percentiles, errors by kind and the server's own view of the same window.
+
+The load runs on the client's I/O thread (each answer sends the next request, or a timer sends at
+the next arrival), so one Python thread can keep many requests in flight; when the sender falls
+behind the asked arrival times the report says the client side was saturated.
+"""
+
+import json
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from gepool import errors
+from gepool.ipc import dtypes
+
+PERCENTILES = (50, 90, 95, 99)
+SATURATION_LAG = 0.1  # open loop: sending more than 10% of the run late means the client could not keep up
+
+
+@dataclass
+class Level:
+    mode: str  # "concurrency" or "rate"
+    level: float
+    seconds: float = 0.0
+    sent: int = 0
+    ok: int = 0
+    rows: int = 0
+    errors: dict = field(default_factory=dict)
+    latency_ms: dict = field(default_factory=dict)  # p50 p90 p95 p99 max mean
+    throughput_rps: float = 0.0
+    rows_per_s: float = 0.0
+    client_saturated: bool = False
+    send_lag_s: float = 0.0
+    server: dict = field(default_factory=dict)
+
+
+def percentiles(latencies_s: list[float]) -> dict:
+    if not latencies_s:
+        return {}
+    arr = np.asarray(latencies_s) * 1000
+    out = {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
+    out["max"], out["mean"] = float(arr.max()), float(arr.mean())
+    return out
+
+
+def poisson_arrivals(rate: float, seconds: float, seed: int = 0) -> np.ndarray:
+    """Arrival times (from 0) of a Poisson process of the given rate over ``seconds``."""
+    rng = np.random.default_rng(seed)
+    n = int(rate * seconds * 1.2) + 16
+    times = np.cumsum(rng.exponential(1.0 / rate, n))
+    while times[-1] < seconds:
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate, n))])
+    return times[times < seconds]
+
+
+def make_inputs(meta: dict, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs of the model's shapes (variable dims become 1), with batch_size rows when it batches."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for t in meta["inputs"]:
+        shape = [batch_size if i == 0 and meta.get("max_batch_size", 0) > 0 else (d if d > 0 else 1)
+                 for i, d in enumerate(t["shape"])]
+        if t["datatype"] == dtypes.BYTES:
+            out[t["name"]] = np.full(shape, b"gepool", dtype=object)
+        else:
+            out[t["name"]] = (rng.random(shape) * 10).astype(dtypes.to_numpy(t["datatype"]))
+    return out
+
+
+def server_window(before: dict, after: dict) -> dict:
+    """What the pool saw between two stats snapshots of one model."""
+    batches = after["batches"] - before["batches"]
+    reqs = after["requests"] - before["requests"]
+    sizes = {int(k): v - before["batch_sizes"].get(k, before["batch_sizes"].get(str(k), 0))
+             for k, v in after["batch_sizes"].items()}
+    return {"requests": reqs, "batches": batches,
+            "avg_batch_size": (after["rows"] - before["rows"]) / batches if batches else 0.0,
+            "queue_ms_avg": (after["queue_us"] - before["queue_us"]) / 1000 / max(reqs, 1),
+            "compute_ms_avg": (after["compute_us"] - before["compute_us"]) / 1000 / max(batches, 1),
+            "batch_sizes": {k: v for k, v in sorted(sizes.items()) if v}}
+
+
+class _Run:
+    """Bookkeeping shared by the I/O-thread callbacks of one level."""
+
+    def __init__(self, client, model: str, inputs: dict, rows: int, level: Level) -> None:
+        self.client, self.model, self.inputs, self.rows, self.level = client, model, inputs, rows, level
+        self.lock = threading.Lock()
+        self.latencies: list[float] = []
+        self.outstanding = 0
+        self.closing = False  # no more sends will start: the level ends when the last answer is in
+        self.idle = threading.Event()
+
+    def send(self, then=None) -> None:
+        start = time.perf_counter()
+        with self.lock:
+            self.level.sent += 1
+            self.outstanding += 1
+            self.idle.clear()
+        fut = self.client.infer_async(self.model, self.inputs)
+        fut.add_done_callback(lambda f: self._done(f, start, then))
+
+    def _done(self, fut, start: float, then) -> None:
+        elapsed = time.perf_counter() - start
+        try:
+            fut.result()
+            ok, kind = True, None
+        except errors.GepoolError as exc:
+            ok, kind = False, exc.code
+        with self.lock:
+            if ok:
+                self.level.ok += 1
+                self.level.rows += self.rows
+                self.latencies.append(elapsed)
+            else:
+                self.level.errors[kind] = self.level.errors.get(kind, 0) + 1
+        if then is not None:
+            then()  # the next request goes out before this one stops counting as outstanding
+        with self.lock:
+            self.outstanding -= 1
+            if self.outstanding == 0 and self.closing:
+                self.idle.set()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closing = True
+            if self.outstanding == 0:
+                self.idle.set()
+
+
+def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds: float, rows: int) -> Level:
+    level = Level(mode, value)
+    run = _Run(client, model, inputs, rows, level)
+    before = client.stats()[model]
+    start = time.perf_counter()
+    stop_at = start + seconds
+    if mode == "concurrency":
+        def again() -> None:
+            if time.perf_counter() < stop_at:
+                run.send(again)
+
+        for _ in range(int(value)):
+            run.send(again)
+        time.sleep(max(0.0, stop_at - time.perf_counter()))
+    else:
+        lag = 0.0
+        for t in poisson_arrivals(value, seconds).tolist():
+            wait = start + t - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            else:
+                lag = max(lag, -wait)
+            run.send()
+        level.send_lag_s = float(lag)
+        level.client_saturated = bool(lag > SATURATION_LAG * seconds)
+    run.close()
+    run.idle.wait(seconds + 120)
+    level.seconds = time.perf_counter() - start
+    level.latency_ms = percentiles(run.latencies)
+    level.throughput_rps = level.ok / level.seconds
+    level.rows_per_s = level.rows / level.seconds
+    level.server = server_window(before, client.stats()[model])
+    return level
+
+
+def bench(client, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
+          seconds: float = 5.0, batch_size: int = 1) -> dict:
+    meta = client.model_metadata(model)
+    inputs = make_inputs(meta, batch_size)
+    rows = batch_size if meta.get("max_batch_size", 0) > 0 else 1
+    levels = [run_level(client, model, inputs, "concurrency", c, seconds, rows) for c in (concurrency or [])]
+    levels += [run_level(client, model, inputs, "rate", r, seconds, rows) for r in (rates or [])]
+    return {"model": model, "batch_size": batch_size, "seconds": seconds,
+            "inputs": {k: list(v.shape) for k, v in inputs.items()}, "levels": [asdict(x) for x in levels]}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"model {report['model']}, batch {report['batch_size']}, {report['seconds']:.0f}s per level",
+             f"{'load':>14s} {'req/s':>9s} {'rows/s':>9s} {'p50':>8s} {'p90':>8s} {'p95':>8s} {'p99':>8s} "
+             f"{'max':>8s}  {'server batch':>12s} {'queue ms':>8s} {'compute ms':>10s}  errors"]
+    for lv in report["levels"]:
+        lat = lv["latency_ms"] or dict.fromkeys(("p50", "p90", "p95", "p99", "max"), math.nan)
+        label = f"{'conc' if lv['mode'] == 'concurrency' else 'rate'} {lv['level']:g}"
+        s = lv["server"]
+        lines.append(f"{label:>14s} {lv['throughput_rps']:9.1f} {lv['rows_per_s']:9.1f} "
+                     + " ".join(f"{lat[k]:8.2f}" for k in ("p50", "p90", "p95", "p99", "max"))
+                     + f"  {s['avg_batch_size']:12.2f} {s['queue_ms_avg']:8.2f} {s['compute_ms_avg']:10.2f}  "
+                     + (json.dumps(lv["errors"]) if lv["errors"] else "-")
+                     + ("  (client saturated)" if lv["client_saturated"] else ""))
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""gepool bench: its numbers from known inputs, its arrival process, and a real (short) run."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from gepool.bench import bench, percentiles, poisson_arrivals, server_window
+
+
+def test_percentiles_of_known_latencies():
+    p = percentiles([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert abs(p["p50"] - 50.5) < 1e-9 and abs(p["p99"] - 99.01) < 1e-9
+    assert p["max"] == 100.0 and abs(p["mean"] - 50.5) < 1e-9
+    assert percentiles([]) == {}
+
+
+def test_poisson_arrivals_follow_the_rate():
+    t = poisson_arrivals(200.0, 100.0, seed=3)
+    assert abs(len(t) - 20_000) < 600  # 3% over 20,000 expected arrivals
+    gaps = np.diff(t)
+    assert abs(gaps.mean() - 1 / 200) < 0.03 / 200
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.05  # exponential gaps: coefficient of variation 1
+    assert t.min() >= 0 and t.max() < 100.0 and np.all(gaps > 0)
+
+
+def test_server_window_is_the_difference():
+    before = {"batches": 10, "requests": 30, "rows": 40, "queue_us": 3000, "compute_us": 5000,
+              "batch_sizes": {"4": 10}}
+    after = {"batches": 14, "requests": 38, "rows": 72, "queue_us": 3800, "compute_us": 9000,
+             "batch_sizes": {"4": 10, "8": 4}}
+    w = server_window(before, after)
+    assert w == {"requests": 8, "batches": 4, "avg_batch_size": 8.0, "queue_ms_avg": 0.1,
+                 "compute_ms_avg": 1.0, "batch_sizes": {8: 4}}
+
+
+def test_a_short_real_run(client):
+    report = bench(client, "tiny", concurrency=[1, 4], rates=[100.0], seconds=1.0, batch_size=2)
+    json.dumps(report)  # the report is plain JSON
+    assert [lv["mode"] for lv in report["levels"]] == ["concurrency", "concurrency", "rate"]
+    for lv in report["levels"]:
+        assert lv["ok"] == lv["sent"] > 0 and lv["errors"] == {}
+        assert lv["rows"] == 2 * lv["ok"]
+        assert lv["server"]["requests"] == lv["ok"]
+        assert set(lv["latency_ms"]) == {"p50", "p90", "p95", "p99", "max", "mean"}
+        assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"] <= lv["latency_ms"]["max"]
+    assert 50 <= report["levels"][2]["sent"] <= 160  # ~100 arrivals in 1 s
+
+
+def test_cli_writes_the_report(pool, tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "gepool.cli", "bench", "tiny", "--endpoint", pool.endpoint,
+                           "--concurrency", "1,2", "--duration", "0.5", "--output", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "conc 2" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["model"] == "tiny" and len(report["levels"]) == 2
