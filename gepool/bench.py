@@ -192,3 +192,47 @@ def format_report(report: dict) -> str:
                      + (json.dumps(lv["errors"]) if lv["errors"] else "-")
                      + ("  (client saturated)" if lv["client_saturated"] else ""))
     return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Latency percentiles against throughput, and the server's batch sizes per level, as one PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise errors.InvalidArgument("--plot needs matplotlib: pip install 'gepool[plot]'") from None
+    levels = [lv for lv in report["levels"] if lv["latency_ms"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, marker in (("concurrency", "o"), ("rate", "s")):
+        pts = [lv for lv in levels if lv["mode"] == mode]
+        if not pts:
+            continue
+        x = [lv["throughput_rps"] for lv in pts]
+        for p, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+            left.plot(x, [lv["latency_ms"][p] for lv in pts], style, marker=marker, label=f"{p} ({mode})")
+        for lv, xi in zip(pts, x):
+            left.annotate(f"{'c' if mode == 'concurrency' else 'r'}{lv['level']:g}", (xi, lv["latency_ms"]["p99"]),
+                          fontsize=7, xytext=(3, 3), textcoords="offset points")
+    left.set_xlabel("throughput (requests/s)")
+    left.set_ylabel("latency (ms)")
+    left.set_title(f"{report['model']}: latency against throughput")
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    sizes = sorted({int(k) for lv in levels for k in lv["server"]["batch_sizes"]})
+    width = 0.8 / max(1, len(levels))
+    for i, lv in enumerate(levels):
+        total = sum(lv["server"]["batch_sizes"].values()) or 1
+        shares = [lv["server"]["batch_sizes"].get(s, lv["server"]["batch_sizes"].get(str(s), 0)) / total
+                  for s in sizes]
+        label = f"{'conc' if lv['mode'] == 'concurrency' else 'rate'} {lv['level']:g}"
+        right.bar([j + i * width for j in range(len(sizes))], shares, width, label=label)
+    right.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(s) for s in sizes])
+    right.set_xlabel("batch size (rows) the server ran")
+    right.set_ylabel("share of batches")
+    right.set_title("batch sizes per level")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1, help="rows per request")
     p.add_argument("--shared-memory", action="store_true")
     p.add_argument("--output", help="write the report as JSON here")
+    p.add_argument("--plot", help="write a PNG of latency against throughput and batch sizes (needs matplotlib)")
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by dead pools")
     p.add_argument("--dry-run", action="store_true")
@@ -160,6 +161,11 @@ def _cmd_bench(args) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        from gepool.bench import plot
+
+        plot(report, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 

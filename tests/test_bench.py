@@ -50,10 +50,12 @@ def test_a_short_real_run(client):
 
 def test_cli_writes_the_report(pool, tmp_path):
     out = tmp_path / "r.json"
+    png = tmp_path / "r.png"
     proc = subprocess.run([sys.executable, "-m", "gepool.cli", "bench", "tiny", "--endpoint", pool.endpoint,
-                           "--concurrency", "1,2", "--duration", "0.5", "--output", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                           "--concurrency", "1,2", "--rate", "50", "--duration", "0.5", "--output", str(out),
+                           "--plot", str(png)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "conc 2" in proc.stdout
+    assert "conc 2" in proc.stdout and "rate 50" in proc.stdout
     report = json.loads(out.read_text())
-    assert report["model"] == "tiny" and len(report["levels"]) == 2
+    assert report["model"] == "tiny" and len(report["levels"]) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
