@@ -1,0 +1,103 @@
+"""Side by side in one run: the limit (onnxruntime in-process at its best batch), the transport floor
+(a bare pyzmq round trip), gepool through the library client (frames and shared memory) and over
+HTTP; then a 16 MiB tensor through the shared-memory carrier beside a plain in-process memcpy.
+
+    python benchmarks/compare.py [--seconds 4]
+
+Every figure comes from this run on this host; the ratios are what to compare across hosts.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+BIG = 4 * 1024 * 1024  # FP32 elements: 16 MiB
+
+
+def make_big(repo: str) -> None:
+    """y = x + 1 over 16 MiB, one request per batch."""
+    import make_models
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, [BIG])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, [BIG])
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    make_models._save(helper.make_graph([helper.make_node("Add", ["X", "one"], ["Y"])], "big", [x], [y], [one]),
+                      f"{repo}/big/1/model.onnx")
+    make_models._write(f"{repo}/big/config.pbtxt", f"""
+        platform: "onnxruntime_onnx"
+        max_batch_size: 0
+        input [ {{ name: "X" data_type: TYPE_FP32 dims: [ {BIG} ] }} ]
+        output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ {BIG} ] }} ]
+    """)
+
+
+def timed(fn, seconds: float) -> tuple[int, float]:
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        n += 1
+    return n, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    args = parser.parse_args()
+
+    import core
+    import http_bench
+    import make_models
+
+    from gepool import Pool
+
+    repo = tempfile.mkdtemp(prefix="gepool-compare-")
+    make_models.make_tiny(repo)
+    make_models.make_mlp(repo)
+    make_big(repo)
+    cores = os.cpu_count() or 1
+    rows = []
+
+    floor = core.zmq_floor(2000)
+    rows.append(("pyzmq REQ/REP round trip (floor)", f"p50 {np.median(floor) * 1e6:.0f} us", ""))
+    best_bs, best_rate = core.ort_limit(f"{repo}/mlp/1/model.onnx", max(1, cores // 3), args.seconds)
+    rows.append((f"onnxruntime in-process MLP, batch {best_bs} (limit)", f"{best_rate:.0f} rows/s", ""))
+
+    port = http_bench.free_port()
+    with Pool(repo, http_port=port) as pool:
+        frames, shm = pool.client(), pool.client(shared_memory=True, arena_bytes=96 << 20)
+        for name, client in (("frames", frames), ("shared memory", shm)):
+            lat = core.tiny_latency(client, 2000)
+            rows.append((f"gepool tiny c=1, {name}", f"p50 {np.median(lat) * 1e6:.0f} us",
+                         f"{np.median(lat) / np.median(floor):.2f}x floor"))
+            rate = core.mlp_throughput(client, 16, args.seconds)
+            rows.append((f"gepool MLP c=16, {name}", f"{rate:.0f} rows/s", f"{rate / best_rate:.2f}x limit"))
+        http = http_bench.perf_analyzer("tiny", port, 1, args.seconds)
+        if http:
+            rows.append(("gepool tiny c=1, HTTP (perf_analyzer)", f"p50 {http['p50_us']:.0f} us",
+                         f"{http['p50_us'] / (np.median(floor) * 1e6):.2f}x floor"))
+        x = np.random.default_rng(0).random(BIG, dtype=np.float32)
+        dst = np.empty_like(x)
+        n, t = timed(lambda: np.copyto(dst, x), args.seconds)
+        memcpy_gbs = n * x.nbytes / t / 2**30
+        rows.append(("memcpy 16 MiB in-process", f"{memcpy_gbs:.1f} GiB/s", ""))
+        for name, client in (("shared memory", shm), ("frames", frames)):
+            client.infer("big", {"X": x})
+            n, t = timed(lambda c=client: c.infer("big", {"X": x}), args.seconds)
+            gbs = n * 2 * x.nbytes / t / 2**30  # 16 MiB in and 16 MiB out per request
+            rows.append((f"gepool 16 MiB in + out, {name}", f"{gbs:.2f} GiB/s", f"{gbs / memcpy_gbs:.2f}x memcpy"))
+    width = max(len(r[0]) for r in rows)
+    for label, value, ratio in rows:
+        print(f"{label:<{width}}  {value:>16}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()
