@@ -32,6 +32,34 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def running(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+@pytest.fixture(scope="module")
+def raw(pool):
+    """A bare DEALER on the session pool's endpoint, for messages no client would send."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pool.endpoint)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
 def free_port() -> int:
     """A loopback port nobody listens on right now (a small race with other processes is accepted)."""
     with socket.socket() as s:

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import zmq
 
 from gepool import errors
 from gepool.ipc import protocol
@@ -45,17 +44,6 @@ def test_variable_length_requests_batch_by_shape(client):
     futures = [client.infer_async("varlen", {"INPUT": x}) for x in xs]
     for x, fut in zip(xs, futures):
         np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT"], x)
-
-
-@pytest.fixture
-def raw(pool):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(pool.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
 
 
 def exchange(sock, frames) -> object:

@@ -11,7 +11,7 @@ import urllib.request
 import numpy as np
 
 from gepool.ipc import naming
-from tests.conftest import _descendants, free_port, wait_until
+from tests.conftest import _descendants, free_port, running, wait_until
 
 START_TIMEOUT_S = 120
 
@@ -69,20 +69,12 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in workers))
+        assert wait_until(lambda: not any(running(pid) for pid in workers))
         assert not os.path.exists(endpoint[len("ipc://"):])
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_second_pool_on_a_live_endpoint_is_refused(pool, model_repo):

@@ -11,17 +11,9 @@ import pytest
 
 from gepool import Client, Pool, errors
 from tests import repo as test_repo
-from tests.conftest import _descendants, wait_until
+from tests.conftest import _descendants, rss_kb, running, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -128,11 +120,6 @@ def test_dead_client_releases_its_arena_and_others_are_served(repo):
         assert c.infer("tiny", {"INPUT0": np.ones((1, 16), np.float32)})["OUTPUT0"][0, 0] == 3.0
 
 
-def _rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-
-
 def test_overload_every_request_answered_and_memory_bounded(repo):
     """'busy' runs 4 rows per 20 ms (~200 rows/s); 1,600 requests arrive at ~4x that rate. Each is
     answered: served, timed out in the queue (300 ms), or refused because the queue is full."""
@@ -140,7 +127,7 @@ def test_overload_every_request_answered_and_memory_bounded(repo):
     with Pool(models) as pool:
         c = pool.client()
         front = c.status()["pid"]
-        rss_before = _rss_kb(front)
+        rss_before = rss_kb(front)
         futures = []
         start = time.monotonic()
         for i in range(1600):
@@ -156,7 +143,7 @@ def test_overload_every_request_answered_and_memory_bounded(repo):
                 outcomes["ok"] += 1
             except errors.GepoolError as exc:
                 outcomes[exc.code] += 1
-        rss_after = _rss_kb(front)
+        rss_after = rss_kb(front)
     print(f"overload: {outcomes}, front RSS {rss_before} -> {rss_after} kB")
     assert sum(outcomes.values()) == 1600, outcomes
     assert outcomes["ok"] > 0 and outcomes["UNAVAILABLE"] + outcomes["TIMEOUT"] > 0, outcomes

@@ -2,8 +2,6 @@
 
 import msgpack
 import numpy as np
-import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,17 +39,6 @@ def messages(draw) -> list[bytes]:
     valid = VALID.encode()
     cut = draw(st.integers(min_value=0, max_value=len(valid) - 1))
     return [valid[:cut], b"\0" * draw(st.integers(0, 64))]
-
-
-@pytest.fixture(scope="module")
-def raw(pool):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(pool.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

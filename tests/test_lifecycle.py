@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gepool import Client, Pool, errors
-from tests.conftest import wait_until
+from tests.conftest import rss_kb, wait_until
 from tests.repo import write
 
 ADD_PY = '''
@@ -168,11 +168,6 @@ def test_versions_and_traffic_split(tmp_path):
         assert stats["versions"]["1"]["requests"] + stats["versions"]["2"]["requests"] == stats["requests"]
 
 
-def _rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-
-
 def test_load_unload_cycles_stay_flat(tmp_path):
     from gepool.ipc import naming
 
@@ -190,7 +185,7 @@ def test_load_unload_cycles_stay_flat(tmp_path):
             assert wait_until(lambda: "b" not in c.status()["models"], 30)
             if i in (1, 19):
                 time.sleep(0.2)
-                figures.append((_rss_kb(front), len(os.listdir(f"/proc/{front}/fd")), len(naming.list_segments())))
+                figures.append((rss_kb(front), len(os.listdir(f"/proc/{front}/fd")), len(naming.list_segments())))
         print(f"load/unload x20: front RSS, fds, segments after cycle 2: {figures[0]}, after cycle 20: {figures[1]}")
         assert figures[1][1] <= figures[0][1] + 2  # file descriptors do not grow with cycles
         assert figures[1][0] - figures[0][0] < 16 * 1024  # nor does memory (kB)

@@ -9,7 +9,7 @@ import pytest
 
 from gepool import Client, Pool, errors
 from tests import repo as test_repo
-from tests.conftest import _descendants, wait_until
+from tests.conftest import _descendants, running, wait_until
 
 
 @pytest.fixture
@@ -30,15 +30,7 @@ def test_pool_exit_leaves_no_process_and_no_segment(small_repo):
         assert pool.client().infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
     assert pool.process.returncode == 0
     # workers are joined by the front; multiprocessing's resource tracker follows it out on its own
-    assert wait_until(lambda: not any(_running(pid) for pid in children)), [p for p in children if _running(p)]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert wait_until(lambda: not any(running(pid) for pid in children)), [p for p in children if running(p)]
 
 
 def _batches(client, model):
