@@ -236,3 +236,77 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+DEFAULT_DELAYS_US = (0, 500, 2000, 8000)
+DEFAULT_COUNTS = (1, 2)
+
+
+def _variant(repository: str, model: str, delay_us: int, count: int, into: str) -> None:
+    """A copy of the model whose config has the given batching delay and instance count."""
+    import os
+    import shutil
+
+    from google.protobuf import text_format
+
+    from gepool import model_config_pb2 as pb
+
+    src = os.path.join(repository, model)
+    dst = os.path.join(into, model)
+    shutil.copytree(src, dst, symlinks=True)
+    path = os.path.join(dst, "config.pbtxt")
+    with open(path) as f:
+        cfg = text_format.Parse(f.read(), pb.ModelConfig())
+    if cfg.max_batch_size > 0:
+        cfg.dynamic_batching.max_queue_delay_microseconds = delay_us
+    if not cfg.instance_group:
+        cfg.instance_group.add()
+    for g in cfg.instance_group:
+        g.count = count
+    with open(path, "w") as f:
+        f.write(text_format.MessageToString(cfg))
+
+
+def sweep(repository: str, model: str, concurrency: list[int], seconds: float, p99_target_ms: float,
+          delays_us=DEFAULT_DELAYS_US, counts=DEFAULT_COUNTS, batch_size: int = 1) -> dict:
+    """Model Analyzer's question in minutes: for each (max_queue_delay, instance count) on a private pool,
+    the best throughput whose p99 meets the target. Returns every trial and the best setting."""
+    import tempfile
+
+    from gepool.pool import Pool
+
+    trials = []
+    for delay in delays_us:
+        for count in counts:
+            with tempfile.TemporaryDirectory(prefix="gepool-sweep-") as repo:
+                _variant(repository, model, delay, count, repo)
+                with Pool(repo) as pool:
+                    report = bench(pool.client(), model, concurrency, None, seconds, batch_size)
+            ok = [lv for lv in report["levels"] if lv["latency_ms"] and lv["latency_ms"]["p99"] <= p99_target_ms
+                  and not lv["errors"]]
+            best = max(ok, key=lambda lv: lv["throughput_rps"], default=None)
+            trials.append({"max_queue_delay_us": delay, "instances": count, "levels": report["levels"],
+                           "best_concurrency": best["level"] if best else None,
+                           "best_rps": best["throughput_rps"] if best else 0.0,
+                           "best_p99_ms": best["latency_ms"]["p99"] if best else None})
+    winner = max(trials, key=lambda t: t["best_rps"])
+    return {"model": model, "p99_target_ms": p99_target_ms, "seconds": seconds, "trials": trials,
+            "best": {k: winner[k] for k in ("max_queue_delay_us", "instances", "best_concurrency", "best_rps",
+                                            "best_p99_ms")} if winner["best_rps"] > 0 else None}
+
+
+def format_sweep(result: dict) -> str:
+    lines = [f"sweep of {result['model']} for p99 <= {result['p99_target_ms']} ms",
+             f"{'delay us':>9s} {'instances':>9s} {'best req/s':>11s} {'at conc':>8s} {'p99 ms':>8s}"]
+    for t in result["trials"]:
+        p99 = f"{t['best_p99_ms']:8.2f}" if t["best_p99_ms"] is not None else f"{'-':>8s}"
+        lines.append(f"{t['max_queue_delay_us']:9d} {t['instances']:9d} {t['best_rps']:11.1f} "
+                     f"{str(t['best_concurrency'] or '-'):>8s} {p99}")
+    b = result["best"]
+    if b is None:
+        lines.append("best: no setting met the target")
+    else:
+        lines.append(f"best: max_queue_delay_microseconds: {b['max_queue_delay_us']}, instance count "
+                     f"{b['instances']} ({b['best_rps']:.1f} req/s at concurrency {b['best_concurrency']:g}, "
+                     f"p99 {b['best_p99_ms']:.2f} ms)")
+    return "\n".join(lines)

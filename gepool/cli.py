@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-memory", action="store_true")
     p.add_argument("--output", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG of latency against throughput and batch sizes (needs matplotlib)")
+    p.add_argument("--sweep", action="store_true",
+                   help="try a grid of max_queue_delay_microseconds and instance counts on private pools")
+    p.add_argument("--model-repository", help="--sweep: the repository holding MODEL")
+    p.add_argument("--p99-target-ms", type=float, default=100.0, help="--sweep: the latency the setting must meet")
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by dead pools")
     p.add_argument("--dry-run", action="store_true")
@@ -155,6 +159,18 @@ def _cmd_bench(args) -> int:
     rates = [float(x) for x in args.rate.split(",") if x]
     if not concurrency and not rates:
         concurrency = [1, 2, 4, 8, 16]
+    if args.sweep:
+        from gepool.bench import format_sweep, sweep
+
+        if not args.model_repository:
+            raise errors.InvalidArgument("--sweep needs --model-repository (it starts its own pools)")
+        result = sweep(args.model_repository, args.model, concurrency, args.duration, args.p99_target_ms,
+                       batch_size=args.batch_size)
+        print(format_sweep(result))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     with Client(args.endpoint, shared_memory=args.shared_memory) as c:
         report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size)
     print(format_report(report))
