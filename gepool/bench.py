@@ -164,18 +164,81 @@ def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds
     level.throughput_rps = level.ok / level.seconds
     level.rows_per_s = level.rows / level.seconds
     level.server = server_window(before, client.stats()[model])
+    level.raw_latencies = run.latencies  # kept off the report; a parent process merges them
     return level
 
 
+def run_level_processes(client, endpoint: str, model: str, mode: str, value: float, seconds: float,
+                        batch_size: int, processes: int, shared_memory: bool) -> Level:
+    """One level split across several client processes (when one Python process cannot produce the
+    load): each runs its share, the parent merges their counts and latencies and reads the server once."""
+    import subprocess
+    import sys
+
+    before = client.stats()[model]
+    share = value / processes
+    args = {"endpoint": endpoint, "model": model, "mode": mode, "value": share if mode == "rate" else 0,
+            "seconds": seconds, "batch_size": batch_size, "shared_memory": shared_memory}
+    procs = []
+    for i in range(processes):
+        mine = dict(args, value=share if mode == "rate" else int(value) // processes + (i < int(value) % processes),
+                    seed=i)
+        procs.append(subprocess.Popen([sys.executable, "-m", "gepool.bench", json.dumps(mine)],
+                                      stdout=subprocess.PIPE, text=True))
+    level = Level(mode, value)
+    latencies: list[float] = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=seconds + 300)
+        if proc.returncode != 0:
+            raise errors.Internal(f"a bench client process failed (exit code {proc.returncode})")
+        part = json.loads(out)
+        for key in ("sent", "ok", "rows"):
+            setattr(level, key, getattr(level, key) + part[key])
+        for kind, n in part["errors"].items():
+            level.errors[kind] = level.errors.get(kind, 0) + n
+        level.seconds = max(level.seconds, part["seconds"])
+        level.send_lag_s = max(level.send_lag_s, part["send_lag_s"])
+        level.client_saturated |= part["client_saturated"]
+        latencies += part["raw_latencies"]
+    level.latency_ms = percentiles(latencies)
+    level.throughput_rps = level.ok / level.seconds if level.seconds else 0.0
+    level.rows_per_s = level.rows / level.seconds if level.seconds else 0.0
+    level.server = server_window(before, client.stats()[model])
+    return level
+
+
+def _child(argv: list[str]) -> int:
+    """``python -m gepool.bench ARGS_JSON``: one client process's share of a level, as JSON on stdout."""
+    from gepool.client import Client
+
+    a = json.loads(argv[0])
+    with Client(a["endpoint"], shared_memory=a["shared_memory"]) as c:
+        meta = c.model_metadata(a["model"])
+        inputs = make_inputs(meta, a["batch_size"], a.get("seed", 0))
+        rows = a["batch_size"] if meta.get("max_batch_size", 0) > 0 else 1
+        level = run_level(c, a["model"], inputs, a["mode"], a["value"], a["seconds"], rows)
+    out = asdict(level)
+    out["raw_latencies"] = level.raw_latencies
+    print(json.dumps(out))
+    return 0
+
+
 def bench(client, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
-          seconds: float = 5.0, batch_size: int = 1) -> dict:
+          seconds: float = 5.0, batch_size: int = 1, processes: int = 1) -> dict:
+    """Every level in this process, or with ``processes > 1`` split across that many client processes."""
     meta = client.model_metadata(model)
     inputs = make_inputs(meta, batch_size)
     rows = batch_size if meta.get("max_batch_size", 0) > 0 else 1
-    levels = [run_level(client, model, inputs, "concurrency", c, seconds, rows) for c in (concurrency or [])]
-    levels += [run_level(client, model, inputs, "rate", r, seconds, rows) for r in (rates or [])]
+    plan = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
+    if processes > 1:
+        shm = getattr(client, "arena", None) is not None
+        levels = [run_level_processes(client, client.endpoint, model, mode, v, seconds, batch_size, processes, shm)
+                  for mode, v in plan]
+    else:
+        levels = [run_level(client, model, inputs, mode, v, seconds, rows) for mode, v in plan]
     return {"model": model, "batch_size": batch_size, "seconds": seconds,
-            "inputs": {k: list(v.shape) for k, v in inputs.items()}, "levels": [asdict(x) for x in levels]}
+            "inputs": {k: list(v.shape) for k, v in inputs.items()}, "processes": processes,
+            "levels": [asdict(x) for x in levels]}
 
 
 def format_report(report: dict) -> str:
@@ -310,3 +373,9 @@ def format_sweep(result: dict) -> str:
                      f"{b['instances']} ({b['best_rps']:.1f} req/s at concurrency {b['best_concurrency']:g}, "
                      f"p99 {b['best_p99_ms']:.2f} ms)")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_child(sys.argv[1:]))

@@ -73,3 +73,13 @@ def test_sweep_tries_the_grid_and_picks_a_setting_that_meets_the_target(model_re
     assert "best: max_queue_delay_microseconds" in format_sweep(result)
     impossible = sweep(model_repo, "tiny", [1], 0.3, p99_target_ms=0.0001, delays_us=(0,), counts=(1,))
     assert impossible["best"] is None and "no setting met the target" in format_sweep(impossible)
+
+
+def test_levels_split_across_client_processes(client):
+    report = bench(client, "tiny", concurrency=[4], rates=[100.0], seconds=1.0, processes=2)
+    assert report["processes"] == 2
+    for lv in report["levels"]:
+        assert lv["ok"] == lv["sent"] > 0 and lv["errors"] == {}
+        assert lv["server"]["requests"] == lv["ok"]  # both processes' requests, seen once by the server
+        assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
+    assert 50 <= report["levels"][1]["sent"] <= 160  # two processes at 50/s each
