@@ -224,11 +224,13 @@ def _child(argv: list[str]) -> int:
 
 
 def bench(client, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
-          seconds: float = 5.0, batch_size: int = 1, processes: int = 1) -> dict:
-    """Every level in this process, or with ``processes > 1`` split across that many client processes."""
+          seconds: float = 5.0, batch_size: int = 1, processes: int = 1, given: dict | None = None) -> dict:
+    """Every level in this process, or with ``processes > 1`` split across that many client processes.
+    ``given`` replaces generated inputs by name (arrays, e.g. loaded from .npy files)."""
     meta = client.model_metadata(model)
-    inputs = make_inputs(meta, batch_size)
-    rows = batch_size if meta.get("max_batch_size", 0) > 0 else 1
+    inputs = dict(make_inputs(meta, batch_size), **(given or {}))
+    first = next(iter(inputs.values()))
+    rows = (first.shape[0] if first.ndim else 1) if meta.get("max_batch_size", 0) > 0 else 1
     plan = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
     if processes > 1:
         shm = getattr(client, "arena", None) is not None

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=5.0, help="seconds per level")
     p.add_argument("--batch-size", type=int, default=1, help="rows per request")
     p.add_argument("--shared-memory", action="store_true")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="use this data")
     p.add_argument("--processes", type=int, default=1,
                    help="client processes sharing each level (when one cannot produce the load)")
     p.add_argument("--output", help="write the report as JSON here")
@@ -174,7 +175,8 @@ def _cmd_bench(args) -> int:
                 json.dump(result, f, indent=2)
         return 0
     with Client(args.endpoint, shared_memory=args.shared_memory) as c:
-        report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size, args.processes)
+        given = {name: np.load(path) for name, path in (item.split("=", 1) for item in args.input)}
+        report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size, args.processes, given)
     print(format_report(report))
     if args.output:
         with open(args.output, "w") as f:

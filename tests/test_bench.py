@@ -51,13 +51,17 @@ def test_a_short_real_run(client):
 def test_cli_writes_the_report(pool, tmp_path):
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
+    np.save(tmp_path / "x.npy", np.ones((3, 16), np.float32))
     proc = subprocess.run([sys.executable, "-m", "gepool.cli", "bench", "tiny", "--endpoint", pool.endpoint,
                            "--concurrency", "1,2", "--rate", "50", "--duration", "0.5", "--output", str(out),
-                           "--plot", str(png)], capture_output=True, text=True, timeout=120)
+                           "--plot", str(png), "--input", f"INPUT0={tmp_path / 'x.npy'}"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "conc 2" in proc.stdout and "rate 50" in proc.stdout
     report = json.loads(out.read_text())
     assert report["model"] == "tiny" and len(report["levels"]) == 3
+    assert report["inputs"] == {"INPUT0": [3, 16]}  # the .npy, not generated data
+    assert all(lv["rows"] == 3 * lv["ok"] for lv in report["levels"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
