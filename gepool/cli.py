@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="load a model at concurrency levels or Poisson rates; latency and throughput")
     p.add_argument("model")
     p.add_argument("--endpoint")
+    p.add_argument("--http", metavar="URL", help="load the KServe v2 HTTP endpoint instead (e.g. localhost:8000)")
     p.add_argument("--concurrency", default="", help="closed-loop levels, e.g. 1,2,4,8,16")
     p.add_argument("--rate", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 100,200")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per level")
@@ -174,9 +175,15 @@ def _cmd_bench(args) -> int:
             with open(args.output, "w") as f:
                 json.dump(result, f, indent=2)
         return 0
-    with Client(args.endpoint, shared_memory=args.shared_memory) as c:
-        given = {name: np.load(path) for name, path in (item.split("=", 1) for item in args.input)}
-        report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size, args.processes, given)
+    if args.http:
+        from gepool.bench_http import bench_http
+
+        report = bench_http(args.http, args.model, concurrency, rates, args.duration, args.batch_size)
+    else:
+        with Client(args.endpoint, shared_memory=args.shared_memory) as c:
+            given = {name: np.load(path) for name, path in (item.split("=", 1) for item in args.input)}
+            report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size, args.processes,
+                           given)
     print(format_report(report))
     if args.output:
         with open(args.output, "w") as f:

@@ -246,3 +246,16 @@ def test_repository_index_and_control_mode(http_pool, triton):
     assert index["tiny"]["state"] == "READY" and index["tiny"]["version"] == "1"
     with pytest.raises(InferenceServerException, match="NONE"):  # this pool was started in mode none
         triton.load_model("tiny")
+
+
+def test_bench_over_http(http_pool):
+    from gepool.bench_http import bench_http
+
+    report = bench_http(f"127.0.0.1:{http_pool.http_port}", "tiny", concurrency=[2], rates=[50.0], seconds=1.0,
+                        batch_size=2)
+    for lv in report["levels"]:
+        assert lv["ok"] == lv["sent"] > 0 and lv["errors"] == {}
+        assert lv["rows"] == 2 * lv["ok"]
+        assert lv["server"]["requests"] == lv["ok"]  # from /v2/models/tiny/stats, before and after
+        assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
+    assert 25 <= report["levels"][1]["sent"] <= 80

@@ -1,0 +1,116 @@
+"""``gepool bench --http URL``: the same levels over Triton's KServe v2 HTTP protocol (binary tensors),
+from one asyncio loop; the server's window comes from the standard ``/v2/models/{m}/stats``."""
+
+import asyncio
+import json
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from gepool.bench import Level, make_inputs, percentiles, poisson_arrivals
+from gepool.ipc import dtypes
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+def _body(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict]:
+    blobs, entries = [], []
+    for name, arr in inputs.items():
+        raw = dtypes.serialize_bytes(arr) if arr.dtype == object else np.ascontiguousarray(arr).tobytes()
+        entries.append({"name": name, "shape": list(arr.shape), "datatype": dtypes.from_numpy(arr.dtype),
+                        "parameters": {"binary_data_size": len(raw)}})
+        blobs.append(raw)
+    header = json.dumps({"inputs": entries, "parameters": {"binary_data_output": True}}).encode()
+    return header + b"".join(blobs), {HEADER_LENGTH: str(len(header))}
+
+
+def _window(before: dict, after: dict) -> dict:
+    b, a = before["model_stats"][0], after["model_stats"][0]
+
+    def ns(key: str) -> int:
+        return a["inference_stats"][key]["ns"] - b["inference_stats"][key]["ns"]
+
+    reqs = a["inference_stats"]["success"]["count"] - b["inference_stats"]["success"]["count"]
+    batches = a["execution_count"] - b["execution_count"]
+    sizes_b = {s["batch_size"]: s["compute_infer"]["count"] for s in b["batch_stats"]}
+    sizes = {s["batch_size"]: s["compute_infer"]["count"] - sizes_b.get(s["batch_size"], 0) for s in a["batch_stats"]}
+    return {"requests": reqs, "batches": batches,
+            "avg_batch_size": (a["inference_count"] - b["inference_count"]) / batches if batches else 0.0,
+            "queue_ms_avg": ns("queue") / 1e6 / max(reqs, 1),
+            "compute_ms_avg": ns("compute_infer") / 1e6 / max(batches, 1),
+            "batch_sizes": {k: v for k, v in sorted(sizes.items()) if v}}
+
+
+async def _level(session, url: str, model: str, body: bytes, headers: dict, mode: str, value: float,
+                 seconds: float, rows: int) -> Level:
+    level, latencies = Level(mode, value), []
+
+    async def one() -> None:
+        start = time.perf_counter()
+        level.sent += 1
+        try:
+            async with session.post(f"{url}/v2/models/{model}/infer", data=body, headers=headers) as resp:
+                await resp.read()
+                ok, kind = resp.status == 200, f"HTTP_{resp.status}"
+        except Exception as exc:  # connection refused, reset...: counted, never lost
+            ok, kind = False, type(exc).__name__
+        if ok:
+            level.ok += 1
+            level.rows += rows
+            latencies.append(time.perf_counter() - start)
+        else:
+            level.errors[kind] = level.errors.get(kind, 0) + 1
+
+    async with session.get(f"{url}/v2/models/{model}/stats") as resp:
+        before = await resp.json()
+    start = time.perf_counter()
+    if mode == "concurrency":
+        async def loop() -> None:
+            while time.perf_counter() - start < seconds:
+                await one()
+
+        await asyncio.gather(*(loop() for _ in range(int(value))))
+    else:
+        tasks, lag = [], 0.0
+        for t in poisson_arrivals(value, seconds).tolist():
+            wait = start + t - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            else:
+                lag = max(lag, -wait)
+            tasks.append(asyncio.ensure_future(one()))
+        await asyncio.gather(*tasks)
+        level.send_lag_s, level.client_saturated = float(lag), bool(lag > 0.1 * seconds)
+    level.seconds = time.perf_counter() - start
+    level.latency_ms = percentiles(latencies)
+    level.throughput_rps = level.ok / level.seconds
+    level.rows_per_s = level.rows / level.seconds
+    async with session.get(f"{url}/v2/models/{model}/stats") as resp:
+        level.server = _window(before, await resp.json())
+    return level
+
+
+async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch_size: int) -> dict:
+    import aiohttp
+
+    url = url.rstrip("/") if "://" in url else f"http://{url.rstrip('/')}"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.get(f"{url}/v2/models/{model}") as resp:
+            meta = await resp.json()
+        async with session.get(f"{url}/v2/models/{model}/config") as resp:
+            meta["max_batch_size"] = (await resp.json()).get("max_batch_size", 0)
+        inputs = make_inputs(meta, batch_size)
+        body, headers = _body(inputs)
+        rows = batch_size if meta["max_batch_size"] > 0 else 1
+        plan = [("concurrency", c) for c in concurrency or []] + [("rate", r) for r in rates or []]
+        levels = [await _level(session, url, model, body, headers, m, v, seconds, rows) for m, v in plan]
+    return {"model": model, "batch_size": batch_size, "seconds": seconds, "http": url,
+            "inputs": {k: list(v.shape) for k, v in inputs.items()}, "processes": 1,
+            "levels": [asdict(x) for x in levels]}
+
+
+def bench_http(url: str, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
+               seconds: float = 5.0, batch_size: int = 1) -> dict:
+    return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size))
