@@ -74,7 +74,7 @@ class Dispatcher:
         w.inflight[index] = Batch(index, model.seq, reqs, rows)
         w.rows += rows
         model.stats.dispatched(rows, [now - r.arrived for r in reqs])
-        self.workers.send_multipart([b"w%d" % w.id, protocol.Run(index, model.seq).encode()])
+        w.bell.ring(index, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def complete(self, model: Model, w: Worker, done: protocol.Done) -> None:
         batch = w.inflight.pop(done.slot, None)

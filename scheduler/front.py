@@ -56,8 +56,10 @@ class Front:
         self.arenas = Arenas()
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{_runtime_dir()}/gepool-{options.owner_id}.workers"
-        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level)
+        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level,
+                                     _runtime_dir())
         self.by_sentinel: dict[int, Worker] = {}
+        self.by_bell: dict[int, Worker] = {}
         self.stopping = False
         self.drain_deadline: float | None = None
         self.grace_until: float | None = None
@@ -103,6 +105,8 @@ class Front:
         self.supervisor.spawn(w, w.model.config, w.model.source.version_dir)
         self.by_sentinel[w.sentinel] = w
         self.poller.register(w.sentinel, zmq.POLLIN)
+        self.by_bell[w.bell.done_fd] = w
+        self.poller.register(w.bell.done_fd, zmq.POLLIN)
 
     def _loop(self, wake_r: int) -> None:
         while True:
@@ -113,6 +117,8 @@ class Front:
                     self._drain(self.workers, self._on_worker)
                 elif sock == wake_r:
                     self._on_signals(_read_all(wake_r))
+                elif sock in self.by_bell:
+                    self._on_bell(self.by_bell[sock])
                 elif sock in self.by_sentinel:
                     self._on_worker_exit(self.by_sentinel.pop(sock))
             now = time.monotonic()
@@ -273,7 +279,26 @@ class Front:
         elif isinstance(msg, protocol.WorkerFailed):
             w.reason = msg.reason
 
+    def _on_bell(self, w: Worker) -> None:
+        """Completions rung by a worker: each (slot, seq) is a batch done (or failed) in its slot."""
+        records = w.bell.completions() if w.bell is not None else None
+        if records is None:  # the worker closed its end: it is exiting, and its sentinel will say so
+            fd = next((fd for fd, o in self.by_bell.items() if o is w), None)
+            if fd is not None:
+                self.poller.unregister(fd)
+                del self.by_bell[fd]
+            return
+        for slot, seq in records:
+            try:
+                self.dispatch.complete(w.model, w, protocol.Done(w.id, slot, seq))
+            except Exception:  # a bug here must not take every model down; the log keeps the traceback
+                log.exception("internal error completing slot %d of worker %d", slot, w.id)
+
     def _on_worker_exit(self, w: Worker) -> None:
+        self._on_bell(w)  # what it finished before dying counts
+        for fd in [fd for fd, o in self.by_bell.items() if o is w]:
+            self.poller.unregister(fd)
+            del self.by_bell[fd]
         self.poller.unregister(w.sentinel)
         model = w.model
         lost = self.supervisor.on_exit(w, time.monotonic(), self.stopping)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gepool.config import ModelConfig
-from gepool.ipc import naming, protocol
+from gepool.ipc import doorbell, naming, protocol
 from gepool.ipc.ring import Ring
 
 log = logging.getLogger("gepool.supervisor")
@@ -44,6 +44,7 @@ class Worker:
     info: dict = field(default_factory=dict)  # what the worker said about itself when ready
     progress_at: float = 0.0  # last dispatch to an idle worker or completion: the hang watchdog's clock
     retired: bool = False  # asked to stop (its model generation drained or was unloaded): never restarted
+    bell: Any = None  # FrontBell: run/done records to and from this worker
     restarts: int = 0  # every restart, for metrics
     streak: int = 0  # deaths in a row without a stable run: the backoff's exponent
     ready_at: float = 0.0
@@ -57,8 +58,10 @@ class Worker:
 
 
 class Supervisor:
-    def __init__(self, owner_id: str, endpoint: str, start_worker: StartWorker, log_level: int) -> None:
+    def __init__(self, owner_id: str, endpoint: str, start_worker: StartWorker, log_level: int,
+                 bell_dir: str) -> None:
         self.owner_id, self.endpoint, self.start_worker, self.log_level = owner_id, endpoint, start_worker, log_level
+        self.bell_dir = bell_dir
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
 
@@ -73,9 +76,11 @@ class Supervisor:
         w.ring = Ring.create(naming.segment_name(self.owner_id, f"w{w.id}.{w.restarts}"), w.slots, w.slot_bytes)
         w.ring_linked = True
         w.state, w.free, w.inflight, w.rows, w.restart_at = STARTING, [], {}, 0, None
+        paths = doorbell.make(self.bell_dir, f"gepool-{self.owner_id}-w{w.id}.{w.restarts}")
+        w.bell = doorbell.FrontBell(paths)
         w.process = self.start_worker(
             worker_id=w.id, config=config, version_dir=version_dir, device=w.device, threads=w.threads,
-            ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level)
+            ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level, bell=paths)
         log.info("worker %d (%s v%s on %s) started, pid %d", w.id, w.model.name, w.model.version, w.device,
                  w.process.pid)
 
@@ -88,6 +93,7 @@ class Supervisor:
         w.ready_at = time.monotonic()
         w.free = list(range(len(w.ring.slots)))
         self._unlink(w)  # both sides have mapped it: from now on a crash of anyone leaks nothing
+        w.bell.unlink()  # and both have opened their ends of the doorbells
 
     def on_exit(self, w: Worker, now: float, stopping: bool) -> dict[int, Any]:
         """Reaps a dead worker; returns its in-flight batches (slot -> Batch) for the caller to answer."""
@@ -101,6 +107,9 @@ class Supervisor:
         w.process = None
         lost = w.inflight
         w.inflight, w.free, w.rows = {}, [], 0
+        if w.bell is not None:
+            w.bell.close()
+            w.bell = None
         self._unlink(w)
         w.ring.close()
         w.ring = None
@@ -148,3 +157,6 @@ class Supervisor:
             if w.ring is not None:
                 w.ring.close()
                 w.ring = None
+            if w.bell is not None:
+                w.bell.close()
+                w.bell = None

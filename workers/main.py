@@ -15,6 +15,7 @@ import zmq
 
 from gepool.config import ModelConfig
 from gepool.ipc import dtypes, layout, protocol
+from gepool.ipc.doorbell import BellPaths, WorkerBell
 from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
 from gepool.ipc.sockets import make_socket
 from gepool.workers.backends import create_backend
@@ -41,6 +42,7 @@ class WorkerSpec:
     endpoint: str
     parent_pid: int
     log_level: int = logging.INFO
+    bell: BellPaths | None = None
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -51,6 +53,7 @@ def run_worker(spec: WorkerSpec) -> None:
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, connect=spec.endpoint, identity=worker_identity(spec.worker_id))
     ring = Ring.attach(spec.ring)
+    bell = WorkerBell(spec.bell)
     try:
         backend = create_backend(spec.config, spec.version_dir, spec.device, spec.threads)
         warmup_runs = backend.warmup()
@@ -66,13 +69,14 @@ def run_worker(spec: WorkerSpec) -> None:
     lost = None
     try:
         if getattr(backend, "asynchronous", False):
-            lost = _serve_async(spec, sock, ring, backend)
+            lost = _serve_async(spec, sock, ring, backend, bell)
         else:
-            _serve(spec, sock, ring, backend)
+            _serve(spec, sock, ring, backend, bell)
     finally:
         if lost is None:
             backend.close()
             ring.close()
+        bell.close()
         sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS if lost else 0)
         sock.close()
         ctx.term()
@@ -96,18 +100,21 @@ def worker_identity(worker_id: int) -> bytes:
     return b"w%d" % worker_id
 
 
-def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend) -> None:
+def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend, bell: WorkerBell) -> None:
+    """Batches arrive on the doorbell and are answered on it; the socket only carries Stop."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(bell.run_fd, zmq.POLLIN)
     while True:
-        if not sock.poll(PARENT_CHECK_MS):
-            if os.getppid() != spec.parent_pid:
-                log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
-                return
-            continue
-        msg = protocol.decode(sock.recv())
-        if isinstance(msg, protocol.Run):
-            execute_slot(ring.slots[msg.slot], backend, spec.config)
-            sock.send(protocol.Done(spec.worker_id, msg.slot, msg.seq).encode())
-        elif isinstance(msg, protocol.Stop):
+        events = dict(poller.poll(PARENT_CHECK_MS))
+        if not events and os.getppid() != spec.parent_pid:
+            log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
+            return
+        if bell.run_fd in events:
+            for index, seq in bell.runs():
+                execute_slot(ring.slots[index], backend, spec.config)
+                bell.done(index, seq)
+        if sock in events and isinstance(protocol.decode(sock.recv()), protocol.Stop):
             return
 
 
@@ -115,7 +122,7 @@ _DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread report
 _FATAL = 0xFFFFFFFF
 
 
-def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend) -> str | None:
+def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: WorkerBell) -> str | None:
     """For backends that complete on their own threads: completions come back through a pipe whose
     read end sits in the same poller as the front's socket (ZMQ sockets stay in this thread)."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
@@ -139,6 +146,7 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend) -> str
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(read_fd, zmq.POLLIN)
+    poller.register(bell.run_fd, zmq.POLLIN)
     try:
         while True:
             events = dict(poller.poll(PARENT_CHECK_MS))
@@ -150,16 +158,17 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend) -> str
                 for index, seq in _DONE.iter_unpack(data):
                     if index == _FATAL:
                         return lost[0] if lost else "device lost"
-                    sock.send(protocol.Done(spec.worker_id, index, seq).encode())
+                    bell.done(index, seq)
                 backend.pump()
+            if bell.run_fd in events:
+                for index, seq in bell.runs():
+                    backend.submit(ring.slots[index], index, seq, plan)
             while sock in events:
                 try:
                     msg = protocol.decode(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                if isinstance(msg, protocol.Run):
-                    backend.submit(ring.slots[msg.slot], msg.slot, msg.seq, plan)
-                elif isinstance(msg, protocol.Stop):
+                if isinstance(msg, protocol.Stop):
                     return None
     finally:
         os.close(read_fd)
