@@ -63,3 +63,27 @@ def cleanup_dead(dry_run: bool = False) -> list[str]:
                 continue
         removed.append(entry)
     return removed
+
+
+def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
+    """Unlinks what dead pools left in the runtime folder: worker sockets and doorbell FIFOs
+    (``gepool-<pid>x<random>...``) and Pool endpoints (``pool-<pid>x<random>.sock``)."""
+    removed = []
+    try:
+        entries = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        head = next((h for h in ("gepool-", "pool-") if entry.startswith(h)), None)
+        if head is None:
+            continue
+        pid = owner_pid(PREFIX + entry[len(head):])
+        if pid is None or pid_alive(pid):
+            continue
+        if not dry_run:
+            try:
+                os.unlink(os.path.join(folder, entry))
+            except FileNotFoundError:
+                continue
+        removed.append(entry)
+    return removed

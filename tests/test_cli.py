@@ -93,3 +93,18 @@ def test_cleanup_removes_what_a_dead_pool_left():
     assert out.returncode == 0
     assert f"removed /dev/shm/{name[1:]}" in out.stdout
     assert name[1:] not in naming.list_segments()
+
+
+def test_cleanup_removes_stale_runtime_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    code = "import os; print(os.getpid())"
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+    folder = tmp_path / "gepool"
+    folder.mkdir(mode=0o700)
+    stale = [folder / f"gepool-{dead}xabc.workers", folder / f"pool-{dead}xdef.sock"]
+    live = folder / f"gepool-{os.getpid()}xabc.w1.0.run"
+    for p in (*stale, live):
+        p.write_text("")
+    out = gepool("cleanup", env=dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path)))
+    assert out.returncode == 0 and "removed 2 stale" in out.stdout
+    assert not any(p.exists() for p in stale) and live.exists()
