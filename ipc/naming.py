@@ -49,35 +49,10 @@ def list_segments() -> list[str]:
         return []
 
 
-def cleanup_dead(dry_run: bool = False) -> list[str]:
-    """Unlinks segments whose creating process no longer exists; returns their names."""
+def _unlink_dead(folder: str, owners: dict[str, int | None], dry_run: bool) -> list[str]:
+    """Unlinks the entries whose owner pid is known and gone; returns their names."""
     removed = []
-    for entry in list_segments():
-        pid = owner_pid(entry)
-        if pid is None or pid_alive(pid):
-            continue
-        if not dry_run:
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-            except FileNotFoundError:
-                continue
-        removed.append(entry)
-    return removed
-
-
-def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
-    """Unlinks what dead pools left in the runtime folder: worker sockets and doorbell FIFOs
-    (``gepool-<pid>x<random>...``) and Pool endpoints (``pool-<pid>x<random>.sock``)."""
-    removed = []
-    try:
-        entries = sorted(os.listdir(folder))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        head = next((h for h in ("gepool-", "pool-") if entry.startswith(h)), None)
-        if head is None:
-            continue
-        pid = owner_pid(PREFIX + entry[len(head):])
+    for entry, pid in owners.items():
         if pid is None or pid_alive(pid):
             continue
         if not dry_run:
@@ -87,3 +62,23 @@ def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
                 continue
         removed.append(entry)
     return removed
+
+
+def cleanup_dead(dry_run: bool = False) -> list[str]:
+    """Unlinks segments whose creating process no longer exists; returns their names."""
+    return _unlink_dead(SHM_DIR, {e: owner_pid(e) for e in list_segments()}, dry_run)
+
+
+def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
+    """Unlinks what dead pools left in the runtime folder: worker sockets and doorbell FIFOs
+    (``gepool-<pid>x<random>...``) and Pool endpoints (``pool-<pid>x<random>.sock``)."""
+    try:
+        entries = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return []
+    owners = {}
+    for entry in entries:
+        head = next((h for h in ("gepool-", "pool-") if entry.startswith(h)), None)
+        if head is not None:
+            owners[entry] = owner_pid(PREFIX + entry[len(head):])
+    return _unlink_dead(folder, owners, dry_run)

@@ -3,7 +3,8 @@
 Client <-> front: a multipart message whose first frame is the encoded header; an ``Infer`` may be
 followed by one raw frame per tensor (``TensorRef.where`` is the frame index), or name a registered
 arena (``where`` is a byte offset into it) so that no tensor crosses the socket. Front <-> worker:
-only slot references. The protocol version is checked once, in Hello/Welcome and WorkerReady.
+readiness and Stop here; which slot to run and which is done ride the doorbells (ipc/doorbell.py).
+The protocol version is checked once, in Hello/Welcome and WorkerReady.
 """
 
 import enum
@@ -31,9 +32,7 @@ class MsgType(enum.IntEnum):
     REPLY = 9
     WORKER_READY = 20
     WORKER_FAILED = 21
-    RUN = 22
-    DONE = 23
-    STOP = 24
+    STOP = 24  # 22 and 23 (run, done) moved to the doorbells (gepool.ipc.doorbell)
 
 
 class ProtocolError(ValueError):
@@ -174,21 +173,6 @@ class WorkerFailed(_Base):
     TYPE = MsgType.WORKER_FAILED
     worker: int
     reason: str
-
-
-@_message
-class Run(_Base):
-    TYPE = MsgType.RUN
-    slot: int
-    seq: int
-
-
-@_message
-class Done(_Base):
-    TYPE = MsgType.DONE
-    worker: int
-    slot: int
-    seq: int
 
 
 @_message

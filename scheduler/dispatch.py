@@ -76,14 +76,14 @@ class Dispatcher:
         model.stats.dispatched(rows, [now - r.arrived for r in reqs])
         w.bell.ring(index, model.seq)  # the slot's payload and state are written: now the worker may look
 
-    def complete(self, model: Model, w: Worker, done: protocol.Done) -> None:
-        batch = w.inflight.pop(done.slot, None)
-        if batch is None or batch.seq != done.seq:
-            log.error("worker %d reported slot %d seq %d, which is not in flight", w.id, done.slot, done.seq)
+    def complete(self, model: Model, w: Worker, index: int, seq: int) -> None:
+        batch = w.inflight.pop(index, None)
+        if batch is None or batch.seq != seq:
+            log.error("worker %d reported slot %d seq %d, which is not in flight", w.id, index, seq)
             return
         w.rows -= batch.rows
         w.progress_at = time.monotonic()
-        slot = w.ring.slots[done.slot]
+        slot = w.ring.slots[index]
         seq, outs, error, (_, t_start, t_end) = slot.result()
         model.stats.computed(batch.rows, t_end - t_start)
         if error or seq != batch.seq:
@@ -103,7 +103,7 @@ class Dispatcher:
                 row += req.rows
             del arrays  # views into the slot: gone before the slot is reused
         slot.release()
-        w.free.append(done.slot)
+        w.free.append(index)
 
     def _respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
         batched = model.config.max_batch_size > 0

@@ -267,9 +267,7 @@ class Front:
         w = self.supervisor.workers.get(getattr(msg, "worker", -1))
         if w is None:
             return
-        if isinstance(msg, protocol.Done):
-            self.dispatch.complete(w.model, w, msg)
-        elif isinstance(msg, protocol.WorkerReady):
+        if isinstance(msg, protocol.WorkerReady):
             self.supervisor.on_ready(w, msg)
             w.model.worker_info(msg.info)
             self._refresh(w.model)
@@ -290,7 +288,7 @@ class Front:
             return
         for slot, seq in records:
             try:
-                self.dispatch.complete(w.model, w, protocol.Done(w.id, slot, seq))
+                self.dispatch.complete(w.model, w, slot, seq)
             except Exception:  # a bug here must not take every model down; the log keeps the traceback
                 log.exception("internal error completing slot %d of worker %d", slot, w.id)
 
@@ -384,8 +382,7 @@ class Front:
                 for batch in list(w.inflight.values()):
                     self.dispatch.fail_batch(model, batch, unavailable)
                 w.inflight.clear()
-        self.supervisor.stop_all(lambda w: self.workers.send_multipart(
-            [b"w%d" % w.id, protocol.Stop().encode()]))
+        self.supervisor.stop_all(lambda w: self.send_worker(w, protocol.Stop()))
         self.arenas.close()
         for sock in (getattr(self, "clients", None), getattr(self, "workers", None)):
             if sock is not None:

@@ -66,7 +66,7 @@ def infer_header(inputs, req_id=5, model="tiny") -> bytes:
     ([infer_header(["INPUT0"])], "must be [name, datatype, shape, where]"),
     ([b"\x93\x01garbage"], "not msgpack"),
     ([protocol.Hello(5, 99, "old").encode()], "protocol 99"),
-    ([protocol.Run(1, 2).encode()], "not a request a client may send"),
+    ([protocol.Stop().encode()], "not a request a client may send"),
     ([protocol.Query(5, "everything", {}).encode()], "unknown query"),
     ([protocol.Infer(5, "tiny", -1, [["INPUT0", "FP32", [1, 16], 0]], None, 0, 0, 42, 0, 0).encode()],
      "arena 42 is not registered"),
