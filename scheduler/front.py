@@ -29,6 +29,7 @@ log = logging.getLogger("gepool.front")
 
 DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
+TICK_S = 0.01  # housekeeping cadence while requests and completions keep the loop busy
 SERVER_NAME = "gepool"
 
 
@@ -64,6 +65,10 @@ class Front:
         self.drain_deadline: float | None = None
         self.grace_until: float | None = None
         self._announced = False
+        self._dirty: set[Model] = set()  # models a request or a completion touched since the last poll
+        self._queued: set[Model] = set()  # models left with queued requests after their last scheduling
+        self._dirty_since_tick = False
+        self._wake_at: float | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -109,40 +114,76 @@ class Front:
         self.poller.register(w.bell.done_fd, zmq.POLLIN)
 
     def _loop(self, wake_r: int) -> None:
+        """Requests and completions (the hot events) only schedule the models they touched; everything
+        else (watchdog, restarts, arenas, model control, readiness, timers) runs in ``_tick``, after any
+        other event, when the poll times out, and at least every TICK_S while hot events keep coming."""
+        next_tick = 0.0
         while True:
-            for sock, _ in self.poller.poll(self._timeout_ms()):
+            events = self.poller.poll(self._timeout_ms(next_tick if self._dirty_since_tick else None))
+            tick = not events
+            for sock, _ in events:
                 if sock is self.clients:
                     self._drain(self.clients, self._on_client)
-                elif sock is self.workers:
-                    self._drain(self.workers, self._on_worker)
-                elif sock == wake_r:
-                    self._on_signals(_read_all(wake_r))
                 elif sock in self.by_bell:
                     self._on_bell(self.by_bell[sock])
-                elif sock in self.by_sentinel:
-                    self._on_worker_exit(self.by_sentinel.pop(sock))
+                else:
+                    tick = True
+                    if sock is self.workers:
+                        self._drain(self.workers, self._on_worker)
+                    elif sock == wake_r:
+                        self._on_signals(_read_all(wake_r))
+                    elif sock in self.by_sentinel:
+                        self._on_worker_exit(self.by_sentinel.pop(sock))
             now = time.monotonic()
-            self._watchdog(now)
-            self.arenas.reap(now)
-            self._restart_due(now)
-            if not self.stopping:
-                self.control.poll(now)
-                self.control.drain()
-            for model in self.control.models():
-                if len(model.batcher):
-                    for p in model.batcher.expire():  # a timer, not the end of a running batch
-                        self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
-                    self.dispatch.schedule(model)
-            self._announce_ready()
-            if self.grace_until is not None and now >= self.grace_until:
-                self._begin_stop()
-            if self.stopping and self._drained(now):
-                return
+            if tick or now >= next_tick:
+                next_tick = now + TICK_S
+                self._dirty_since_tick = False
+                self._dirty.clear()
+                if self._tick(now):
+                    return
+            else:
+                self._dirty_since_tick = True
+                self._schedule(self._dirty | self._queued)
+                self._dirty.clear()
 
-    def _timeout_ms(self) -> int:
-        deadlines = [m.deadline() for m in self.control.models()]
+    def _tick(self, now: float) -> bool:
+        """Housekeeping and every model's timers; True once a stop has drained."""
+        self._watchdog(now)
+        self.arenas.reap(now)
+        self._restart_due(now)
+        if not self.stopping:
+            self.control.poll(now)
+            self.control.drain()
+        self._schedule(self.control.models())
+        self._announce_ready()
+        if self.grace_until is not None and now >= self.grace_until:
+            self._begin_stop()
+        self._wake_at = self._housekeeping_deadline()
+        return self.stopping and self._drained(now)
+
+    def _schedule(self, models) -> None:
+        queued = set()
+        for model in models:
+            if len(model.batcher):
+                for p in model.batcher.expire():  # a timer, not the end of a running batch
+                    self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
+                self.dispatch.schedule(model)
+                if len(model.batcher):
+                    queued.add(model)
+        self._queued = queued
+
+    def _timeout_ms(self, next_tick: float | None) -> int:
+        deadlines = [m.deadline() for m in self._queued]
+        deadlines += [self._wake_at, next_tick]
+        deadlines = [d for d in deadlines if d is not None]
+        if not deadlines:
+            return -1
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _housekeeping_deadline(self) -> float | None:
+        """The nearest timer outside the models' queues (restarts, watchdog, polling, arenas, shutdown)."""
         workers = self.supervisor.workers.values()
-        deadlines += [w.restart_at for w in workers if w.restart_at is not None]
+        deadlines = [w.restart_at for w in workers if w.restart_at is not None]
         deadlines += [w.progress_at + w.model.exec_timeout_s for w in workers if w.inflight and w.state == READY]
         if self.control.poll_at is not None:
             deadlines.append(self.control.poll_at)
@@ -153,17 +194,13 @@ class Front:
         if self.grace_until is not None:
             deadlines.append(self.grace_until)
         deadlines = [d for d in deadlines if d is not None]
-        if not deadlines:
-            return -1
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+        return min(deadlines) if deadlines else None
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list], None]) -> None:
-        for _ in range(MAX_MESSAGES_PER_WAKE):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        for _ in range(MAX_MESSAGES_PER_WAKE):  # EVENTS, not zmq.Again: an exception per wake costs more
+            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
-            handle(frames)
+            handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
 
     # -- clients -------------------------------------------------------------------------
     def _on_client(self, frames: list) -> None:
@@ -221,6 +258,7 @@ class Front:
         if not model.batcher.add(req, req.rows, req.key, priority, timeout_us):
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
+        self._dirty.add(model)
         return None
 
     def _query(self, what: str, args: dict) -> dict:
@@ -286,6 +324,7 @@ class Front:
                 self.poller.unregister(fd)
                 del self.by_bell[fd]
             return
+        self._dirty.add(w.model)
         for slot, seq in records:
             try:
                 self.dispatch.complete(w.model, w, slot, seq)
