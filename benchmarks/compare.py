@@ -1,6 +1,8 @@
 """Side by side in one run: the limit (onnxruntime in-process at its best batch), the transport floor
 (a bare pyzmq round trip), gepool through the library client (frames and shared memory) and over
-HTTP; then a 16 MiB tensor through the shared-memory carrier beside a plain in-process memcpy.
+HTTP; the MLP under Poisson arrivals at 70% of its measured capacity, with the adaptive batch policy
+and with Triton's static one (p99 against the compute time of the batches served); then a 16 MiB
+tensor through the shared-memory carrier beside a plain in-process memcpy.
 
     python benchmarks/compare.py [--seconds 4]
 
@@ -40,6 +42,36 @@ def make_big(repo: str) -> None:
     """)
 
 
+def make_static_twin(repo: str) -> None:
+    """The example MLP with Triton's static batch policy, to set beside the adaptive one."""
+    import shutil
+
+    shutil.copytree(f"{repo}/mlp", f"{repo}/mlp_static")
+    with open(f"{repo}/mlp_static/config.pbtxt") as f:
+        text = f.read().replace('name: "mlp"', 'name: "mlp_static"').replace('"adaptive"', '"triton"')
+    with open(f"{repo}/mlp_static/config.pbtxt", "w") as f:
+        f.write(text)
+
+
+def poisson_rows(client, capacity: float, seconds: float) -> list[tuple[str, str, str]]:
+    from gepool.bench import make_inputs, run_level
+
+    x = make_inputs(client.model_metadata("mlp"), 1)
+    rows = []
+    for model in ("mlp", "mlp_static"):
+        policy = "adaptive" if model == "mlp" else "static"
+        lone = run_level(client, model, x, "concurrency", 1, seconds, 1)
+        rows.append((f"gepool MLP c=1, {policy} batching", f"p50 {lone.latency_ms['p50']:.1f} ms",
+                     f"{lone.rows_per_s:.0f} rows/s"))
+        lv = run_level(client, model, x, "rate", 0.7 * capacity, 2 * seconds, 1)
+        compute = lv.server["compute_ms_avg"]
+        rows.append((f"gepool MLP Poisson {0.7 * capacity:.0f}/s, {policy} batching",
+                     f"p99 {lv.latency_ms['p99']:.1f} ms",
+                     f"{lv.latency_ms['p99'] / compute:.2f}x compute ({compute:.1f} ms, "
+                     f"batch {lv.server['avg_batch_size']:.1f})"))
+    return rows
+
+
 def timed(fn, seconds: float) -> tuple[int, float]:
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -62,6 +94,7 @@ def main() -> None:
     repo = tempfile.mkdtemp(prefix="gepool-compare-")
     make_models.make_tiny(repo)
     make_models.make_mlp(repo)
+    make_static_twin(repo)
     make_big(repo)
     cores = os.cpu_count() or 1
     rows = []
@@ -74,12 +107,15 @@ def main() -> None:
     port = http_bench.free_port()
     with Pool(repo, http_port=port) as pool:
         frames, shm = pool.client(), pool.client(shared_memory=True, arena_bytes=96 << 20)
+        capacity = 0.0
         for name, client in (("frames", frames), ("shared memory", shm)):
             lat = core.tiny_latency(client, 2000)
             rows.append((f"gepool tiny c=1, {name}", f"p50 {np.median(lat) * 1e6:.0f} us",
                          f"{np.median(lat) / np.median(floor):.2f}x floor"))
             rate = core.mlp_throughput(client, 16, args.seconds)
+            capacity = max(capacity, rate)
             rows.append((f"gepool MLP c=16, {name}", f"{rate:.0f} rows/s", f"{rate / best_rate:.2f}x limit"))
+        rows += poisson_rows(frames, capacity, args.seconds)
         http = http_bench.perf_analyzer("tiny", port, 1, args.seconds)
         if http:
             rows.append(("gepool tiny c=1, HTTP (perf_analyzer)", f"p50 {http['p50_us']:.0f} us",

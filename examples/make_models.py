@@ -85,6 +85,7 @@ def make_mlp(repo: str, sizes: tuple[int, ...] = (1024, 4096, 4096, 1000)) -> No
           preferred_batch_size: [ 16, 32 ]
           max_queue_delay_microseconds: 5000
         }}
+        parameters {{ key: "batch_policy" value: {{ string_value: "adaptive" }} }}
     """)
 
 

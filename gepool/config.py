@@ -190,7 +190,7 @@ class _Checker:
         inputs = self.tensors(msg.input, "input")
         outputs = self.tensors(msg.output, "output")
         params = {k: v.string_value for k, v in msg.parameters.items()}
-        self.ge_parameters(params)
+        self.check_parameters(params)
         return ModelConfig(
             name=self.model_name,
             backend=backend,
@@ -317,7 +317,10 @@ class _Checker:
             out.append(WarmupSample(w.name or f"warmup{len(out)}", w.batch_size or 1, w.count or 1, samples))
         return tuple(out)
 
-    def ge_parameters(self, params: dict[str, str]) -> None:
+    def check_parameters(self, params: dict[str, str]) -> None:
+        if params.get("batch_policy", BATCH_POLICIES[0]) not in BATCH_POLICIES:
+            raise self.fail("batch_policy", f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, "
+                                            f"got '{params['batch_policy']}'")
         if "stream_num" in params and not (params["stream_num"].isdigit() and int(params["stream_num"]) >= 1):
             raise self.fail("stream_num", f"stream_num must be a whole number >= 1, got '{params['stream_num']}'")
         for key in ("memory_pool_size", "slot_bytes"):
@@ -337,6 +340,10 @@ class _Checker:
             return VersionPolicy("specific", versions=tuple(msg.version_policy.specific.versions))
         return VersionPolicy("latest", num_versions=max(1, msg.version_policy.latest.num_versions))
 
+
+# "triton": wait for preferred sizes up to max_queue_delay_microseconds, as Triton does;
+# "adaptive": the same caps, but an idle worker only waits while a burst is still arriving (batcher.py)
+BATCH_POLICIES = ("triton", "adaptive")
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

@@ -15,14 +15,34 @@ Rules (Triton's ``dynamic_batch_scheduler.cc``, see shared/reference/triton.md Â
 A batch keeps growing until it can run (Triton server PR #3789): when the chosen worker is busy
 (``idle=False``), only a batch that cannot grow any more is handed out early, to be copied in while
 the worker computes; a request past its delay waits for the worker like the rest.
+
+``adaptive=True`` (config parameter ``batch_policy: "adaptive"``) only ever shortens the wait; the
+static rules above stay the caps. A static delay is a guess about traffic: too long and a lone request
+pays all of it, too short and a burst is cut in two. For a queue that formed while every worker was
+idle, the batcher looks at the gaps between recent arrivals instead. Gaps longer than what waiting may
+cost (QUIET_SHARE of the model's measured batch time, at most the delay) are lulls; if most gaps are
+lulls, traffic is too sparse for waiting to pay and the batch goes at once (a single client, light
+Poisson traffic). Otherwise requests come in bursts (closed-loop clients answering a batch's replies)
+and the batch goes once the line has been quiet for QUIET_FACTOR times the 90th percentile of the
+short gaps, i.e. when the burst is complete. A queue that built up while a batch ran keeps the static
+rules: its requests' clients may be waiting on the running batch, and sending the rest as soon as the
+worker frees would lock closed-loop traffic into two smaller batches taking turns.
 """
 
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from gepool.scheduler.queues import PolicyQueues
+
+GAP_WINDOW = 32  # arrivals whose gaps the adaptive policy looks at
+MIN_GAPS = 4  # before this many, it waits like the static policy
+QUIET_FACTOR = 3.0  # the burst is over after this many times its 90th-percentile gap without an arrival
+QUIET_FLOOR_S = 50e-6  # below this, a gap is scheduling noise
+QUIET_SHARE = 0.1  # waiting may cost at most this share of a batch's compute time
+COST_ALPHA = 0.2  # EWMA weight of the newest batch's compute time
 
 
 @dataclass(slots=True)
@@ -33,12 +53,13 @@ class Pending:
     enqueued: float
     deadline: float | None = None  # set by the queue policy
     level: int = 1
+    idle: bool = True  # no batch of the model was running when it arrived
 
 
 class DynamicBatcher:
     def __init__(self, max_batch_size: int, preferred: tuple[int, ...] = (), max_queue_delay_us: int = 0,
                  *, enabled: bool = True, clock: Callable[[], float] = time.monotonic,
-                 queues: PolicyQueues | None = None) -> None:
+                 queues: PolicyQueues | None = None, adaptive: bool = False) -> None:
         """``enabled=False`` is Triton's default scheduler: one request per execution (and no queue policy)."""
         self.max_rows = max(1, max_batch_size)
         self.set_preferred(preferred)
@@ -47,6 +68,10 @@ class DynamicBatcher:
         self.clock = clock
         self.queue = queues if queues is not None and self.batching else PolicyQueues()
         self.rows = 0
+        self.adaptive = adaptive
+        self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)
+        self.last_arrival: float | None = None
+        self.batch_cost: float | None = None  # EWMA of batch compute seconds
 
     def set_preferred(self, preferred: tuple[int, ...]) -> None:
         self.preferred = tuple(sorted({p for p in preferred if 0 < p <= self.max_rows}))
@@ -55,12 +80,49 @@ class DynamicBatcher:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def add(self, item: Any, rows: int = 1, key: Hashable = None, priority: int = 0, timeout_us: int = 0) -> bool:
-        """Queues a request; False when its priority level's queue is full (answer it UNAVAILABLE)."""
-        if not self.queue.admit(Pending(item, max(1, rows), key, self.clock()), priority, timeout_us):
+    def add(self, item: Any, rows: int = 1, key: Hashable = None, priority: int = 0, timeout_us: int = 0,
+            busy: bool = False) -> bool:
+        """Queues a request (``busy``: a batch of the model is running); False when its priority level's
+        queue is full (answer it UNAVAILABLE)."""
+        now = self.clock()
+        if not self.queue.admit(Pending(item, max(1, rows), key, now, idle=not busy), priority, timeout_us):
             return False
         self.rows += max(1, rows)
+        if self.last_arrival is not None:
+            self.gaps.append(now - self.last_arrival)
+        self.last_arrival = now
         return True
+
+    def observe_cost(self, seconds: float) -> None:
+        """A batch's compute time, which bounds what waiting for company may cost."""
+        self.batch_cost = seconds if self.batch_cost is None else (
+            COST_ALPHA * seconds + (1 - COST_ALPHA) * self.batch_cost)
+
+
+    def quiet_time(self) -> float | None:
+        """Adaptive policy: how long after the last arrival a burst counts as complete; 0 means send at
+        once (arrivals are too sparse for waiting to pay). None: not adaptive, or too little history
+        yet (wait like the static policy)."""
+        if not self.adaptive or len(self.gaps) < MIN_GAPS:
+            return None
+        cap = self._wait_cap()
+        short = sorted(g for g in self.gaps if g <= cap)
+        if 2 * len(short) < len(self.gaps):
+            return 0.0
+        p90 = short[min(len(short) - 1, int(0.9 * len(short)))]
+        return min(cap, max(QUIET_FLOOR_S, QUIET_FACTOR * p90))
+
+    def _wait_cap(self) -> float:
+        return self.delay if self.batch_cost is None else min(self.delay, QUIET_SHARE * self.batch_cost)
+
+    def _early_at(self) -> float | None:
+        """Adaptive policy: when an idle worker may take the queue before the static rules say so."""
+        quiet = self.quiet_time()
+        if quiet is None or not self._first().idle:  # built up during a batch: the static rules
+            return None
+        if quiet == 0:
+            return self._first().enqueued
+        return self.last_arrival + quiet
 
     def retry(self, items: list[tuple[Any, int, Hashable, float]]) -> None:
         """Puts (item, rows, key, arrival) back at the head of the queue, in order: requests whose worker
@@ -92,7 +154,11 @@ class DynamicBatcher:
         if not self.batching:
             return self._take(1)
         count, total, best, send_now = self._walk()
-        exceeded = self.delay > 0 and self.clock() - self._first().enqueued >= self.delay
+        now = self.clock()
+        exceeded = self.delay > 0 and now - self._first().enqueued >= self.delay
+        if idle and not exceeded and self.delay > 0:
+            early = self._early_at()
+            exceeded = early is not None and now >= early
         saturated = send_now or total >= self.max_preferred
         if not idle and not saturated:
             return None  # it keeps growing until the worker can run it (even past its delay)
@@ -110,7 +176,9 @@ class DynamicBatcher:
         """When the oldest request's delay runs out (clock time), if waiting is what the rules say."""
         if not self.queue or not self.batching or self.delay == 0:
             return None
-        return self._first().enqueued + self.delay
+        cap = self._first().enqueued + self.delay
+        early = self._early_at()
+        return cap if early is None else min(cap, early)
 
     def _walk(self) -> tuple[int, int, int, bool]:
         """(requests walked, their rows, requests up to the largest preferred size reached, send now)."""

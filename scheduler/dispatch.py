@@ -86,6 +86,7 @@ class Dispatcher:
         slot = w.ring.slots[index]
         seq, outs, error, (_, t_start, t_end) = slot.result()
         model.stats.computed(batch.rows, t_end - t_start)
+        model.batcher.observe_cost(t_end - t_start)
         if error or seq != batch.seq:
             self.fail_batch(model, batch, errors.ModelError(
                 f"model '{model.name}' failed: {error or 'slot sequence mismatch'}"))

@@ -255,7 +255,8 @@ class Front:
         req = admit(msg, identity, frames, model.config, model.slot_bytes, self.arenas, time.monotonic())
         priority = msg.priority if isinstance(msg.priority, int) else 0
         timeout_us = msg.timeout_us if isinstance(msg.timeout_us, int) else 0
-        if not model.batcher.add(req, req.rows, req.key, priority, timeout_us):
+        busy = any(w.inflight for w in model.workers)
+        if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy):
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self._dirty.add(model)

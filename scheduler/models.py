@@ -47,7 +47,8 @@ class Model:
                                   db.priority_queue_policy) if db else None
             self.batcher = DynamicBatcher(self.config.max_batch_size, db.preferred_batch_size if db else (),
                                           db.max_queue_delay_us if db else 0, enabled=db is not None,
-                                          queues=queues)
+                                          queues=queues,
+                                          adaptive=self.config.parameters.get("batch_policy") == "adaptive")
             self.slot_bytes = slot_bytes_for(self.config)
             ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
             self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)

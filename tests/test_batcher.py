@@ -1,5 +1,7 @@
 """The dynamic batcher's rules, driven by a fake clock: no sleeps."""
 
+import pytest
+
 from gepool.scheduler.batcher import DynamicBatcher
 
 
@@ -214,3 +216,75 @@ def test_taken_requests_no_longer_time_out():
     assert len(b.next_batch()) == 4
     clock.advance(5000)
     assert b.expire() == [] and b.timeout_deadline() is None
+
+
+# -- the adaptive policy: it may only shorten the static wait --------------------------------------------
+def feed(b, clock, gaps_us, busy=False):
+    """Requests arriving after the given gaps, each taken at once (as if an idle worker ran them)."""
+    for gap in gaps_us:
+        clock.advance(gap)
+        b.add("warm", busy=busy)
+        b.take_all()
+
+
+def test_adaptive_sends_sparse_traffic_at_once():
+    b, clock = make(preferred=(16,), delay_us=5000, adaptive=True)
+    b.observe_cost(0.004)
+    feed(b, clock, [10_000] * 8)  # a lone client: one request per 10 ms
+    clock.advance(10_000)
+    b.add("a")
+    assert [p.item for p in b.next_batch()] == ["a"]
+
+
+def test_static_policy_keeps_waiting_on_the_same_traffic():
+    b, clock = make(preferred=(16,), delay_us=5000)
+    b.observe_cost(0.004)
+    feed(b, clock, [10_000] * 8)
+    clock.advance(10_000)
+    b.add("a")
+    assert b.next_batch() is None and b.deadline() == clock.now + 0.005
+
+
+def test_adaptive_waits_for_a_burst_to_end():
+    b, clock = make(preferred=(16,), delay_us=5000, adaptive=True)
+    b.observe_cost(0.010)  # waiting may cost up to 1 ms
+    feed(b, clock, [10_000] + [50] * 15 + [10_000] + [50] * 15)  # closed-loop bursts, 50 us apart
+    quiet = b.quiet_time()
+    assert quiet == pytest.approx(3 * 50e-6)  # QUIET_FACTOR times the short gaps' 90th percentile
+    clock.advance(10_000)
+    for _ in range(3):
+        b.add("x")
+        clock.advance(50)
+        assert b.next_batch() is None  # more of the burst is on its way
+    assert abs(b.deadline() - (clock.now - 50e-6 + quiet)) < 1e-9
+    clock.advance(100)
+    assert rows_of(b.next_batch()) == [1, 1, 1]
+
+
+def test_adaptive_never_waits_longer_than_the_delay():
+    b, clock = make(preferred=(16,), delay_us=1000, adaptive=True)
+    b.observe_cost(0.100)  # a slow model would allow a 10 ms quiet time; the delay caps it
+    feed(b, clock, [400] * 20)
+    assert b.quiet_time() == pytest.approx(0.001)
+    b.add("a")
+    for _ in range(9):
+        clock.advance(100)
+        b.add("b")  # arrivals keep coming, so the burst is not over
+    assert b.next_batch() is None
+    clock.advance(100)
+    assert len(b.next_batch()) == 10  # the oldest reached the delay: the static rule sends
+
+
+def test_adaptive_leaves_a_queue_built_during_a_batch_to_the_static_rules():
+    b, clock = make(preferred=(16,), delay_us=5000, adaptive=True)
+    b.observe_cost(0.004)
+    feed(b, clock, [10_000] * 8)
+    clock.advance(10_000)
+    b.add("a", busy=True)  # its client may be waiting on the running batch's company
+    assert b.next_batch() is None and b.deadline() == clock.now + 0.005
+
+
+def test_adaptive_without_history_waits_like_the_static_policy():
+    b, clock = make(preferred=(16,), delay_us=5000, adaptive=True)
+    b.add("a")
+    assert b.quiet_time() is None and b.next_batch() is None and b.deadline() == clock.now + 0.005

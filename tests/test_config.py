@@ -144,8 +144,9 @@ def test_ge_without_instance_group_runs_on_device_0(tmp_path):
 @pytest.mark.parametrize("extra, field", [
     ('parameters { key: "stream_num" value: { string_value: "zero" } }', "stream_num"),
     ('parameters { key: "memory_pool_size" value: { string_value: "big" } }', "memory_pool_size"),
+    ('parameters { key: "batch_policy" value: { string_value: "eager" } }', "batch_policy"),
 ])
-def test_bad_ge_parameters_are_named(tmp_path, extra, field):
+def test_bad_parameters_are_named(tmp_path, extra, field):
     with pytest.raises(ConfigError) as info:
         parse_config(write(tmp_path, ASCEND + extra + "\n"), "m")
     assert info.value.field == field and info.value.line == 8
