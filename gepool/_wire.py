@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import weakref
 
 import numpy as np
 
@@ -18,12 +19,23 @@ def next_id() -> int:
 
 
 class Outgoing:
-    """One encoded Infer and the arena ranges it holds until its reply arrives."""
+    """One encoded Infer and the arena ranges it holds until its reply arrives (the outputs' range,
+    last, passes to the arrays of a reply that placed its outputs there)."""
 
-    __slots__ = ("req_id", "frames", "ranges")
+    __slots__ = ("req_id", "frames", "ranges", "out_range")
 
-    def __init__(self, req_id: int, frames: list, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, req_id: int, frames: list, ranges: list[tuple[int, int]],
+                 out_range: tuple[int, int] | None = None) -> None:
         self.req_id, self.frames, self.ranges = req_id, frames, ranges
+        self.out_range = out_range
+
+    def release(self, arena: ClientArena | None) -> None:
+        """Gives back what the request still holds."""
+        if arena is None:
+            return
+        for off, size in self.ranges + ([self.out_range] if self.out_range else []):
+            arena.free(off, size)
+        self.ranges, self.out_range = [], None
 
 
 def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: int | None,
@@ -45,21 +57,25 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
         arena = None  # BYTES travel as frames
     if arena is not None:
         seg, arena_id = arena
-        total = sum(layout.align(a.nbytes) for a in arrays.values())
+        placed = {name: seg.offset_of(arr) for name, arr in arrays.items()}  # already in the arena: no copy
+        total = sum(layout.align(a.nbytes) for name, a in arrays.items() if placed[name] is None)
         try:
             base = seg.alloc(total + out_bytes)
         except ArenaFull:
             arena = None
         else:
-            ranges.append((base, total + out_bytes))
+            if total or not out_bytes:
+                ranges.append((base, total))
             refs, pos = [], base
             for name, arr in arrays.items():
-                np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
-                refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), pos])
-                pos += layout.align(arr.nbytes)
+                where = placed[name]
+                if where is None:
+                    np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
+                    where, pos = pos, pos + layout.align(arr.nbytes)
+                refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), where])
             msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
                                  arena_id, base + total, out_bytes)
-            return Outgoing(req_id, [msg.encode()], ranges)
+            return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
     refs, frames = [], []
     for i, (name, arr) in enumerate(arrays.items()):
         refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
@@ -97,8 +113,12 @@ def decode(frames: list) -> tuple[object, list]:
     return protocol.decode(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]), frames[1:]
 
 
-def result(msg: object, frames: list, arena: ClientArena | None) -> object:
-    """The value a reply stands for: output arrays, a query's body, or the error it carries, raised."""
+def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing | None = None) -> object:
+    """The value a reply stands for: output arrays, a query's body, or the error it carries, raised.
+
+    Outputs the front wrote into the arena come back as read-only views of it, not copies: the
+    request's output range then belongs to the arrays and returns to the arena when the last view of
+    them is collected (``sent`` gives up that range)."""
     if isinstance(msg, protocol.Error):
         raise errors.from_code(msg.code, msg.message)
     if isinstance(msg, protocol.Reply):
@@ -108,6 +128,12 @@ def result(msg: object, frames: list, arena: ClientArena | None) -> object:
     if not isinstance(msg, protocol.Result):
         raise errors.Internal(f"unexpected reply {type(msg).__name__}")
     out = {}
+    region = None
+    if msg.in_arena and sent is not None and sent.out_range is not None:
+        (start, size), sent.out_range = sent.out_range, None
+        region = np.frombuffer(arena.buf, np.uint8, size, start)
+        region.flags.writeable = False
+        weakref.finalize(region, arena.free, start, size)
     for name, datatype, shape, where in msg.outputs:
         if datatype == dtypes.BYTES:
             frame = frames[where]
@@ -116,7 +142,10 @@ def result(msg: object, frames: list, arena: ClientArena | None) -> object:
         dtype = dtypes.to_numpy(datatype)
         if msg.in_arena:
             count = math.prod(shape)
-            out[name] = np.frombuffer(arena.buf, dtype, count, where).reshape(shape).copy()
+            if region is not None and start <= where and where + count * dtype.itemsize <= start + size:
+                out[name] = region[where - start:where - start + count * dtype.itemsize].view(dtype).reshape(shape)
+            else:
+                out[name] = np.frombuffer(arena.buf, dtype, count, where).reshape(shape).copy()
         else:
             # Zero-copy: the array is a read-only view that keeps the received ZMQ frame alive.
             out[name] = np.frombuffer(frames[where].buffer if hasattr(frames[where], "buffer") else frames[where],

@@ -68,7 +68,7 @@ class AsyncClient:
             except errors.PoolUnavailable:
                 return self._orphaned(out)
             try:
-                return _wire.result(msg, frames, self.arena)
+                return _wire.result(msg, frames, self.arena, out)
             except errors.InvalidArgument as exc:
                 if attempt == 2 or self.arena is None or _wire.ARENA_UNKNOWN not in exc.message:
                     raise
@@ -77,8 +77,7 @@ class AsyncClient:
                                                                self.arena.size))
                 self._arena_id = body["arena"]
             finally:
-                for off, size in out.ranges:
-                    self.arena.free(off, size)
+                out.release(self.arena)
         raise AssertionError("unreachable")
 
     def _orphaned(self, out: _wire.Outgoing):

@@ -1,6 +1,9 @@
 """A client's shared-memory arena: tensors placed here reach the front as offsets, not bytes."""
 
 import threading
+import weakref
+
+import numpy as np
 
 from gepool.ipc import layout, naming
 from gepool.ipc.shm import Segment
@@ -22,7 +25,27 @@ class ClientArena:
         self.segment = Segment.create(naming.segment_name(naming.new_owner_id(), "arena"), self.size)
         self.buf = memoryview(self.segment.buf)
         self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
-        self._lock = threading.Lock()
+        # reentrant: output arrays give their range back from a finalizer, which the garbage collector
+        # may run on a thread that is inside alloc or free already
+        self._lock = threading.RLock()
+        self._base = np.frombuffer(self.buf, np.uint8).__array_interface__["data"][0]
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        """An array that lives in the arena: fill it and pass it as an input, and the request carries
+        its offset instead of copying it in. Its range returns to the arena when the array is collected."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        offset = self.alloc(nbytes)
+        region = np.frombuffer(self.buf, np.uint8, max(nbytes, 1), offset)
+        weakref.finalize(region, self.free, offset, nbytes)
+        return region[:nbytes].view(dtype).reshape(shape)
+
+    def offset_of(self, arr: np.ndarray) -> int | None:
+        """Where a C-contiguous array lies in the arena, or None when it lies elsewhere."""
+        if not arr.flags.c_contiguous or arr.nbytes == 0:
+            return None
+        start = arr.__array_interface__["data"][0] - self._base
+        return start if 0 <= start and start + arr.nbytes <= self.size else None
 
     def alloc(self, nbytes: int) -> int:
         need = layout.align(max(nbytes, 1))

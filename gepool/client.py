@@ -6,10 +6,11 @@ import os
 import threading
 import time
 
+import numpy as np
 import zmq
 
 from gepool import _wire, errors
-from gepool.arena import ClientArena
+from gepool.arena import ArenaFull, ClientArena
 from gepool.ipc import protocol
 from gepool.ipc.sockets import default_endpoint, make_socket
 
@@ -23,8 +24,9 @@ class Client:
     so threads never wait on each other); ``infer_async`` returns a Future served by one I/O thread.
 
     With ``shared_memory=True`` the client registers an arena with the front and places tensors
-    there, so only offsets cross the socket (same host only). Output arrays that arrive as frames
-    are read-only views of the received message.
+    there, so only offsets cross the socket (same host only); an input made with ``empty`` is not
+    even copied. Output arrays are read-only views, never copies: of the received message, or of the
+    arena where the front wrote them (their arena bytes are reused once the arrays are collected).
     """
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
@@ -70,7 +72,7 @@ class Client:
                 self._orphan(out)
                 raise
             try:
-                return _wire.result(msg, frames, self.arena)
+                return _wire.result(msg, frames, self.arena, out)
             except errors.InvalidArgument as exc:
                 if attempt == 1 and self._arena_lost(exc):
                     continue
@@ -96,6 +98,17 @@ class Client:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._io_thread().submit(out, fut, self._timeout(timeout), self)
         return fut
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        """An uninitialised array in this client's shared-memory arena: fill it and pass it as an input,
+        and the request carries its offset instead of a copy (the large-tensor path). Its bytes return
+        to the arena when the array is collected."""
+        if self.arena is None:
+            raise errors.InvalidArgument("empty() needs a client made with shared_memory=True")
+        try:
+            return self.arena.empty(shape, dtype)
+        except ArenaFull as exc:
+            raise errors.InvalidArgument(str(exc)) from None
 
     def model_metadata(self, model: str) -> dict:
         return self._call(protocol.Query(_wire.next_id(), "metadata", {"model": model}))
@@ -132,13 +145,12 @@ class Client:
         return _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes)
 
     def _release(self, out: _wire.Outgoing) -> None:
-        for off, size in out.ranges:
-            self.arena.free(off, size)
+        out.release(self.arena)
 
     def _orphan(self, out: _wire.Outgoing) -> None:
         """A request that timed out keeps its arena range: the front may still write its outputs
         there. The range is freed when the late reply arrives (or never, if it never does)."""
-        if out.ranges:
+        if out.ranges or out.out_range:
             with self._lock:
                 self._orphans[out.req_id] = out
 
@@ -275,7 +287,7 @@ class _IoThread(threading.Thread):
                 continue
             out, fut, _, client = entry
             try:
-                fut.set_result(_wire.result(msg, rest, client.arena))
+                fut.set_result(_wire.result(msg, rest, client.arena, out))
             except Exception as exc:
                 fut.set_exception(exc)
             finally:

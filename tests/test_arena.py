@@ -1,0 +1,81 @@
+"""The shared-memory carrier without copies on the client: outputs are views of the arena, inputs made
+with Client.empty travel as offsets, and every arena byte comes back once the arrays are gone."""
+
+import gc
+
+import numpy as np
+import pytest
+
+from gepool import _wire, errors
+from gepool.arena import ClientArena
+
+
+def in_arena(arena: ClientArena, arr: np.ndarray) -> bool:
+    start = arr.__array_interface__["data"][0] - arena._base
+    return 0 <= start and start + arr.nbytes <= arena.size
+
+
+def whole(arena: ClientArena) -> bool:
+    gc.collect()
+    return arena._free == [(0, arena.size)]
+
+
+@pytest.fixture
+def shm(pool):
+    with pool.client(shared_memory=True, arena_bytes=1 << 20) as c:
+        yield c
+
+
+def test_outputs_are_read_only_views_of_the_arena_until_collected(shm):
+    x = np.arange(32, dtype=np.float32).reshape(2, 16)
+    out = shm.infer("tiny", {"INPUT0": x})["OUTPUT0"]
+    np.testing.assert_array_equal(out, x * 2 + 1)
+    assert in_arena(shm.arena, out) and not out.flags.writeable
+    assert not whole(shm.arena)  # the output's range is held by the array
+    view = out[1:]
+    del out
+    assert not whole(shm.arena)  # ... and by any view of it
+    np.testing.assert_array_equal(view, x[1:] * 2 + 1)
+    del view
+    assert whole(shm.arena)
+
+
+def test_held_outputs_do_not_change_later_answers(shm):
+    xs = [np.full((1, 16), i, np.float32) for i in range(20)]
+    outs = [shm.infer("tiny", {"INPUT0": x})["OUTPUT0"] for x in xs]
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full((1, 16), 2 * i + 1, np.float32))
+    del outs, out
+    assert whole(shm.arena)
+
+
+def test_an_input_made_in_the_arena_travels_as_its_offset(shm):
+    x = shm.empty((3, 16), np.float32)
+    x[:] = np.arange(48, dtype=np.float32).reshape(3, 16)
+    sent = _wire.encode_infer("tiny", {"INPUT0": x}, None, None, None, (shm.arena, shm._arena_id), 3 * 16 * 4)
+    ((_, _, _, where),) = _wire.protocol.decode(sent.frames[0]).inputs
+    assert where == shm.arena.offset_of(x) and sent.ranges == []  # nothing copied, only the outputs' room
+    sent.release(shm.arena)
+    out = shm.infer("tiny", {"INPUT0": x})["OUTPUT0"]
+    np.testing.assert_array_equal(out, np.asarray(x) * 2 + 1)
+    del x, out
+    assert whole(shm.arena)
+
+
+def test_a_full_arena_falls_back_to_frames(shm):
+    x = np.ones((8, 16), np.float32)
+    held = []
+    for _ in range(2000):  # 1 MiB arena, 512 bytes of output per request: it fills up
+        held.append(shm.infer("tiny", {"INPUT0": x})["OUTPUT0"])
+        if not in_arena(shm.arena, held[-1]):
+            break
+    else:
+        pytest.fail("the arena never filled up")
+    np.testing.assert_array_equal(held[-1], x * 2 + 1)  # answered as frames instead
+    del held
+    assert whole(shm.arena)
+
+
+def test_empty_needs_an_arena(client):
+    with pytest.raises(errors.InvalidArgument, match="shared_memory=True"):
+        client.empty((1, 16), np.float32)
