@@ -2,12 +2,17 @@
 latency percentiles, errors by kind and the server's own view of the same window.
 
 The load runs on the client's I/O thread (each answer sends the next request, or a timer sends at
-the next arrival), so one Python thread can keep many requests in flight; when the sender falls
-behind the asked arrival times the report says the client side was saturated.
+the next arrival), so one Python thread can keep many requests in flight. The client side counts as
+saturated when the sender falls behind the asked arrival times (open loop) or the client process
+used nearly a whole core (closed loop: one Python process cannot go faster than that). With
+``processes="auto"`` a saturated level is run again with twice the client processes, up to the
+host's cores, and the report keeps the last run and how many processes it took.
 """
 
 import json
 import math
+import os
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +24,7 @@ from gepool.ipc import dtypes
 
 PERCENTILES = (50, 90, 95, 99)
 SATURATION_LAG = 0.1  # open loop: sending more than 10% of the run late means the client could not keep up
+SATURATION_CPU = 0.9  # closed loop: a client process busy 90% of the time (of one core) is the bottleneck
 
 
 @dataclass
@@ -35,6 +41,8 @@ class Level:
     rows_per_s: float = 0.0
     client_saturated: bool = False
     send_lag_s: float = 0.0
+    client_cpu: float = 0.0  # the busiest client process's CPU seconds per second of the level
+    processes: int = 1
     server: dict = field(default_factory=dict)
 
 
@@ -136,7 +144,7 @@ def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds
     level = Level(mode, value)
     run = _Run(client, model, inputs, rows, level)
     before = client.stats()[model]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     stop_at = start + seconds
     if mode == "concurrency":
         def again() -> None:
@@ -160,6 +168,9 @@ def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds
     run.close()
     run.idle.wait(seconds + 120)
     level.seconds = time.perf_counter() - start
+    level.client_cpu = (time.process_time() - cpu) / level.seconds
+    if mode == "concurrency":
+        level.client_saturated = level.client_cpu >= SATURATION_CPU
     level.latency_ms = percentiles(run.latencies)
     level.throughput_rps = level.ok / level.seconds
     level.rows_per_s = level.rows / level.seconds
@@ -169,7 +180,8 @@ def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds
 
 
 def run_level_processes(client, endpoint: str, model: str, mode: str, value: float, seconds: float,
-                        batch_size: int, processes: int, shared_memory: bool) -> Level:
+                        batch_size: int, processes: int, shared_memory: bool,
+                        input_files: dict[str, str] | None = None) -> Level:
     """One level split across several client processes (when one Python process cannot produce the
     load): each runs its share, the parent merges their counts and latencies and reads the server once."""
     import subprocess
@@ -178,14 +190,15 @@ def run_level_processes(client, endpoint: str, model: str, mode: str, value: flo
     before = client.stats()[model]
     share = value / processes
     args = {"endpoint": endpoint, "model": model, "mode": mode, "value": share if mode == "rate" else 0,
-            "seconds": seconds, "batch_size": batch_size, "shared_memory": shared_memory}
+            "seconds": seconds, "batch_size": batch_size, "shared_memory": shared_memory,
+            "inputs": input_files or {}}
     procs = []
     for i in range(processes):
         mine = dict(args, value=share if mode == "rate" else int(value) // processes + (i < int(value) % processes),
                     seed=i)
         procs.append(subprocess.Popen([sys.executable, "-m", "gepool.bench", json.dumps(mine)],
                                       stdout=subprocess.PIPE, text=True))
-    level = Level(mode, value)
+    level = Level(mode, value, processes=processes)
     latencies: list[float] = []
     for proc in procs:
         out, _ = proc.communicate(timeout=seconds + 300)
@@ -199,6 +212,7 @@ def run_level_processes(client, endpoint: str, model: str, mode: str, value: flo
         level.seconds = max(level.seconds, part["seconds"])
         level.send_lag_s = max(level.send_lag_s, part["send_lag_s"])
         level.client_saturated |= part["client_saturated"]
+        level.client_cpu = max(level.client_cpu, part["client_cpu"])
         latencies += part["raw_latencies"]
     level.latency_ms = percentiles(latencies)
     level.throughput_rps = level.ok / level.seconds if level.seconds else 0.0
@@ -214,8 +228,10 @@ def _child(argv: list[str]) -> int:
     a = json.loads(argv[0])
     with Client(a["endpoint"], shared_memory=a["shared_memory"]) as c:
         meta = c.model_metadata(a["model"])
-        inputs = make_inputs(meta, a["batch_size"], a.get("seed", 0))
-        rows = a["batch_size"] if meta.get("max_batch_size", 0) > 0 else 1
+        inputs = dict(make_inputs(meta, a["batch_size"], a.get("seed", 0)),
+                      **{name: np.load(path) for name, path in a.get("inputs", {}).items()})
+        first = next(iter(inputs.values()))
+        rows = (first.shape[0] if first.ndim else 1) if meta.get("max_batch_size", 0) > 0 else 1
         level = run_level(c, a["model"], inputs, a["mode"], a["value"], a["seconds"], rows)
     out = asdict(level)
     out["raw_latencies"] = level.raw_latencies
@@ -224,20 +240,38 @@ def _child(argv: list[str]) -> int:
 
 
 def bench(client, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
-          seconds: float = 5.0, batch_size: int = 1, processes: int = 1, given: dict | None = None) -> dict:
-    """Every level in this process, or with ``processes > 1`` split across that many client processes.
+          seconds: float = 5.0, batch_size: int = 1, processes: int | str = 1, given: dict | None = None) -> dict:
+    """Every level in this process, or split across ``processes`` client processes; ``"auto"`` starts
+    with one and doubles while the client side is saturated (up to the host's cores).
     ``given`` replaces generated inputs by name (arrays, e.g. loaded from .npy files)."""
     meta = client.model_metadata(model)
     inputs = dict(make_inputs(meta, batch_size), **(given or {}))
     first = next(iter(inputs.values()))
     rows = (first.shape[0] if first.ndim else 1) if meta.get("max_batch_size", 0) > 0 else 1
     plan = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
-    if processes > 1:
-        shm = getattr(client, "arena", None) is not None
-        levels = [run_level_processes(client, client.endpoint, model, mode, v, seconds, batch_size, processes, shm)
-                  for mode, v in plan]
-    else:
-        levels = [run_level(client, model, inputs, mode, v, seconds, rows) for mode, v in plan]
+    auto = processes == "auto"
+    most = max(1, os.cpu_count() or 1) if auto else int(processes)
+    shm = getattr(client, "arena", None) is not None
+    with tempfile.TemporaryDirectory(prefix="gepool-bench-") as tmp:
+        files = {}
+        for name, arr in (given or {}).items():  # child processes load the same data
+            files[name] = os.path.join(tmp, f"input{len(files)}.npy")
+            np.save(files[name], arr)
+
+        def run(mode: str, value: float, n: int) -> Level:
+            if n == 1:
+                return run_level(client, model, inputs, mode, value, seconds, rows)
+            return run_level_processes(client, client.endpoint, model, mode, value, seconds, batch_size, n,
+                                       shm, files)
+
+        levels = []
+        for mode, value in plan:
+            n = 1 if auto else most
+            level = run(mode, value, n)
+            while auto and level.client_saturated and 2 * n <= most and (mode == "rate" or value >= 2 * n):
+                n *= 2
+                level = run(mode, value, n)
+            levels.append(level)
     return {"model": model, "batch_size": batch_size, "seconds": seconds,
             "inputs": {k: list(v.shape) for k, v in inputs.items()}, "processes": processes,
             "levels": [asdict(x) for x in levels]}
@@ -255,6 +289,7 @@ def format_report(report: dict) -> str:
                      + " ".join(f"{lat[k]:8.2f}" for k in ("p50", "p90", "p95", "p99", "max"))
                      + f"  {s['avg_batch_size']:12.2f} {s['queue_ms_avg']:8.2f} {s['compute_ms_avg']:10.2f}  "
                      + (json.dumps(lv["errors"]) if lv["errors"] else "-")
+                     + (f"  ({lv.get('processes', 1)} client processes)" if lv.get("processes", 1) > 1 else "")
                      + ("  (client saturated)" if lv["client_saturated"] else ""))
     return "\n".join(lines)
 

@@ -10,6 +10,14 @@ import numpy as np
 from gepool import errors
 
 
+def _processes(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--processes must be a whole number >= 1 or 'auto', not '{text}'")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gepool", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1, help="rows per request")
     p.add_argument("--shared-memory", action="store_true")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="use this data")
-    p.add_argument("--processes", type=int, default=1,
-                   help="client processes sharing each level (when one cannot produce the load)")
+    p.add_argument("--processes", type=_processes, default="auto",
+                   help="client processes sharing each level, or 'auto' (the default): one, doubled while "
+                        "the client side is saturated")
     p.add_argument("--output", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG of latency against throughput and batch sizes (needs matplotlib)")
     p.add_argument("--sweep", action="store_true",

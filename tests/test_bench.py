@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from gepool.bench import bench, percentiles, poisson_arrivals, server_window
+from gepool.bench import bench, format_report, percentiles, poisson_arrivals, server_window
 
 
 def test_percentiles_of_known_latencies():
@@ -87,3 +87,24 @@ def test_levels_split_across_client_processes(client):
         assert lv["server"]["requests"] == lv["ok"]  # both processes' requests, seen once by the server
         assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert 50 <= report["levels"][1]["sent"] <= 160  # two processes at 50/s each
+
+
+def test_given_inputs_reach_every_client_process(client):
+    x = np.arange(48, dtype=np.float32).reshape(3, 16)
+    report = bench(client, "tiny", concurrency=[2], seconds=0.5, processes=2, given={"INPUT0": x})
+    (lv,) = report["levels"]
+    assert lv["processes"] == 2 and lv["ok"] > 0
+    assert lv["rows"] == 3 * lv["ok"]  # the children sent the 3-row .npy data, not generated single rows
+
+
+def test_auto_adds_client_processes_only_while_the_client_is_saturated(client, monkeypatch):
+    import gepool.bench as b
+
+    monkeypatch.setattr(b.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(b, "SATURATION_CPU", 1e9)  # never saturated: one process does
+    (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto")["levels"]
+    assert lv["processes"] == 1 and not lv["client_saturated"]
+    monkeypatch.setattr(b, "SATURATION_CPU", 0.0)  # this process always counts as saturated
+    (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto")["levels"]
+    assert lv["processes"] in (2, 4) and lv["ok"] > 0  # the children judge their own saturation
+    assert format_report({"model": "tiny", "batch_size": 1, "seconds": 0.3, "levels": [lv]}).count("client processes")
