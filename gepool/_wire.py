@@ -12,6 +12,7 @@ from gepool.ipc import dtypes, layout, protocol
 
 _ids = itertools.count(1)
 ARENA_UNKNOWN = "is not registered"  # the front's words for an arena id it does not know
+ZERO_COPY_MIN = 64 << 10  # smaller arena outputs are copied out: cheaper than a finalizer per reply
 
 
 def next_id() -> int:
@@ -116,7 +117,7 @@ def decode(frames: list) -> tuple[object, list]:
 def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing | None = None) -> object:
     """The value a reply stands for: output arrays, a query's body, or the error it carries, raised.
 
-    Outputs the front wrote into the arena come back as read-only views of it, not copies: the
+    Outputs the front wrote into the arena (from ZERO_COPY_MIN bytes) come back as read-only views of it: the
     request's output range then belongs to the arrays and returns to the arena when the last view of
     them is collected (``sent`` gives up that range)."""
     if isinstance(msg, protocol.Error):
@@ -129,7 +130,7 @@ def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing 
         raise errors.Internal(f"unexpected reply {type(msg).__name__}")
     out = {}
     region = None
-    if msg.in_arena and sent is not None and sent.out_range is not None:
+    if msg.in_arena and sent is not None and sent.out_range is not None and sent.out_range[1] >= ZERO_COPY_MIN:
         (start, size), sent.out_range = sent.out_range, None
         region = np.frombuffer(arena.buf, np.uint8, size, start)
         region.flags.writeable = False

@@ -21,9 +21,18 @@ def whole(arena: ClientArena) -> bool:
 
 
 @pytest.fixture
-def shm(pool):
+def shm(pool, monkeypatch):
+    monkeypatch.setattr(_wire, "ZERO_COPY_MIN", 0)  # the tiny model's outputs stand in for large ones
     with pool.client(shared_memory=True, arena_bytes=1 << 20) as c:
         yield c
+
+
+def test_small_outputs_are_copied_out_and_their_range_freed_at_once(pool):
+    with pool.client(shared_memory=True, arena_bytes=1 << 20) as c:
+        x = np.ones((2, 16), np.float32)
+        out = c.infer("tiny", {"INPUT0": x})["OUTPUT0"]
+        np.testing.assert_array_equal(out, x * 2 + 1)
+        assert not in_arena(c.arena, out) and whole(c.arena)
 
 
 def test_outputs_are_read_only_views_of_the_arena_until_collected(shm):
