@@ -20,8 +20,8 @@ def next_id() -> int:
 
 
 class Outgoing:
-    """One encoded Infer and the arena ranges it holds until its reply arrives (the outputs' range,
-    last, passes to the arrays of a reply that placed its outputs there)."""
+    """One encoded Infer and the arena ranges it holds until its reply arrives (``out_range`` passes to
+    the output arrays of a reply that left them in the arena)."""
 
     __slots__ = ("req_id", "frames", "ranges", "out_range")
 
@@ -134,7 +134,7 @@ def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing 
         (start, size), sent.out_range = sent.out_range, None
         region = np.frombuffer(arena.buf, np.uint8, size, start)
         region.flags.writeable = False
-        weakref.finalize(region, arena.free, start, size)
+        weakref.finalize(region, arena.give_back, start, size)
     for name, datatype, shape, where in msg.outputs:
         if datatype == dtypes.BYTES:
             frame = frames[where]

@@ -1,5 +1,6 @@
 """A client's shared-memory arena: tensors placed here reach the front as offsets, not bytes."""
 
+import collections
 import threading
 import weakref
 
@@ -25,9 +26,10 @@ class ClientArena:
         self.segment = Segment.create(naming.segment_name(naming.new_owner_id(), "arena"), self.size)
         self.buf = memoryview(self.segment.buf)
         self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
-        # reentrant: output arrays give their range back from a finalizer, which the garbage collector
-        # may run on a thread that is inside alloc or free already
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        # ranges of collected arrays: a finalizer may run on a thread that is inside alloc or free
+        # already, so it only appends here (atomic) and the next alloc or free takes them in
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
         self._base = np.frombuffer(self.buf, np.uint8).__array_interface__["data"][0]
 
     def empty(self, shape, dtype) -> np.ndarray:
@@ -37,7 +39,7 @@ class ClientArena:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         offset = self.alloc(nbytes)
         region = np.frombuffer(self.buf, np.uint8, max(nbytes, 1), offset)
-        weakref.finalize(region, self.free, offset, nbytes)
+        weakref.finalize(region, self.give_back, offset, nbytes)
         return region[:nbytes].view(dtype).reshape(shape)
 
     def offset_of(self, arr: np.ndarray) -> int | None:
@@ -47,8 +49,18 @@ class ClientArena:
         start = arr.__array_interface__["data"][0] - self._base
         return start if 0 <= start and start + arr.nbytes <= self.size else None
 
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """``free`` for finalizers: safe to call from anywhere, taken in by the next alloc or free."""
+        self._returned.append((offset, nbytes))
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """The free (offset, length) ranges, sorted; what the arena can still hand out."""
+        self.free(0, -1)
+        return list(self._free)
+
     def alloc(self, nbytes: int) -> int:
         need = layout.align(max(nbytes, 1))
+        self.free(0, -1)  # take in what finalizers gave back
         with self._lock:
             for i, (off, length) in enumerate(self._free):
                 if length >= need:
@@ -60,9 +72,15 @@ class ClientArena:
         raise ArenaFull(f"no {need} free bytes in the {self.size}-byte arena")
 
     def free(self, offset: int, nbytes: int) -> None:
-        size = layout.align(max(nbytes, 1))
+        """Returns a range (``nbytes`` < 0: none, only take in what finalizers gave back)."""
         with self._lock:
-            self._free.append((offset, size))
+            if nbytes >= 0:
+                self._free.append((offset, layout.align(max(nbytes, 1))))
+            while self._returned:
+                off, n = self._returned.popleft()
+                self._free.append((off, layout.align(max(n, 1))))
+            if not self._free:
+                return
             self._free.sort()
             merged = [self._free[0]]
             for off, length in self._free[1:]:

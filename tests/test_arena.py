@@ -17,7 +17,7 @@ def in_arena(arena: ClientArena, arr: np.ndarray) -> bool:
 
 def whole(arena: ClientArena) -> bool:
     gc.collect()
-    return arena._free == [(0, arena.size)]
+    return arena.free_ranges() == [(0, arena.size)]
 
 
 @pytest.fixture
