@@ -12,7 +12,6 @@ Every figure comes from this run on this host; the ratios are what to compare ac
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -87,13 +86,10 @@ def main() -> None:
 
     import core
     import http_bench
-    import make_models
 
     from gepool import Pool
 
-    repo = tempfile.mkdtemp(prefix="gepool-compare-")
-    make_models.make_tiny(repo)
-    make_models.make_mlp(repo)
+    repo = core.example_repo("gepool-compare-")
     make_static_twin(repo)
     make_big(repo)
     cores = os.cpu_count() or 1

@@ -36,6 +36,16 @@ def _echo(endpoint: str, n: int) -> None:
     ctx.term()
 
 
+def example_repo(prefix: str) -> str:
+    """A fresh temporary repository holding the tiny and MLP example models."""
+    import make_models
+
+    repo = tempfile.mkdtemp(prefix=prefix)
+    make_models.make_tiny(repo)
+    make_models.make_mlp(repo)
+    return repo
+
+
 def zmq_floor(n: int) -> np.ndarray:
     endpoint = f"ipc://{tempfile.mkdtemp()}/echo.sock"
     proc = multiprocessing.get_context("spawn").Process(target=_echo, args=(endpoint, n + 100))
@@ -123,13 +133,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
 
-    import make_models
-
     from gepool import Pool
 
-    repo = tempfile.mkdtemp(prefix="gepool-bench-")
-    make_models.make_tiny(repo)
-    make_models.make_mlp(repo)
+    repo = example_repo("gepool-bench-")
     cores = os.cpu_count() or 1
     print(f"host: {cores} cores; onnxruntime spinning off everywhere")
 

@@ -87,13 +87,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
 
-    import make_models
+    from core import example_repo
 
     from gepool import Pool
 
-    repo = tempfile.mkdtemp(prefix="gepool-bench-")
-    make_models.make_tiny(repo)
-    make_models.make_mlp(repo)
+    repo = example_repo("gepool-bench-")
     port = free_port()
     rows = []
     with Pool(repo, http_port=port) as pool:

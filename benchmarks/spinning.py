@@ -12,7 +12,6 @@ spinning thread takes a core from the client and the front on a small host.
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -71,11 +70,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    import make_models
+    sys.path.insert(0, HERE)
+    from core import example_repo
 
-    repo = tempfile.mkdtemp(prefix="gepool-spin-")
-    make_models.make_tiny(repo)
-    make_models.make_mlp(repo)
+    repo = example_repo("gepool-spin-")
     results: dict[str, list[dict]] = {"0": [], "1": []}
     for _ in range(args.rounds):
         for spinning in ("0", "1"):

@@ -72,6 +72,7 @@ class DynamicBatcher:
         self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)
         self.last_arrival: float | None = None
         self.batch_cost: float | None = None  # EWMA of batch compute seconds
+        self._quiet: tuple[float | None] | None = None  # quiet_time() until the next arrival or cost
 
     def set_preferred(self, preferred: tuple[int, ...]) -> None:
         self.preferred = tuple(sorted({p for p in preferred if 0 < p <= self.max_rows}))
@@ -91,18 +92,25 @@ class DynamicBatcher:
         if self.last_arrival is not None:
             self.gaps.append(now - self.last_arrival)
         self.last_arrival = now
+        self._quiet = None
         return True
 
     def observe_cost(self, seconds: float) -> None:
         """A batch's compute time, which bounds what waiting for company may cost."""
         self.batch_cost = seconds if self.batch_cost is None else (
             COST_ALPHA * seconds + (1 - COST_ALPHA) * self.batch_cost)
+        self._quiet = None
 
 
     def quiet_time(self) -> float | None:
         """Adaptive policy: how long after the last arrival a burst counts as complete; 0 means send at
         once (arrivals are too sparse for waiting to pay). None: not adaptive, or too little history
-        yet (wait like the static policy)."""
+        yet (wait like the static policy). Cached: the front asks on every pass of its loop."""
+        if self._quiet is None:
+            self._quiet = (self._compute_quiet(),)
+        return self._quiet[0]
+
+    def _compute_quiet(self) -> float | None:
         if not self.adaptive or len(self.gaps) < MIN_GAPS:
             return None
         cap = self._wait_cap()
