@@ -11,7 +11,7 @@ import zmq
 
 from gepool import _wire, errors
 from gepool.arena import ArenaFull, ClientArena
-from gepool.ipc import protocol
+from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import default_endpoint, make_socket
 
 DEFAULT_TIMEOUT_S = 120.0  # never wait forever on a pool that vanished
@@ -178,13 +178,13 @@ class Client:
 
     def _exchange(self, frames: list, req_id: int, timeout: float | None, what: str):
         sock = self._socket()
-        sock.send_multipart(frames, copy=False)
+        zmqio.send_parts(sock, frames)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             if not sock.poll(wait):
                 raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} within {timeout}s ({what})")
-            msg, rest = _wire.decode(sock.recv_multipart(copy=False))
+            msg, rest = _wire.decode(zmqio.recv_parts(sock))
             if getattr(msg, "req_id", None) == req_id:
                 return msg, rest
             self._late_reply(getattr(msg, "req_id", None))  # to a request that timed out here
@@ -263,7 +263,7 @@ class _IoThread(threading.Thread):
                 while self.outbox:
                     out, fut, deadline, client = self.outbox.popleft()
                     self.pending[out.req_id] = (out, fut, deadline, client)
-                    sock.send_multipart(out.frames, copy=False)
+                    zmqio.send_parts(sock, out.frames)
                 if sock in events:
                     self._receive(sock)
                 self._expire()
@@ -276,7 +276,7 @@ class _IoThread(threading.Thread):
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = zmqio.recv_parts(sock, zmqio.NOBLOCK)
             except zmq.Again:
                 return
             msg, rest = _wire.decode(frames)

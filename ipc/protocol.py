@@ -1,4 +1,4 @@
-"""The wire types, and nothing else: one frozen dataclass per message, msgpack arrays in field order.
+"""The wire types, and nothing else: one dataclass per message, msgpack arrays in field order.
 
 Client <-> front: a multipart message whose first frame is the encoded header; an ``Infer`` may be
 followed by one raw frame per tensor (``TensorRef.where`` is the frame index), or name a registered
@@ -8,6 +8,7 @@ The protocol version is checked once, in Hello/Welcome and WorkerReady.
 """
 
 import enum
+import operator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -43,18 +44,24 @@ _BY_TYPE: dict[int, type] = {}
 
 
 def _message(cls: type) -> type:
-    cls = dataclass(frozen=True, slots=True)(cls)
+    # Not frozen: a frozen dataclass sets each field through object.__setattr__, and the front makes
+    # and reads several messages per request. Nothing keeps or hashes a message after handling it.
+    cls = dataclass(slots=True)(cls)
     cls._FIELDS = tuple(f.name for f in fields(cls))
-    _BY_TYPE[int(cls.TYPE)] = cls
+    get = operator.attrgetter(*cls._FIELDS) if cls._FIELDS else (lambda _: ())
+    cls._values = staticmethod(get if len(cls._FIELDS) != 1 else (lambda m, g=get: (g(m),)))
+    cls._TYPE = int(cls.TYPE)
+    _BY_TYPE[cls._TYPE] = cls
     return cls
 
 
 class _Base:
     TYPE: ClassVar[MsgType]
     _FIELDS: ClassVar[tuple[str, ...]]
+    _TYPE: ClassVar[int]
 
     def encode(self) -> bytes:
-        return msgpack.packb([int(self.TYPE), *(getattr(self, f) for f in self._FIELDS)], use_bin_type=True)
+        return msgpack.packb([self._TYPE, *self._values(self)], use_bin_type=True)
 
 
 def decode(frame: bytes | memoryview) -> Any:

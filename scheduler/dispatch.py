@@ -8,7 +8,7 @@ import numpy as np
 import zmq
 
 from gepool import errors
-from gepool.ipc import dtypes, layout, protocol
+from gepool.ipc import dtypes, layout, protocol, zmqio
 from gepool.ipc.ring import TensorDesc
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.models import Model
@@ -120,12 +120,14 @@ class Dispatcher:
                 for n, p, off in zip(names, pieces, offsets, strict=True):
                     np.copyto(np.frombuffer(arena.view, p.dtype, p.size, off).reshape(p.shape), p)
                     refs.append([n, dtypes.from_numpy(p.dtype), list(p.shape), off])
-                self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, True).encode()])
+                zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, True).encode()])
                 return
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
-        self.clients.send_multipart([req.identity, protocol.Result(req.req_id, refs, False).encode(), *pieces])
+        # copied: the pieces are views of a slot that is reused as soon as the batch is answered
+        zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, False).encode(), *pieces],
+                         copy=True)
 
     def recover(self, model: Model, batch: Batch, err: errors.GepoolError, can_retry: bool) -> None:
         """A batch whose worker died: each request runs once more on another worker, or hears ``err``."""
@@ -148,7 +150,7 @@ class Dispatcher:
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
         model.stats.failed()
-        self.clients.send_multipart([req.identity, protocol.Error(req.req_id, err.code, err.message).encode()])
+        zmqio.send_parts(self.clients, [req.identity, protocol.Error(req.req_id, err.code, err.message).encode()])
 
 
 def _pick(model: Model) -> tuple[Worker | None, bool]:

@@ -16,7 +16,7 @@ import zmq
 
 from gepool import errors
 from gepool.config_json import render_config
-from gepool.ipc import protocol
+from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import make_socket
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.control import ModelControl
@@ -197,10 +197,10 @@ class Front:
         return min(deadlines) if deadlines else None
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list], None]) -> None:
-        for _ in range(MAX_MESSAGES_PER_WAKE):  # EVENTS, not zmq.Again: an exception per wake costs more
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            if not zmqio.readable(sock):
                 return
-            handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            handle(zmqio.recv_parts(sock, zmqio.NOBLOCK))
 
     # -- clients -------------------------------------------------------------------------
     def _on_client(self, frames: list) -> None:
@@ -215,6 +215,8 @@ class Front:
             return
         req_id = getattr(msg, "req_id", 0)
         try:
+            if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
+                return self._infer(identity, msg, frames[2:])
             reply = self._handle(identity, msg, frames[2:])
         except errors.GepoolError as exc:
             reply = protocol.Error(req_id, exc.code, exc.message)
@@ -245,18 +247,16 @@ class Front:
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
 
     def _infer(self, identity: bytes, msg: protocol.Infer, frames: list) -> None:
-        if not isinstance(msg.req_id, int) or not isinstance(msg.model, str):
+        if type(msg.req_id) is not int or type(msg.model) is not str:
             raise errors.InvalidArgument("req_id must be an integer and model a string")
         if self.stopping:
             raise errors.Unavailable("the pool is shutting down")
         group = self.control.group(msg.model)
-        model = group.route(msg.version if isinstance(msg.version, int) else protocol.NO_VERSION)
+        model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         model.check_servable()
-        req = admit(msg, identity, frames, model.config, model.slot_bytes, self.arenas, time.monotonic())
-        priority = msg.priority if isinstance(msg.priority, int) else 0
-        timeout_us = msg.timeout_us if isinstance(msg.timeout_us, int) else 0
+        req = admit(msg, identity, frames, model.admission, self.arenas, time.monotonic())  # checks every field
         busy = any(w.inflight for w in model.workers)
-        if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy):
+        if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy):
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self._dirty.add(model)
@@ -285,7 +285,7 @@ class Front:
                 "models": {name: g.summary() for name, g in self.control.groups.items()}}
 
     def send(self, identity: bytes, msg, frames: list = ()) -> None:
-        self.clients.send_multipart([identity, msg.encode(), *frames], copy=False)
+        zmqio.send_parts(self.clients, [identity, msg.encode(), *frames])
 
     def send_worker(self, w: Worker, msg) -> None:
         self.workers.send_multipart([b"w%d" % w.id, msg.encode()])

@@ -64,6 +64,10 @@ class Group:
                 raise errors.ModelNotFound(f"model '{self.name}' has no version {version} ready "
                                            f"(serving {sorted(self.serving) or 'none'})")
             return model
+        if len(self.serving) == 1:  # the common case, on every request: no split to weigh
+            (model,) = self.serving.values()
+            if model.servable():
+                return model
         ready = {v: m for v, m in self.serving.items() if m.servable()}
         if not ready:
             model = self.default() or (self.loading[0] if self.loading else None)

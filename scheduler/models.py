@@ -6,6 +6,7 @@ from gepool.ipc import layout
 from gepool.repository import ModelSource
 from gepool.scheduler.batcher import DynamicBatcher
 from gepool.scheduler.queues import PolicyQueues
+from gepool.scheduler.requests import Admission
 from gepool.scheduler.stats import ModelStats
 from gepool.scheduler.supervisor import FAILED, READY, STARTING
 
@@ -50,6 +51,7 @@ class Model:
                                           queues=queues,
                                           adaptive=self.config.parameters.get("batch_policy") == "adaptive")
             self.slot_bytes = slot_bytes_for(self.config)
+            self.admission = Admission(self.config, self.slot_bytes)
             ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
             self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)
         else:
