@@ -47,6 +47,7 @@ class FrontOptions:
     poll_secs: float = 15.0
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
+    busy_poll_us: int = 0  # before sleeping in poll, keep polling this long (latency for a core's time)
 
 
 class Front:
@@ -69,6 +70,7 @@ class Front:
         self._queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._dirty_since_tick = False
         self._wake_at: float | None = None
+        self._busy_poll_s = max(0, options.busy_poll_us) / 1e6
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -119,7 +121,7 @@ class Front:
         other event, when the poll times out, and at least every TICK_S while hot events keep coming."""
         next_tick = 0.0
         while True:
-            events = self.poller.poll(self._timeout_ms(next_tick if self._dirty_since_tick else None))
+            events = self._wait(next_tick if self._dirty_since_tick else None)
             tick = not events
             for sock, _ in events:
                 if sock is self.clients:
@@ -171,6 +173,22 @@ class Front:
                 if len(model.batcher):
                     queued.add(model)
         self._queued = queued
+
+    def _wait(self, next_tick: float | None) -> list:
+        """The next events. With busy polling, a short wait is spent polling rather than asleep: waking
+        a sleeping process costs each hop of a request tens of microseconds on a loaded host, which at
+        low concurrency is most of gepool's latency. A request and its completion come back to back at
+        concurrency 1, so the front rarely sleeps then; idle, it polls once per wake and sleeps."""
+        timeout = self._timeout_ms(next_tick)
+        if self._busy_poll_s and timeout != 0:
+            until = time.monotonic() + self._busy_poll_s
+            poll = self.poller.poll
+            while time.monotonic() < until:
+                events = poll(0)
+                if events:
+                    return events
+            timeout = self._timeout_ms(next_tick)
+        return self.poller.poll(timeout)
 
     def _timeout_ms(self, next_tick: float | None) -> int:
         deadlines = [m.deadline() for m in self._queued]

@@ -103,3 +103,26 @@ def test_sigterm_grace_reports_not_ready_but_keeps_serving(small_repo):
         assert pool.process.wait(60) == 0
     finally:
         pool.stop()
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_busy_polling_front_serves_and_sleeps_when_idle(small_repo):
+    """Busy polling spends CPU only right after events: the answers are the same, and an idle front
+    (after a burst of requests) goes back to sleep instead of spinning."""
+    repo, _ = small_repo
+    with Pool(repo, busy_poll_us=2000) as pool:
+        c = pool.client()
+        for i in range(200):
+            x = np.full((1 + i % 3, 16), i, np.float32)
+            np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+        futures = [c.infer_async("tiny", {"INPUT0": np.full((1, 16), i, np.float32)}) for i in range(50)]
+        assert [f.result(30)["OUTPUT0"][0, 0] for f in futures] == [2 * i + 1 for i in range(50)]
+        before = _cpu_s(pool.process.pid)
+        time.sleep(2.0)
+        idle_cpu = _cpu_s(pool.process.pid) - before
+        assert idle_cpu < 0.5, f"the front used {idle_cpu:.2f}s of CPU in 2s of idleness"
