@@ -2,7 +2,8 @@
 (a bare pyzmq round trip), gepool through the library client (frames and shared memory) and over
 HTTP; the MLP under Poisson arrivals at 70% of its measured capacity, with the adaptive batch policy
 and with Triton's static one (p99 against the compute time of the batches served); then a 16 MiB
-tensor through the shared-memory carrier beside a plain in-process memcpy.
+tensor through the shared-memory carrier beside a plain in-process memcpy; last, the tiny model and
+the MLP again on a pool whose front busy-polls.
 
     python benchmarks/compare.py [--seconds 4]
 
@@ -21,6 +22,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 BIG = 4 * 1024 * 1024  # FP32 elements: 16 MiB
+BUSY_POLL_US = 200
 
 
 def make_big(repo: str) -> None:
@@ -129,6 +131,14 @@ def main() -> None:
             n, t = timed(lambda c=client, a=arr: c.infer("big", {"X": a}), args.seconds)
             gbs = n * 2 * x.nbytes / t / 2**30  # 16 MiB in and 16 MiB out per request
             rows.append((f"gepool 16 MiB in + out, {name}", f"{gbs:.2f} GiB/s", f"{gbs / memcpy_gbs:.2f}x memcpy"))
+    with Pool(repo, busy_poll_us=BUSY_POLL_US) as pool:  # the latency knob, off by default
+        client = pool.client()
+        lat = core.tiny_latency(client, 2000)
+        rows.append((f"gepool tiny c=1, frames, busy poll {BUSY_POLL_US} us", f"p50 {np.median(lat) * 1e6:.0f} us",
+                     f"{np.median(lat) / np.median(floor):.2f}x floor"))
+        rate = core.mlp_throughput(client, 16, args.seconds)
+        rows.append((f"gepool MLP c=16, frames, busy poll {BUSY_POLL_US} us", f"{rate:.0f} rows/s",
+                     f"{rate / best_rate:.2f}x limit"))
     width = max(len(r[0]) for r in rows)
     for label, value, ratio in rows:
         print(f"{label:<{width}}  {value:>16}  {ratio}")
