@@ -35,24 +35,25 @@ def _write(path: str, text: str) -> None:
         f.write(textwrap.dedent(text).lstrip())
 
 
-def make_tiny(repo: str) -> None:
+def make_tiny(repo: str, name: str = "tiny", width: int = 16, max_batch: int = 8) -> None:
+    """y = 2x + 1 on FP32[width] (the tests also make a wide one, whose requests pass 64 KiB)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    x = helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 16])
-    y = helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 16])
+    x = helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", width])
     two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
     one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
     nodes = [helper.make_node("Mul", ["INPUT0", "two"], ["scaled"]),
              helper.make_node("Add", ["scaled", "one"], ["OUTPUT0"])]
-    _save(helper.make_graph(nodes, "tiny", [x], [y], [two, one]), f"{repo}/tiny/1/model.onnx")
-    _write(f"{repo}/tiny/config.pbtxt", """
-        name: "tiny"
+    _save(helper.make_graph(nodes, name, [x], [y], [two, one]), f"{repo}/{name}/1/model.onnx")
+    _write(f"{repo}/{name}/config.pbtxt", f"""
+        name: "{name}"
         platform: "onnxruntime_onnx"
-        max_batch_size: 8
-        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-        instance_group [ { count: 1 kind: KIND_CPU } ]
-        dynamic_batching { }
+        max_batch_size: {max_batch}
+        input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+        output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+        instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+        dynamic_batching {{ }}
     """)
 
 

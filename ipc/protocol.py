@@ -34,6 +34,7 @@ class MsgType(enum.IntEnum):
     WORKER_READY = 20
     WORKER_FAILED = 21
     STOP = 24  # 22 and 23 (run, done) moved to the doorbells (gepool.ipc.doorbell)
+    DROP_ARENA = 25
 
 
 class ProtocolError(ValueError):
@@ -185,3 +186,11 @@ class WorkerFailed(_Base):
 @_message
 class Stop(_Base):
     TYPE = MsgType.STOP
+
+
+@_message
+class DropArena(_Base):
+    """Front -> worker: a client released this arena; unmap it (the next direct batch maps anew)."""
+
+    TYPE = MsgType.DROP_ARENA
+    name: str

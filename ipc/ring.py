@@ -47,23 +47,31 @@ _STATE = struct.Struct("<H")
 _STATE_AT = 6
 _N_OUT = struct.Struct("<H")
 _N_OUT_AT = 22
+_COUNTS = struct.Struct("<HH")  # n_inputs, n_outputs
+_COUNTS_AT = 20
 _STATUS = struct.Struct("<iH")  # status, error length
 _STATUS_AT = 24
 _TIMES = struct.Struct("<dd")  # t_started, t_finished
 _TIMES_AT = 40
-_TENSOR = struct.Struct(f"<BB6xQQ{MAX_DIMS}q")  # dtype code, ndim, offset, nbytes, shape
+_TENSOR = struct.Struct(f"<BBB5xQQ{MAX_DIMS}q")  # dtype code, ndim, in the arena (0/1), offset, nbytes, shape
 _TABLE_AT = 64
 _ERROR_AT = _TABLE_AT + MAX_TENSORS * _TENSOR.size
-assert _FIXED.size <= _TABLE_AT and _FIXED.size == _TIMES_AT + _TIMES.size and _ERROR_AT + ERROR_BYTES <= SLOT_HEADER
+# The client arena a direct batch's tensors lie in: name length, then the name (length 0: none).
+_ARENA = struct.Struct("<B63s")
+_ARENA_AT = _ERROR_AT + ERROR_BYTES
+assert _FIXED.size <= _TABLE_AT and _FIXED.size == _TIMES_AT + _TIMES.size
+assert _ARENA_AT + _ARENA.size <= SLOT_HEADER
 
 
 class TensorDesc(NamedTuple):
-    """One tensor in a slot's data area (offset relative to the data area)."""
+    """One tensor in a slot's data area (offset relative to the data area), or, in a direct batch, in
+    the client's arena the slot names (offset relative to the arena)."""
 
     datatype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    in_arena: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,11 +100,18 @@ class Slot:
         _STATE.pack_into(self.header, _STATE_AT, state)
 
     # front ---------------------------------------------------------------------------
-    def fill(self, seq: int, batch: int, inputs: list[TensorDesc], t_filled: float) -> None:
-        """Records the batch whose inputs the front has copied in; moves FREE -> FILLED."""
-        _FIXED.pack_into(self.header, 0, MAGIC, LAYOUT_VERSION, self.state, seq, batch, len(inputs), 0, 0, 0,
-                         t_filled, 0.0, 0.0)
+    def fill(self, seq: int, batch: int, inputs: list[TensorDesc], t_filled: float,
+             outputs: list[TensorDesc] = (), arena: str = "") -> None:
+        """Records the batch whose inputs the front has copied in; moves FREE -> FILLED. A direct batch
+        names the client ``arena`` its inputs lie in and the ``outputs`` places the worker writes to."""
+        _FIXED.pack_into(self.header, 0, MAGIC, LAYOUT_VERSION, self.state, seq, batch, len(inputs), len(outputs),
+                         0, 0, t_filled, 0.0, 0.0)
         self._write_table(0, inputs)
+        self._write_table(len(inputs), outputs)
+        name = arena.encode()
+        if len(name) > _ARENA.size - 1:
+            raise ValueError(f"arena name {arena!r} is longer than {_ARENA.size - 1} bytes")
+        _ARENA.pack_into(self.header, _ARENA_AT, len(name), name)
         self.set_state(FILLED)  # last: the payload above is what FILLED promises
 
     def release(self) -> None:
@@ -113,6 +128,14 @@ class Slot:
         if magic != MAGIC or version != LAYOUT_VERSION:
             raise ValueError(f"slot {self.index}: bad magic {magic!r} or layout version {version}")
         return seq, batch, self._read_table(0, n_in)
+
+    def direct(self) -> tuple[str, list[TensorDesc]]:
+        """(arena name, output places) of a FILLED direct batch; ("", []) for a batch in the slot."""
+        length, name = _ARENA.unpack_from(self.header, _ARENA_AT)
+        if not length:
+            return "", []
+        n_in, n_out = _COUNTS.unpack_from(self.header, _COUNTS_AT)
+        return name[:length].decode(), self._read_table(n_in, n_out)
 
     def finish(self, n_inputs: int, outputs: list[TensorDesc], t_started: float, t_finished: float) -> None:
         """Records the outputs the worker wrote; moves RUNNING -> DONE."""
@@ -137,14 +160,19 @@ class Slot:
         error = bytes(self.header[_ERROR_AT:_ERROR_AT + err_len]).decode("utf-8", "replace") if status else ""
         return seq, self._read_table(n_in, n_out), error, (t0, t1, t2)
 
-    def array(self, desc: TensorDesc) -> np.ndarray:
-        """A numpy view of one tensor; it keeps the mapping alive, so drop it before closing.
-        (BYTES come back as a new object array: they have no fixed-size view.)"""
+    def array(self, desc: TensorDesc, arena: memoryview | None = None) -> np.ndarray:
+        """A numpy view of one tensor (in ``arena`` if it lies there); it keeps the mapping alive, so
+        drop it before closing. (BYTES come back as a new object array: they have no fixed-size view.)"""
+        data = self.data
+        if desc.in_arena:
+            if arena is None:
+                raise ValueError(f"slot {self.index}: a tensor lies in an arena, and none is mapped")
+            data = arena
         if desc.datatype == dtypes.BYTES:
-            return dtypes.deserialize_bytes(self.data[desc.offset:desc.offset + desc.nbytes], desc.shape)
+            return dtypes.deserialize_bytes(data[desc.offset:desc.offset + desc.nbytes], desc.shape)
         dtype = dtypes.to_numpy(desc.datatype)
         count = desc.nbytes // dtype.itemsize
-        return np.frombuffer(self.data, dtype, count, desc.offset).reshape(desc.shape)
+        return np.frombuffer(data, dtype, count, desc.offset).reshape(desc.shape)
 
     def _write_table(self, first: int, descs: list[TensorDesc]) -> None:
         if first + len(descs) > MAX_TENSORS:
@@ -154,15 +182,16 @@ class Slot:
                 raise ValueError(f"a slot tensor has at most {MAX_DIMS} dims, got {len(d.shape)}")
             shape = tuple(d.shape) + (0,) * (MAX_DIMS - len(d.shape))
             _TENSOR.pack_into(self.header, _TABLE_AT + (first + i) * _TENSOR.size,
-                              dtypes.CODES[d.datatype], len(d.shape), d.offset, d.nbytes, *shape)
+                              dtypes.CODES[d.datatype], len(d.shape), d.in_arena, d.offset, d.nbytes, *shape)
 
     def _read_table(self, first: int, count: int) -> list[TensorDesc]:
         out = []
         for i in range(first, first + count):
-            code, ndim, offset, nbytes, *shape = _TENSOR.unpack_from(self.header, _TABLE_AT + i * _TENSOR.size)
-            if offset + nbytes > self.data_bytes:
+            code, ndim, in_arena, offset, nbytes, *shape = _TENSOR.unpack_from(self.header,
+                                                                               _TABLE_AT + i * _TENSOR.size)
+            if not in_arena and offset + nbytes > self.data_bytes:  # an arena's bounds are checked on use
                 raise ValueError(f"slot {self.index}: tensor {i} lies past the data area")
-            out.append(TensorDesc(dtypes.DATATYPES[code], tuple(shape[:ndim]), offset, nbytes))
+            out.append(TensorDesc(dtypes.DATATYPES[code], tuple(shape[:ndim]), offset, nbytes, bool(in_arena)))
         return out
 
 

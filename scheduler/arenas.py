@@ -2,6 +2,7 @@
 or reaped when the client's process is gone (a dead client never unregisters)."""
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gepool import errors
@@ -28,10 +29,12 @@ class Arena:
 
 
 class Arenas:
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[str], None] | None = None) -> None:
+        """``on_drop(name)``: an arena was released (workers that mapped it for direct batches unmap it)."""
         self._arenas: dict[int, Arena] = {}
         self._next = 0
         self.check_at = 0.0
+        self.on_drop = on_drop
 
     def __len__(self) -> int:
         return len(self._arenas)
@@ -58,7 +61,7 @@ class Arenas:
     def unregister(self, arena_id: object) -> bool:
         arena = self._arenas.pop(arena_id, None) if isinstance(arena_id, int) else None
         if arena is not None:
-            arena.close()
+            self._dropped(arena)
         return arena is not None
 
     def reap(self, now: float) -> None:
@@ -71,7 +74,12 @@ class Arenas:
                 log.info("client pid %d is gone; releasing its arena %d", arena.pid, arena_id)
                 del self._arenas[arena_id]
                 arena.segment.unlink()
-                arena.close()
+                self._dropped(arena)
+
+    def _dropped(self, arena: Arena) -> None:
+        arena.close()
+        if self.on_drop is not None:
+            self.on_drop(arena.segment.name)
 
     def close(self) -> None:
         for arena in self._arenas.values():

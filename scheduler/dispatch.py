@@ -1,6 +1,7 @@
 """Batches in and out of slots: route a batch to a worker, copy it in, answer its requests."""
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -18,12 +19,19 @@ from gepool.scheduler.supervisor import READY, Worker
 log = logging.getLogger("gepool.dispatch")
 
 
+# A lone request at least this large whose tensors lie in its client's arena runs there (a direct
+# batch): the worker reads its inputs and writes its outputs in the arena, and the front copies
+# neither way. Below it the copies cost less than mapping and binding arena addresses.
+DIRECT_MIN_BYTES = 64 << 10
+
+
 @dataclass(slots=True)
 class Batch:
     slot: int
     seq: int
     requests: list[Request]
     rows: int
+    direct: bool = False
 
 
 class Dispatcher:
@@ -51,11 +59,47 @@ class Dispatcher:
 
     def _run(self, model: Model, w: Worker, reqs: list[Request]) -> None:
         now = time.monotonic()
-        cfg = model.config
         index = w.free.pop()
         slot = w.ring.slots[index]
         if not w.inflight:
             w.progress_at = now  # the watchdog's clock starts when the worker gets work
+        direct = self._direct(model, w, reqs[0]) if len(reqs) == 1 else None
+        model.seq += 1
+        if direct is not None:
+            arena, ins, outs = direct
+            slot.fill(model.seq, reqs[0].rows, ins, now, outs, arena)
+        else:
+            self._copy_in(model, slot, reqs, now)
+        rows = sum(r.rows for r in reqs)
+        w.inflight[index] = Batch(index, model.seq, reqs, rows, direct is not None)
+        w.rows += rows
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs])
+        w.bell.ring(index, model.seq)  # the slot's payload and state are written: now the worker may look
+
+    def _direct(self, model: Model, w: Worker, req: Request) -> tuple[str, list, list] | None:
+        """(arena name, input places, output places) when ``req`` can run as a direct batch."""
+        if (req.where is None or req.outputs is not None or req.nbytes < DIRECT_MIN_BYTES
+                or not model.admission.fixed_outputs or not w.info.get("arena_io")):
+            return None
+        arena = self.arenas.get(req.arena)
+        if arena is None:
+            return None
+        cfg = model.config
+        ins = [TensorDesc(t.datatype, req.shapes[i], req.where[i], len(req.inputs[i]), True)
+               for i, t in enumerate(cfg.inputs)]
+        lead = (req.rows,) if cfg.max_batch_size > 0 else ()
+        shapes = [lead + t.dims for t in cfg.outputs]
+        sizes = [math.prod(s) * dtypes.itemsize(t.datatype) for s, t in zip(shapes, cfg.outputs, strict=True)]
+        offsets, end = layout.pack(sizes, req.out_offset)
+        if end > min(req.out_offset + req.out_size, len(arena.view)):
+            return None
+        outs = [TensorDesc(t.datatype, s, o, n, True)
+                for t, s, o, n in zip(cfg.outputs, shapes, offsets, sizes, strict=True)]
+        return arena.segment.name, ins, outs
+
+    def _copy_in(self, model: Model, slot, reqs: list[Request], now: float) -> None:
+        """The one copy batching needs: each request's inputs, end to end, into the slot."""
+        cfg = model.config
         rows = sum(r.rows for r in reqs)
         sizes = [sum(len(r.inputs[i]) for r in reqs) for i in range(len(cfg.inputs))]
         offsets, _ = layout.pack(sizes)
@@ -64,17 +108,12 @@ class Dispatcher:
             first = reqs[0].shapes[i]
             shape = (rows,) + first[1:] if cfg.max_batch_size > 0 else first
             pos = offsets[i]
-            for r in reqs:  # the one copy batching needs
+            for r in reqs:
                 buf = r.inputs[i]
                 slot.data[pos:pos + len(buf)] = buf
                 pos += len(buf)
             descs.append(TensorDesc(t.datatype, shape, offsets[i], sizes[i]))
-        model.seq += 1
         slot.fill(model.seq, rows, descs, now)
-        w.inflight[index] = Batch(index, model.seq, reqs, rows)
-        w.rows += rows
-        model.stats.dispatched(rows, [now - r.arrived for r in reqs])
-        w.bell.ring(index, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def complete(self, model: Model, w: Worker, index: int, seq: int) -> None:
         batch = w.inflight.pop(index, None)
@@ -90,6 +129,17 @@ class Dispatcher:
         if error or seq != batch.seq:
             self.fail_batch(model, batch, errors.ModelError(
                 f"model '{model.name}' failed: {error or 'slot sequence mismatch'}"))
+        elif batch.direct:
+            req = batch.requests[0]
+            refs = [[t.name, d.datatype, list(d.shape), d.offset] for t, d in zip(model.config.outputs, outs)]
+            try:
+                if len(outs) != len(refs) or not all(d.in_arena for d in outs):
+                    raise ValueError("the worker left a direct batch's outputs outside the arena")
+                zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, True).encode()])
+                model.stats.answered(time.monotonic() - req.arrived)
+            except Exception as exc:
+                log.exception("internal error answering request %s", req.req_id)
+                self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
         else:
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0

@@ -55,7 +55,7 @@ class Front:
         self.opts = options
         self.on_ready = on_ready
         self.control = ModelControl(self)
-        self.arenas = Arenas()
+        self.arenas = Arenas(on_drop=self._drop_arena)
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{_runtime_dir()}/gepool-{options.owner_id}.workers"
         self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level,
@@ -307,6 +307,11 @@ class Front:
 
     def send_worker(self, w: Worker, msg) -> None:
         self.workers.send_multipart([b"w%d" % w.id, msg.encode()])
+
+    def _drop_arena(self, name: str) -> None:
+        for w in self.supervisor.workers.values():
+            if w.state == READY and w.info.get("arena_io"):
+                self.send_worker(w, protocol.DropArena(name))
 
     # -- workers -------------------------------------------------------------------------
     def _on_worker(self, frames: list) -> None:

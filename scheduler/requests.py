@@ -28,6 +28,7 @@ class Request:
     arrived: float
     key: tuple | None = field(default=None)
     retried: bool = False  # a request runs at most twice: once more if its worker dies under it
+    where: list[int] | None = None  # the inputs' offsets in the client's arena (None: they came as frames)
 
 
 _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size")
@@ -63,7 +64,7 @@ class Admission:
     generation: the front admits every request, and the config does not change under it."""
 
     __slots__ = ("config", "slot_bytes", "batched", "inputs", "names", "out_names", "out_row_bytes", "slack",
-                 "variable")
+                 "variable", "fixed_outputs")
 
     def __init__(self, config: ModelConfig, slot_bytes: int) -> None:
         self.config, self.slot_bytes = config, slot_bytes
@@ -76,6 +77,7 @@ class Admission:
         self.out_row_bytes = sum(t.row_bytes() or 0 for t in config.outputs)
         self.slack = (len(config.inputs) + len(config.outputs)) * layout.ALIGN
         self.variable = not all(t.fixed for t in config.inputs)
+        self.fixed_outputs = all(t.fixed for t in config.outputs)  # their places are known before running
 
 
 def admit(msg: protocol.Infer, identity: bytes, frames: list, plan: Admission, arenas: Arenas,
@@ -142,7 +144,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list, plan: Admission, a
     key = tuple(s[1:] if batched else s for s in shapes) if plan.variable else None
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total,
                    set(msg.outputs) if msg.outputs is not None else None,
-                   msg.arena, msg.out_offset, msg.out_size, now, key)
+                   msg.arena, msg.out_offset, msg.out_size, now, key,
+                   where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None)
 
 
 def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:

@@ -88,3 +88,81 @@ def test_a_full_arena_falls_back_to_frames(shm):
 def test_empty_needs_an_arena(client):
     with pytest.raises(errors.InvalidArgument, match="shared_memory=True"):
         client.empty((1, 16), np.float32)
+
+
+# -- direct batches: a lone large request runs in its client's arena ------------------------------------
+
+WIDE = 16384  # FP32 per row: 64 KiB in and 64 KiB out, so even one row passes the direct threshold
+
+
+@pytest.fixture(scope="module")
+def wide_pool(tmp_path_factory):
+    from gepool import Pool
+    from tests.repo import make_models
+
+    repo = str(tmp_path_factory.mktemp("wide"))
+    make_models.make_tiny(repo, name="wide", width=WIDE, max_batch=4)
+    with Pool(repo) as p:
+        yield p
+
+
+def _mapped_by_worker(pool, name: str) -> bool:
+    pid = pool.client().status()["models"]["wide"]["worker_pids"][0]
+    with open(f"/proc/{pid}/maps") as f:
+        return any(line.rstrip().endswith("/dev/shm" + name) for line in f)
+
+
+def test_a_lone_large_request_runs_in_the_clients_arena(wide_pool):
+    """The worker maps the client's arena and reads and writes there (the front copies neither way);
+    once the client releases its arena, the worker unmaps it."""
+    from tests.conftest import wait_until
+
+    c = wide_pool.client(shared_memory=True, arena_bytes=4 << 20)
+    try:
+        name = c.arena.segment.name
+        assert not _mapped_by_worker(wide_pool, name)
+        x = c.empty((2, WIDE), np.float32)
+        x[:] = np.arange(2 * WIDE, dtype=np.float32).reshape(2, WIDE)
+        out = c.infer("wide", {"INPUT0": x})["OUTPUT0"]
+        np.testing.assert_array_equal(out, 2 * x + 1)
+        assert in_arena(c.arena, out) and not out.flags.writeable
+        assert _mapped_by_worker(wide_pool, name)
+        y = np.full((1, WIDE), 3.0, np.float32)  # a numpy input: copied into the arena by the client, then direct
+        np.testing.assert_array_equal(c.infer("wide", {"INPUT0": y})["OUTPUT0"], 2 * y + 1)
+        np.testing.assert_array_equal(out, 2 * x + 1)  # the earlier answer's bytes were not reused meanwhile
+        del out, x
+        assert whole(c.arena)
+    finally:
+        c.close()
+    assert wait_until(lambda: not _mapped_by_worker(wide_pool, name)), "the worker kept a released arena mapped"
+
+
+def test_direct_and_slot_batches_mix(wide_pool):
+    """Requests that arrive together batch in the slot as before; each answer is its own."""
+    before = wide_pool.client().stats()["wide"]["requests"]
+    with wide_pool.client(shared_memory=True, arena_bytes=8 << 20) as shm, wide_pool.client() as frames:
+        for c in (shm, frames):
+            xs = [np.full((1 + i % 2, WIDE), i, np.float32) for i in range(8)]
+            futures = [c.infer_async("wide", {"INPUT0": x}) for x in xs]
+            for x, f in zip(xs, futures, strict=True):
+                np.testing.assert_array_equal(f.result(30)["OUTPUT0"], 2 * x + 1)
+    stats = wide_pool.client().stats()["wide"]
+    assert stats["failures"] == 0 and stats["requests"] - before == 16
+
+
+def test_a_workers_arena_mappings_are_bounded():
+    from gepool.workers.arena_maps import ArenaMaps
+
+    arenas = [ClientArena(1 << 16) for _ in range(3)]
+    maps = ArenaMaps(limit=2)
+    try:
+        for i, a in enumerate(arenas):
+            a.buf[:4] = bytes([i + 1] * 4)
+            assert bytes(maps.buffer(a.segment.name)[:4]) == bytes([i + 1] * 4)  # the client's bytes
+        assert len(maps) == 2 and arenas[0].segment.name not in maps._maps
+        maps.drop(arenas[1].segment.name)
+        assert list(maps._maps) == [arenas[2].segment.name]
+    finally:
+        maps.close()
+        for a in arenas:
+            a.close()

@@ -20,6 +20,7 @@ SAMPLES = [
     protocol.WorkerReady(3, protocol.PROTOCOL_VERSION, 999, {}),
     protocol.WorkerFailed(3, "no weights"),
     protocol.Stop(),
+    protocol.DropArena("/gepool.1x2.arena"),
 ]
 
 

@@ -18,6 +18,7 @@ from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.doorbell import BellPaths, WorkerBell
 from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
 from gepool.ipc.sockets import make_socket
+from gepool.workers.arena_maps import ArenaMaps
 from gepool.workers.backends import create_backend
 from gepool.workers.backends.base import Backend
 
@@ -64,11 +65,14 @@ def run_worker(spec: WorkerSpec) -> None:
         sock.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
-    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0)
+    asynchronous = getattr(backend, "asynchronous", False)
+    # arena_io: this worker runs direct batches (tensors in a client's arena); the asynchronous path
+    # copies slots to device memory itself and knows only slots
+    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0, arena_io=not asynchronous)
     sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
     lost = None
     try:
-        if getattr(backend, "asynchronous", False):
+        if asynchronous:
             lost = _serve_async(spec, sock, ring, backend, bell)
         else:
             _serve(spec, sock, ring, backend, bell)
@@ -101,21 +105,32 @@ def worker_identity(worker_id: int) -> bytes:
 
 
 def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend, bell: WorkerBell) -> None:
-    """Batches arrive on the doorbell and are answered on it; the socket only carries Stop."""
+    """Batches arrive on the doorbell and are answered on it; the socket carries DropArena and Stop."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(bell.run_fd, zmq.POLLIN)
-    while True:
-        events = dict(poller.poll(PARENT_CHECK_MS))
-        if not events and os.getppid() != spec.parent_pid:
-            log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
-            return
-        if bell.run_fd in events:
-            for index, seq in bell.runs():
-                execute_slot(ring.slots[index], backend, spec.config)
-                bell.done(index, seq)
-        if sock in events and isinstance(protocol.decode(sock.recv()), protocol.Stop):
-            return
+    arenas = ArenaMaps()
+    try:
+        while True:
+            events = dict(poller.poll(PARENT_CHECK_MS))
+            if not events and os.getppid() != spec.parent_pid:
+                log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
+                return
+            if bell.run_fd in events:
+                for index, seq in bell.runs():
+                    execute_slot(ring.slots[index], backend, spec.config, arenas)
+                    bell.done(index, seq)
+            while sock in events:
+                try:
+                    msg = protocol.decode(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(msg, protocol.Stop):
+                    return
+                if isinstance(msg, protocol.DropArena):
+                    arenas.drop(msg.name)
+    finally:
+        arenas.close()
 
 
 _DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread reports through the pipe
@@ -175,18 +190,29 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: 
         os.close(write_fd)
 
 
-def execute_slot(slot: Slot, backend: Backend, config: ModelConfig) -> None:
-    """RUNNING, then DONE with outputs in the slot, or FAILED with the reason; never raises."""
+def execute_slot(slot: Slot, backend: Backend, config: ModelConfig, arenas: ArenaMaps | None = None) -> None:
+    """RUNNING, then DONE with outputs in the slot (or, for a direct batch, in the client's arena at
+    the places the front gave), or FAILED with the reason; never raises."""
     t0 = time.monotonic()
     slot.set_state(RUNNING)
     try:
         _, batch, in_descs = slot.read()
-        inputs = {t.name: slot.array(d) for t, d in zip(config.inputs, in_descs, strict=True)}
-        start = max(d.offset + d.nbytes for d in in_descs)
-        planned = _plan_outputs(config, batch, start, slot.data_bytes)
-        views = {name: (slot.array(d) if d else None) for name, d in planned.items()}
+        arena_name, out_descs = slot.direct()
+        arena = None
+        if arena_name:
+            if arenas is None or len(out_descs) != len(config.outputs):
+                raise ValueError(f"a direct batch this worker cannot run (arena {arena_name})")
+            arena = arenas.buffer(arena_name)
+        inputs = {t.name: slot.array(d, arena) for t, d in zip(config.inputs, in_descs, strict=True)}
+        if arena is not None:
+            planned = {t.name: d for t, d in zip(config.outputs, out_descs, strict=True)}
+        else:
+            start = max(d.offset + d.nbytes for d in in_descs)
+            planned = _plan_outputs(config, batch, start, slot.data_bytes)
+        views = {name: (slot.array(d, arena) if d else None) for name, d in planned.items()}
         results = backend.execute(inputs, views)
         descs = _place_outputs(slot, config, batch, planned, views, results)
+        del inputs, views, results, arena  # views of the arena: gone before the arena may be dropped
         slot.finish(len(in_descs), descs, t0, time.monotonic())
     except Exception as exc:  # any model fault fails this batch only
         log.warning("batch failed: %s: %s", type(exc).__name__, exc)
@@ -237,6 +263,9 @@ def _place_outputs(slot: Slot, config: ModelConfig, batch: int, planned: dict[st
             np.copyto(view, arr)
             descs.append(planned[t.name])
             continue
+        if view is not None and planned[t.name].in_arena:
+            raise ValueError(f"output '{t.name}' has shape {list(arr.shape)}, the front planned "
+                             f"{list(view.shape)} in the client's arena")
         off = layout.align(pos)
         data = dtypes.serialize_bytes(arr) if is_bytes else None
         nbytes = len(data) if is_bytes else arr.nbytes
