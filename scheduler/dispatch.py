@@ -37,6 +37,7 @@ class Batch:
 class Dispatcher:
     def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas) -> None:
         self.clients, self.workers, self.arenas = clients, workers, arenas
+        self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
 
     def schedule(self, model: Model) -> None:
         """Hands out batches while a worker can take one and the batcher says go."""
@@ -71,6 +72,7 @@ class Dispatcher:
         else:
             self._copy_in(model, slot, reqs, now)
         rows = sum(r.rows for r in reqs)
+        self.last_batch_requests = len(reqs)
         w.inflight[index] = Batch(index, model.seq, reqs, rows, direct is not None)
         w.rows += rows
         model.stats.dispatched(rows, [now - r.arrived for r in reqs])

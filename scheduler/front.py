@@ -178,9 +178,12 @@ class Front:
         """The next events. With busy polling, a short wait is spent polling rather than asleep: waking
         a sleeping process costs each hop of a request tens of microseconds on a loaded host, which at
         low concurrency is most of gepool's latency. A request and its completion come back to back at
-        concurrency 1, so the front rarely sleeps then; idle, it polls once per wake and sleeps."""
+        concurrency 1, so the front rarely sleeps then; idle, it polls once per wake and sleeps.
+        Only while traffic is sequential (the last batch held one request): once requests batch, the
+        polling front would take the core that clients and workers need, and the wake-ups it saves
+        are shared by a whole batch anyway."""
         timeout = self._timeout_ms(next_tick)
-        if self._busy_poll_s and timeout != 0:
+        if self._busy_poll_s and timeout != 0 and self.dispatch.last_batch_requests <= 1:
             until = time.monotonic() + self._busy_poll_s
             poll = self.poller.poll
             while time.monotonic() < until:
