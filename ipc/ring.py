@@ -129,6 +129,14 @@ class Slot:
             raise ValueError(f"slot {self.index}: bad magic {magic!r} or layout version {version}")
         return seq, batch, self._read_table(0, n_in)
 
+    def batch_key(self) -> bytes:
+        """The header bytes that fix a FILLED batch's layout (magic, batch size, counts, tensor table,
+        arena): two batches with equal keys in one slot have the same tensors at the same places."""
+        n_in, n_out = _COUNTS.unpack_from(self.header, _COUNTS_AT)
+        end = _TABLE_AT + min(n_in + n_out, MAX_TENSORS) * _TENSOR.size
+        return b"".join((self.header[:6], self.header[16:24], self.header[_TABLE_AT:end],
+                         self.header[_ARENA_AT:_ARENA_AT + _ARENA.size]))
+
     def direct(self) -> tuple[str, list[TensorDesc]]:
         """(arena name, output places) of a FILLED direct batch; ("", []) for a batch in the slot."""
         length, name = _ARENA.unpack_from(self.header, _ARENA_AT)
