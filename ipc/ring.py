@@ -6,8 +6,13 @@ Layout of the segment (``slots`` slots back to back, each ``SLOT_HEADER + data_b
     | header (4 KiB)                         | data area            |
     | magic, layout version, STATE, seq,     | inputs, then outputs |
     | batch, counts, status, timings,        | each 256-B aligned   |
-    | tensor table (32 x descriptor), error  |                      |
+    | tensor table (32 x descriptor), error, |                      |
+    | arena name (direct batches)            |                      |
     +----------------------------------------+----------------------+
+
+A direct batch (one request whose tensors lie in its client's arena) leaves the data area unused:
+the header names the arena, and its table entries, flagged ``in_arena``, hold arena offsets for the
+inputs and for the outputs the front planned, where the worker writes.
 
 States and their single writers::
 
@@ -15,8 +20,8 @@ States and their single writers::
       ^                                                                      |
       +---------------- front reads outputs, answers requests ---------------+
 
-Each transition has exactly one writer; the ZMQ message sent after a write (RUN from the front,
-DONE from the worker) is the ordering point between processes, so nobody polls a state. The
+Each transition has exactly one writer; the doorbell record written after a write (run from the
+front, done from the worker) is the ordering point between processes, so nobody polls a state. The
 payload is always written before the state word, so a reader that sees a state also sees what it
 promises. The sequence number lets the front reject a DONE that names a slot it has since reused.
 """
