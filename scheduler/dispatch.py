@@ -135,7 +135,7 @@ class Dispatcher:
             req = batch.requests[0]
             refs = [[t.name, d.datatype, list(d.shape), d.offset] for t, d in zip(model.config.outputs, outs)]
             try:
-                if len(outs) != len(refs) or not all(d.in_arena for d in outs):
+                if len(outs) != len(model.config.outputs) or not all(d.in_arena for d in outs):
                     raise ValueError("the worker left a direct batch's outputs outside the arena")
                 zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, True).encode()])
                 model.stats.answered(time.monotonic() - req.arrived)

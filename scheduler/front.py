@@ -184,7 +184,8 @@ class Front:
         are shared by a whole batch anyway."""
         timeout = self._timeout_ms(next_tick)
         if self._busy_poll_s and timeout != 0 and self.dispatch.last_batch_requests <= 1:
-            until = time.monotonic() + self._busy_poll_s
+            now = time.monotonic()
+            until = now + (self._busy_poll_s if timeout < 0 else min(self._busy_poll_s, timeout / 1000))
             poll = self.poller.poll
             while time.monotonic() < until:
                 events = poll(0)
