@@ -182,9 +182,13 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not sock.poll(wait):
-                raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} within {timeout}s ({what})")
-            msg, rest = _wire.decode(zmqio.recv_parts(sock))
+            sock.setsockopt(zmq.RCVTIMEO, wait)
+            try:
+                parts = zmqio.recv_parts(sock)  # a blocking receive: one call where poll + recv took two
+            except zmq.Again:
+                raise errors.PoolUnavailable(
+                    f"no answer from the pool at {self.endpoint} within {timeout}s ({what})") from None
+            msg, rest = _wire.decode(parts)
             if getattr(msg, "req_id", None) == req_id:
                 return msg, rest
             self._late_reply(getattr(msg, "req_id", None))  # to a request that timed out here
