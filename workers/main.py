@@ -121,17 +121,23 @@ def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend, bel
                 for index, seq in bell.runs():
                     execute_slot(ring.slots[index], backend, spec.config, arenas, plans)
                     bell.done(index, seq)
-            while sock in events:
-                try:
-                    msg = protocol.decode(sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, protocol.Stop):
-                    return
-                if isinstance(msg, protocol.DropArena):
-                    arenas.drop(msg.name)
+            if sock in events and _stop_asked(sock, arenas):
+                return
     finally:
         arenas.close()
+
+
+def _stop_asked(sock: zmq.Socket, arenas: ArenaMaps | None) -> bool:
+    """Handles the front's control messages waiting on the socket; True once one is Stop."""
+    while True:
+        try:
+            msg = protocol.decode(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return False
+        if isinstance(msg, protocol.Stop):
+            return True
+        if isinstance(msg, protocol.DropArena) and arenas is not None:
+            arenas.drop(msg.name)
 
 
 _DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread reports through the pipe
@@ -179,13 +185,8 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: 
             if bell.run_fd in events:
                 for index, seq in bell.runs():
                     backend.submit(ring.slots[index], index, seq, plan)
-            while sock in events:
-                try:
-                    msg = protocol.decode(sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, protocol.Stop):
-                    return None
+            if sock in events and _stop_asked(sock, None):
+                return None
     finally:
         os.close(read_fd)
         os.close(write_fd)
