@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 RECORD = struct.Struct("<IQ")  # slot index, sequence number
 READ_CHUNK = RECORD.size * 512
+# Not a slot: "a batch is coming". A front that busy-polls sends it as a request arrives, so that the
+# worker wakes (and polls) while the front admits the request, instead of after.
+PREPARE = 0xFFFFFFFE
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ def make(folder: str, tag: str) -> BellPaths:
     return paths
 
 
+_PREPARE_RECORD = RECORD.pack(PREPARE, 0)
+
+
 def _records(data: bytes) -> list[tuple[int, int]]:
     return list(RECORD.iter_unpack(data[: len(data) - len(data) % RECORD.size]))
 
@@ -44,6 +50,9 @@ class FrontBell:
 
     def ring(self, slot: int, seq: int) -> None:
         os.write(self.run_fd, RECORD.pack(slot, seq))
+
+    def prepare(self) -> None:
+        os.write(self.run_fd, _PREPARE_RECORD)
 
     def completions(self) -> list[tuple[int, int]] | None:
         """Completed (slot, seq) records; None once the worker's end is closed (it exited)."""

@@ -238,6 +238,8 @@ class Front:
         req_id = getattr(msg, "req_id", 0)
         try:
             if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
+                if self._busy_poll_s and self.dispatch.last_batch_requests <= 1:
+                    self._prepare_worker(msg.model)
                 return self._infer(identity, msg, frames[2:])
             reply = self._handle(identity, msg, frames[2:])
         except errors.GepoolError as exc:
@@ -267,6 +269,20 @@ class Front:
         if isinstance(msg, protocol.UnregisterArena):
             return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
+
+    def _prepare_worker(self, name: object) -> None:
+        """Busy polling, sequential traffic: wakes the idle worker that will run this request now, so
+        its wake-up overlaps admission (the worker polls its doorbell briefly for the batch)."""
+        group = self.control.groups.get(name) if type(name) is str else None
+        if group is None or len(group.serving) != 1:
+            return
+        (model,) = group.serving.values()
+        if len(model.batcher):
+            return
+        for w in model.workers:
+            if w.state == READY and not w.inflight and w.info.get("arena_io"):  # the synchronous loop
+                w.bell.prepare()
+                return
 
     def _infer(self, identity: bytes, msg: protocol.Infer, frames: list) -> None:
         if type(msg.req_id) is not int or type(msg.model) is not str:

@@ -105,3 +105,23 @@ def test_cleanup_removes_only_dead_owners_segments():
     finally:
         live.unlink()
         live.close()
+
+
+def test_doorbell_records_and_prepare(tmp_path):
+    """Runs and completions cross the FIFOs whole and in order; PREPARE is a record of its own."""
+    from gepool.ipc import doorbell
+
+    paths = doorbell.make(str(tmp_path), "bell")
+    front = doorbell.FrontBell(paths)
+    worker = doorbell.WorkerBell(paths)
+    try:
+        assert worker.runs() == []
+        front.prepare()
+        front.ring(1, 7)
+        front.ring(0, 8)
+        assert worker.runs() == [(doorbell.PREPARE, 0), (1, 7), (0, 8)]
+        worker.done(1, 7)
+        assert front.completions() == [(1, 7)]
+    finally:
+        worker.close()
+        front.close()

@@ -15,7 +15,7 @@ import zmq
 
 from gepool.config import ModelConfig
 from gepool.ipc import dtypes, layout, protocol
-from gepool.ipc.doorbell import BellPaths, WorkerBell
+from gepool.ipc.doorbell import PREPARE, BellPaths, WorkerBell
 from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
 from gepool.ipc.sockets import make_socket
 from gepool.workers.arena_maps import ArenaMaps
@@ -118,13 +118,27 @@ def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend, bel
                 log.warning("the front (pid %d) is gone; exiting", spec.parent_pid)
                 return
             if bell.run_fd in events:
-                for index, seq in bell.runs():
-                    execute_slot(ring.slots[index], backend, spec.config, arenas, plans)
-                    bell.done(index, seq)
+                records = bell.runs()
+                while records:
+                    for index, seq in records:
+                        if index != PREPARE:
+                            execute_slot(ring.slots[index], backend, spec.config, arenas, plans)
+                            bell.done(index, seq)
+                    records = _await_batch(bell) if records[-1][0] == PREPARE else None
             if sock in events and _stop_asked(sock, arenas):
                 return
     finally:
         arenas.close()
+
+
+def _await_batch(bell: WorkerBell) -> list:
+    """After a PREPARE: poll the doorbell for the batch the front is admitting, for a while."""
+    until = time.monotonic() + PREPARE_POLL_S
+    while time.monotonic() < until:
+        records = bell.runs()
+        if records:
+            return records
+    return []
 
 
 def _stop_asked(sock: zmq.Socket, arenas: ArenaMaps | None) -> bool:
@@ -140,6 +154,7 @@ def _stop_asked(sock: zmq.Socket, arenas: ArenaMaps | None) -> bool:
             arenas.drop(msg.name)
 
 
+PREPARE_POLL_S = 200e-6  # how long a prepared worker polls for its batch before it sleeps again
 _DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread reports through the pipe
 _FATAL = 0xFFFFFFFF
 
@@ -184,7 +199,8 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: 
                 backend.pump()
             if bell.run_fd in events:
                 for index, seq in bell.runs():
-                    backend.submit(ring.slots[index], index, seq, plan)
+                    if index != PREPARE:
+                        backend.submit(ring.slots[index], index, seq, plan)
             if sock in events and _stop_asked(sock, None):
                 return None
     finally:
