@@ -19,6 +19,13 @@ def next_id() -> int:
     return next(_ids)
 
 
+class Outputs(dict):
+    """A reply's output arrays by name, and ``model_version``: the version of the model that ran the
+    request (what KServe v2 reports as model_version; a request may name none and get the default)."""
+
+    __slots__ = ("model_version",)
+
+
 class Outgoing:
     """One encoded Infer and the arena ranges it holds until its reply arrives (``out_range`` passes to
     the output arrays of a reply that left them in the arena)."""
@@ -128,7 +135,8 @@ def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing 
         return msg
     if not isinstance(msg, protocol.Result):
         raise errors.Internal(f"unexpected reply {type(msg).__name__}")
-    out = {}
+    out = Outputs()
+    out.model_version = msg.version
     region = None
     if msg.in_arena and sent is not None and sent.out_range is not None and sent.out_range[1] >= ZERO_COPY_MIN:
         (start, size), sent.out_range = sent.out_range, None

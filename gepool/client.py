@@ -63,7 +63,8 @@ class Client:
     # -- requests ------------------------------------------------------------------------
     def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *, version: int | None = None,
               timeout: float | None = None) -> dict:
-        """Runs one request and returns {output name: ndarray}; raises a GepoolError subclass on failure."""
+        """Runs one request and returns {output name: ndarray} (its ``model_version`` attribute: the version
+        that ran the request); raises a GepoolError subclass on failure."""
         for attempt in (1, 2):
             out = self._encode(model, inputs, outputs, version, timeout)
             try:

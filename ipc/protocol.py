@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Result names the model version that ran the request
 NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
 EXIT_LOAD_FAILED = 3  # a worker's exit code when its model cannot load: not restarted
@@ -123,6 +123,7 @@ class Result(_Base):
     req_id: int
     outputs: list  # [TensorRef]; `where` indexes frames, or the arena when in_arena
     in_arena: bool
+    version: int  # the model version that ran it (KServe's model_version)
 
 
 @_message

@@ -137,7 +137,8 @@ class Dispatcher:
             try:
                 if len(outs) != len(model.config.outputs) or not all(d.in_arena for d in outs):
                     raise ValueError("the worker left a direct batch's outputs outside the arena")
-                zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, True).encode()])
+                reply = protocol.Result(req.req_id, refs, True, model.version)
+                zmqio.send_parts(self.clients, [req.identity, reply.encode()])
                 model.stats.answered(time.monotonic() - req.arrived)
             except Exception as exc:
                 log.exception("internal error answering request %s", req.req_id)
@@ -172,13 +173,15 @@ class Dispatcher:
                 for n, p, off in zip(names, pieces, offsets, strict=True):
                     np.copyto(np.frombuffer(arena.view, p.dtype, p.size, off).reshape(p.shape), p)
                     refs.append([n, dtypes.from_numpy(p.dtype), list(p.shape), off])
-                zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, True).encode()])
+                reply = protocol.Result(req.req_id, refs, True, model.version)
+                zmqio.send_parts(self.clients, [req.identity, reply.encode()])
                 return
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
         # copied: the pieces are views of a slot that is reused as soon as the batch is answered
-        zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, False).encode(), *pieces],
+        zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, False, model.version).encode(),
+                                        *pieces],
                          copy=True)
 
     def recover(self, model: Model, batch: Batch, err: errors.GepoolError, can_retry: bool) -> None:

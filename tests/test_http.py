@@ -67,6 +67,7 @@ def test_infer_matches_onnxruntime(http_pool, triton, binary):
     (want,) = direct(http_pool.repo, "mlp", {"INPUT": x})
     np.testing.assert_allclose(result.as_numpy("LOGITS"), want, rtol=1e-4, atol=1e-4)
     assert result.get_response()["id"] == "r7"
+    assert result.get_response()["model_version"] == "1"  # the version that ran it, from the reply
 
 
 def test_bytes_through_the_python_backend(triton):

@@ -159,7 +159,10 @@ def test_versions_and_traffic_split(tmp_path):
         assert c.infer("a", {"INPUT": x}, version=2)["OUTPUT"][0, 0] == 2.0
         assert c.model_metadata("a")["versions"] == ["1", "2"]
         futures = [c.infer_async("a", {"INPUT": x}) for _ in range(2000)]
-        got = [f.result(timeout=120)["OUTPUT"][0, 0] for f in futures]
+        answers = [f.result(timeout=120) for f in futures]
+        got = [out["OUTPUT"][0, 0] for out in answers]
+        # each answer names the version that ran it (this model adds its version to the input)
+        assert [float(out.model_version) for out in answers] == got
         share = got.count(2.0) / len(got)
         assert 0.06 < share < 0.14, share  # 10% asked; generous bounds over 2,000 draws
         stats = c.stats()["a"]

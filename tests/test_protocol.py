@@ -11,7 +11,7 @@ SAMPLES = [
     protocol.Hello(1, protocol.PROTOCOL_VERSION, "pid1"),
     protocol.Welcome(1, protocol.PROTOCOL_VERSION, "123xabc", "gepool"),
     protocol.Infer(7, "mlp", -1, [["INPUT", "FP32", [2, 4], 0]], ["OUT"], 0, 0, protocol.NO_ARENA, 0, 0),
-    protocol.Result(7, [["OUT", "FP32", [2, 4], 0]], False),
+    protocol.Result(7, [["OUT", "FP32", [2, 4], 0]], False, 1),
     protocol.Error(7, "INVALID_ARGUMENT", "bad shape"),
     protocol.RegisterArena(8, "/gepool.1x2.arena", 4096),
     protocol.UnregisterArena(9, 3),

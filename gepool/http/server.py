@@ -188,10 +188,11 @@ class Gateway:
             names = [o.name for o in req.outputs] if req.outputs is not None else None
             outputs = await (await self.front()).infer(model, req.inputs, names,
                                                        version=int(version) if version else None)
-            meta_version = version or ""
-            if not meta_version:
-                meta_version = str((await (await self.front()).model_metadata(model)).get("versions", [""])[0])
-            payload, headers = kserve.encode_response(model, meta_version, req, outputs, write_region)
+            # the version that ran it, from the reply itself (asking the front for metadata cost every
+            # unversioned request a second round trip)
+            served = getattr(outputs, "model_version", None)
+            payload, headers = kserve.encode_response(model, str(served) if served is not None else (version or ""),
+                                                      req, outputs, write_region)
         finally:
             for region in held:
                 self.regions.release(region)
