@@ -24,9 +24,10 @@ cost (QUIET_SHARE of the model's measured batch time, at most the delay) are lul
 lulls, traffic is too sparse for waiting to pay and the batch goes at once (a single client, light
 Poisson traffic). Otherwise requests come in bursts (closed-loop clients answering a batch's replies)
 and the batch goes once the line has been quiet for QUIET_FACTOR times the 90th percentile of the
-short gaps, i.e. when the burst is complete. A queue that built up while a batch ran keeps the static
-rules: its requests' clients may be waiting on the running batch, and sending the rest as soon as the
-worker frees would lock closed-loop traffic into two smaller batches taking turns.
+short gaps (at least QUIET_FLOOR_S), i.e. when the burst is complete. A queue that built up while a
+batch ran keeps the static rules: its requests' clients may be waiting on the running batch, and
+sending the rest as soon as the worker frees would lock closed-loop traffic into two smaller batches
+taking turns.
 """
 
 import time
@@ -40,7 +41,11 @@ from gepool.scheduler.queues import PolicyQueues
 GAP_WINDOW = 32  # arrivals whose gaps the adaptive policy looks at
 MIN_GAPS = 4  # before this many, it waits like the static policy
 QUIET_FACTOR = 3.0  # the burst is over after this many times its 90th-percentile gap without an arrival
-QUIET_FLOOR_S = 50e-6  # below this, a gap is scheduling noise
+# The quiet time is never shorter than this. Inside a closed-loop burst (replies in, the next requests
+# out) gaps are ~15 us, with a client's scheduling hiccup of 100-400 us now and then: a shorter window
+# sends part of the burst and locks the rest into a second batch that takes turns with it (MLP at
+# c=16: batches of 13 + 3). Timers used to round up to a whole millisecond, which hid this.
+QUIET_FLOOR_S = 1e-3
 QUIET_SHARE = 0.1  # waiting may cost at most this share of a batch's compute time
 COST_ALPHA = 0.2  # EWMA weight of the newest batch's compute time
 

@@ -7,6 +7,7 @@ sequence (running -> draining -> stopping) with a deadline.
 
 import logging
 import os
+import select
 import signal
 import time
 from collections.abc import Callable
@@ -86,6 +87,7 @@ class Front:
         self.poller.register(self.workers, zmq.POLLIN)
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(wake_r, zmq.POLLIN)
+        self._clients_fd, self._workers_fd, self._wake_r = self.clients.FD, self.workers.FD, wake_r
         old_fd = signal.set_wakeup_fd(wake_w)
         old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -120,6 +122,8 @@ class Front:
         else (watchdog, restarts, arenas, model control, readiness, timers) runs in ``_tick``, after any
         other event, when the poll times out, and at least every TICK_S while hot events keep coming."""
         next_tick = 0.0
+        if self._tick(time.monotonic()):  # once before any event: with no worker to wait for, ready now
+            return
         while True:
             events = self._wait(next_tick if self._dirty_since_tick else None)
             tick = not events
@@ -182,25 +186,43 @@ class Front:
         Only while traffic is sequential (the last batch held one request): once requests batch, the
         polling front would take the core that clients and workers need, and the wake-ups it saves
         are shared by a whole batch anyway."""
-        timeout = self._timeout_ms(next_tick)
-        if self._busy_poll_s and timeout != 0 and self.dispatch.last_batch_requests <= 1:
-            now = time.monotonic()
-            until = now + (self._busy_poll_s if timeout < 0 else min(self._busy_poll_s, timeout / 1000))
+        at = self._next_deadline(next_tick)
+        now = time.monotonic()
+        if self._busy_poll_s and (at is None or at > now) and self.dispatch.last_batch_requests <= 1:
+            until = now + self._busy_poll_s if at is None else min(now + self._busy_poll_s, at)
             poll = self.poller.poll
             while time.monotonic() < until:
                 events = poll(0)
                 if events:
                     return events
-            timeout = self._timeout_ms(next_tick)
-        return self.poller.poll(timeout)
+            now = time.monotonic()
+        if at is None:
+            return self.poller.poll(-1)
+        remaining = at - now
+        if remaining <= 0:  # overdue: the tick after this poll handles it (at most a 1 ms poll, as ever)
+            return self.poller.poll(max(0, int(remaining * 1000) + 1))
+        if remaining < 1e-3:
+            return self._wait_until(at)
+        return self.poller.poll(int(remaining * 1000))  # whole ms, rounded down: the rest in _wait_until
 
-    def _timeout_ms(self, next_tick: float | None) -> int:
+    def _wait_until(self, at: float) -> list:
+        """Events before ``at``, sleeping in select(), whose timeout has microseconds. zmq_poll counts whole
+        milliseconds, so a deadline under a millisecond away (a max_queue_delay_microseconds of 200, say)
+        used to fire up to a millisecond late. The ZMQ sockets' FDs only say "look"; poll(0) says what
+        is there."""
+        fds = [self._clients_fd, self._workers_fd, self._wake_r, *self.by_sentinel, *self.by_bell]
+        while True:
+            events = self.poller.poll(0)
+            remaining = at - time.monotonic()
+            if events or remaining <= 0:
+                return events
+            select.select(fds, [], [], remaining)
+
+    def _next_deadline(self, next_tick: float | None) -> float | None:
         deadlines = [m.deadline() for m in self._queued]
         deadlines += [self._wake_at, next_tick]
         deadlines = [d for d in deadlines if d is not None]
-        if not deadlines:
-            return -1
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+        return min(deadlines) if deadlines else None
 
     def _housekeeping_deadline(self) -> float | None:
         """The nearest timer outside the models' queues (restarts, watchdog, polling, arenas, shutdown)."""

@@ -2,6 +2,7 @@
 
 import pytest
 
+from gepool.scheduler import batcher
 from gepool.scheduler.batcher import DynamicBatcher
 
 
@@ -247,18 +248,35 @@ def test_static_policy_keeps_waiting_on_the_same_traffic():
 
 def test_adaptive_waits_for_a_burst_to_end():
     b, clock = make(preferred=(16,), delay_us=5000, adaptive=True)
-    b.observe_cost(0.010)  # waiting may cost up to 1 ms
-    feed(b, clock, [10_000] + [50] * 15 + [10_000] + [50] * 15)  # closed-loop bursts, 50 us apart
+    b.observe_cost(0.030)  # waiting may cost up to 3 ms
+    feed(b, clock, [20_000] + [500] * 15 + [20_000] + [500] * 15)  # bursts, 500 us apart
     quiet = b.quiet_time()
-    assert quiet == pytest.approx(3 * 50e-6)  # QUIET_FACTOR times the short gaps' 90th percentile
-    clock.advance(10_000)
+    assert quiet == pytest.approx(3 * 500e-6)  # QUIET_FACTOR times the short gaps' 90th percentile
+    clock.advance(20_000)
     for _ in range(3):
         b.add("x")
-        clock.advance(50)
+        clock.advance(500)
         assert b.next_batch() is None  # more of the burst is on its way
-    assert abs(b.deadline() - (clock.now - 50e-6 + quiet)) < 1e-9
-    clock.advance(100)
+    assert abs(b.deadline() - (clock.now - 500e-6 + quiet)) < 1e-9
+    clock.advance(1000)
     assert rows_of(b.next_batch()) == [1, 1, 1]
+
+
+def test_adaptive_outwaits_a_hiccup_inside_a_fast_burst():
+    """Gaps of 15 us with a client's 400 us stall now and then: the quiet time is QUIET_FLOOR_S, not
+    3 x 15 us, or the stall would send part of the burst and leave the rest for a second batch."""
+    b, clock = make(preferred=(16,), delay_us=5000, adaptive=True)
+    b.observe_cost(0.020)  # waiting may cost up to 2 ms
+    feed(b, clock, [20_000] + [15] * 15 + [20_000] + [15] * 15)
+    assert b.quiet_time() == pytest.approx(batcher.QUIET_FLOOR_S)
+    clock.advance(20_000)
+    for gap in [15] * 7 + [400] + [15] * 7:
+        b.add("x")
+        clock.advance(gap)
+        assert b.next_batch() is None
+    b.add("x")
+    clock.advance(batcher.QUIET_FLOOR_S * 1e6)
+    assert len(b.next_batch()) == 16
 
 
 def test_adaptive_never_waits_longer_than_the_delay():

@@ -129,3 +129,17 @@ def test_busy_polling_front_serves_and_sleeps_when_idle(small_repo):
         for name, pid in pids.items():  # the worker polls a little after each PREPARE, then sleeps too
             idle_cpu = _cpu_s(pid) - before[name]
             assert idle_cpu < 0.5, f"the {name} used {idle_cpu:.2f}s of CPU in 2s of idleness"
+
+
+def test_a_pool_with_nothing_to_start_is_ready_at_once(tmp_path):
+    """No worker ever reports, so readiness must not wait for an event: an empty repository, and one
+    whose only model cannot load (reported UNAVAILABLE with the reason), both start."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    test_repo.write(str(broken / "bad" / "config.pbtxt"), 'name: "bad"\n')
+    with Pool(str(empty), start_timeout=60) as pool:
+        assert pool.status["models"] == {}
+    with Pool(str(broken), start_timeout=60) as pool:
+        bad = pool.status["models"]["bad"]
+        assert bad["state"] == "UNAVAILABLE" and "backend" in bad["reason"], bad
