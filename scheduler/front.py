@@ -302,7 +302,7 @@ class Front:
         if len(model.batcher):
             return
         for w in model.workers:
-            if w.state == READY and not w.inflight and w.info.get("arena_io"):  # the synchronous loop
+            if w.state == READY and not w.inflight and w.info.get("prewake"):
                 w.bell.prepare()
                 return
 

@@ -66,9 +66,11 @@ def run_worker(spec: WorkerSpec) -> None:
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
     asynchronous = getattr(backend, "asynchronous", False)
-    # arena_io: this worker runs direct batches (tensors in a client's arena); the asynchronous path
-    # copies slots to device memory itself and knows only slots
-    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0, arena_io=not asynchronous)
+    # arena_io: this worker runs direct batches (tensors in a client's arena): a backend that reads and
+    # writes through pointers, on the synchronous loop (the asynchronous one stages slots to device
+    # memory itself). prewake: its loop answers a PREPARE record by polling for the batch.
+    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0,
+                arena_io=not asynchronous and getattr(backend, "arena_io", False), prewake=not asynchronous)
     sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
     lost = None
     try:

@@ -19,6 +19,11 @@ _ORT_TYPES = {
 
 
 class OnnxBackend(Backend):
+    # Reads inputs and writes outputs through pointers (I/O binding), so a client's arena serves as
+    # well as a slot. (The python backend hands the model writable arrays, which in a direct batch
+    # would be the client's own input.)
+    arena_io = True
+
     def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int) -> None:
         super().__init__(config, version_dir, device, threads)
         params = config.parameters
