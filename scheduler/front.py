@@ -273,8 +273,6 @@ class Front:
             self.send(identity, reply)
 
     def _handle(self, identity: bytes, msg, frames: list):
-        if isinstance(msg, protocol.Infer):
-            return self._infer(identity, msg, frames)
         if isinstance(msg, protocol.Hello):
             if msg.version != protocol.PROTOCOL_VERSION:
                 raise errors.ProtocolMismatch(f"client speaks protocol {msg.version}, "

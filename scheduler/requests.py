@@ -69,9 +69,9 @@ class Admission:
     def __init__(self, config: ModelConfig, slot_bytes: int) -> None:
         self.config, self.slot_bytes = config, slot_bytes
         self.batched = config.max_batch_size > 0
-        # per input: name, datatype, dims, itemsize (0 for BYTES), dims with -1
-        self.inputs = [(t.name, t.datatype, t.dims, 0 if t.datatype == dtypes.BYTES else dtypes.itemsize(t.datatype),
-                        -1 in t.dims) for t in config.inputs]
+        # per input: name, datatype, dims, itemsize (0 for BYTES)
+        self.inputs = [(t.name, t.datatype, t.dims, 0 if t.datatype == dtypes.BYTES else dtypes.itemsize(t.datatype))
+                       for t in config.inputs]
         self.names = {t.name for t in config.inputs}
         self.out_names = {t.name for t in config.outputs}
         self.out_row_bytes = sum(t.row_bytes() or 0 for t in config.outputs)
@@ -104,7 +104,7 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list, plan: Admission, a
             raise InvalidArgument(f"arena {msg.arena} is not registered")
     batched = plan.batched
     shapes, buffers, rows, total = [], [], -1, 0
-    for name, want_type, want_dims, itemsize, _ in plan.inputs:
+    for name, want_type, want_dims, itemsize in plan.inputs:
         _, datatype, shape, where = given[name]
         if datatype != want_type:
             raise InvalidArgument(f"input '{name}': datatype {datatype} does not match the model's {want_type}")
