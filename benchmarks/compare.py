@@ -104,11 +104,10 @@ def main() -> None:
     repo = core.example_repo("gepool-compare-")
     make_static_twin(repo)
     make_big(repo)
-    cores = os.cpu_count() or 1
     rows = []
 
     floors: list[float] = []
-    best_bs, best_rate = core.ort_limit(f"{repo}/mlp/1/model.onnx", max(1, cores // 3), args.seconds)
+    best_bs, best_rate = core.ort_limit(f"{repo}/mlp/1/model.onnx", len(os.sched_getaffinity(0)), args.seconds)
     rows.append((f"onnxruntime in-process MLP, batch {best_bs} (limit)", f"{best_rate:.0f} rows/s", ""))
 
     port = http_bench.free_port()

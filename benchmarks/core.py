@@ -144,7 +144,7 @@ def main() -> None:
     print(f"   p50 {np.median(floor) * 1e6:7.1f} us   p99 {np.percentile(floor, 99) * 1e6:7.1f} us")
 
     print("3a. onnxruntime in-process (the limit), MLP 1024-4096-4096-1000")
-    worker_threads = max(1, cores // 2)  # the pool below runs 2 CPU instances: tiny and mlp
+    worker_threads = len(os.sched_getaffinity(0))  # what the pool gives its one MLP instance
     best_bs, best_rate = ort_limit(f"{repo}/mlp/1/model.onnx", worker_threads, args.seconds)
 
     with Pool(repo) as pool:

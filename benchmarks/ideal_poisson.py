@@ -3,7 +3,7 @@ serving overhead at all: a bound to read compare.py's Poisson rows against.
 
     python benchmarks/ideal_poisson.py [--load 0.7] [--seconds 4]
 
-It times the MLP in-process (onnxruntime, one intra-op thread, as gepool's worker runs it here) at
+It times the MLP in-process (onnxruntime on every core, as gepool's one MLP worker runs it) at
 batch sizes 1 to 32, fits compute = fixed + per_row x rows, and simulates one worker fed by Poisson
 arrivals at ``--load`` times its throughput at batch 16 (about compare.py's "70% of the measured
 concurrency-16 capacity"). The worker takes everything queued (up to 32) whenever it frees, which
@@ -28,7 +28,7 @@ def batch_times(model_path: str, seconds: float) -> dict[int, float]:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
+    opts.intra_op_num_threads = len(os.sched_getaffinity(0))
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model_path, opts, providers=["CPUExecutionProvider"])
     out = {}

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("start", help="serve a model repository in the foreground")
     p.add_argument("--model-repository", required=True, help="folder of <model>/config.pbtxt and <model>/<version>/")
     p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in your runtime dir)")
-    p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads shared by CPU workers (default: all)")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="onnxruntime threads per CPU model, split among its instances (default: every core)")
     p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (0: off)")
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP and metrics ports bind")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")

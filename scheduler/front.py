@@ -39,7 +39,7 @@ class FrontOptions:
     repository: str
     endpoint: str
     owner_id: str
-    cpu_threads: int = 0  # the CPU thread budget shared by CPU workers; 0 = every core
+    cpu_threads: int = 0  # threads per CPU model, split among its instances; 0 = every core
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     log_level: int = logging.INFO
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain

@@ -125,7 +125,7 @@ class Group:
         parts = [m.summary() for m in current]
         for key in ("workers", "ready_workers", "queued", "slots", "slots_busy", "restarts"):
             out[key] = sum(p[key] for p in parts)
-        for key in ("worker_pids", "busy_worker_pids"):
+        for key in ("worker_pids", "busy_worker_pids", "worker_threads"):
             out[key] = [pid for p in parts for pid in p[key]]
         out["device_memory"] = {d: b for p in parts for d, b in p["device_memory"].items()}
         return out

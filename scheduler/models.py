@@ -103,6 +103,7 @@ class Model:
                 "workers": len(self.workers), "ready_workers": sum(w.state == READY for w in self.workers),
                 "queued": len(self.batcher), "worker_pids": [w.pid for w in self.workers if w.state == READY],
                 "busy_worker_pids": [w.pid for w in self.workers if w.state == READY and w.inflight],
+                "worker_threads": [w.info["threads"] for w in self.workers if w.state == READY and "threads" in w.info],
                 "slots": sum(w.slots for w in self.workers if w.state == READY),
                 "slots_busy": sum(len(w.inflight) for w in self.workers),
                 "restarts": sum(w.restarts for w in self.workers),

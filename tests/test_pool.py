@@ -143,3 +143,25 @@ def test_a_pool_with_nothing_to_start_is_ready_at_once(tmp_path):
     with Pool(str(broken), start_timeout=60) as pool:
         bad = pool.status["models"]["bad"]
         assert bad["state"] == "UNAVAILABLE" and "backend" in bad["reason"], bad
+
+
+def test_each_model_splits_the_cpu_budget_among_its_own_instances(tmp_path):
+    """Models do not split the cores between them (an idle session costs nothing): each gets the whole
+    budget, divided among its instances; a config's intra_op_thread_count wins. The counts are the
+    ones the workers' onnxruntime sessions were built with."""
+    from gepool.scheduler.control import cpu_threads
+
+    repo = str(tmp_path)
+    for name in ("one", "two", "set"):
+        test_repo.make_models.make_tiny(repo, name)
+    config = os.path.join(repo, "two", "config.pbtxt")
+    test_repo.write(config, open(config).read().replace("count: 1", "count: 2"))
+    with open(os.path.join(repo, "set", "config.pbtxt"), "a") as f:
+        f.write('parameters { key: "intra_op_thread_count" value: { string_value: "3" } }\n')
+    with Pool(repo, cpu_threads=6) as pool:
+        models = pool.status["models"]
+        assert [models[n]["worker_threads"] for n in ("one", "two", "set")] == [[6], [3, 3], [3]], models
+        out = pool.client().infer("two", {"INPUT0": np.ones((1, 16), np.float32)})
+        np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 16), 3.0))
+    assert cpu_threads(0, 1) == len(os.sched_getaffinity(0))
+    assert cpu_threads(0, 64) == 1

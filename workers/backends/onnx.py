@@ -35,6 +35,7 @@ class OnnxBackend(Backend):
                                       params.get("allow_spinning", DEFAULT_ALLOW_SPINNING))
         path = os.path.join(version_dir, config.model_filename)
         self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        self.info = {"threads": opts.intra_op_num_threads}
         self._check(self.session.get_inputs(), config.inputs, "input")
         self._check(self.session.get_outputs(), config.outputs, "output")
         self._bindings: dict[tuple, ort.IOBinding] = {}
