@@ -11,12 +11,14 @@ import zmq
 
 from gepool import _wire, errors
 from gepool.arena import ArenaFull, ClientArena
+from gepool.ipc import lane as _lane
 from gepool.ipc import protocol, zmqio
-from gepool.ipc.sockets import default_endpoint, make_socket
+from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket
 
 DEFAULT_TIMEOUT_S = 120.0  # never wait forever on a pool that vanished
 CONNECT_TIMEOUT_S = 10.0
 DEFAULT_ARENA_BYTES = 64 << 20
+LANE_RETRY_S = 1.0  # after a lane could not connect, ZMQ alone this long
 
 
 class Client:
@@ -27,12 +29,15 @@ class Client:
     there, so only offsets cross the socket (same host only); an input made with ``empty`` is not
     even copied. Output arrays are read-only views, never copies: of the received message, or of the
     arena where the front wrote them (their arena bytes are reused once the arrays are collected).
+
+    With an ipc endpoint, ``infer`` and the queries go over a lane (ipc/lane.py: a Unix socket beside
+    the endpoint, one per thread) unless ``lane=False``; ZMQ serves whatever a lane cannot.
     """
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
                  connect_timeout: float = CONNECT_TIMEOUT_S, curve_server_key: str | None = None,
-                 curve_client_key: str | None = None) -> None:
+                 curve_client_key: str | None = None, lane: bool = True) -> None:
         """``curve_server_key``: the pool's certificate (public part is enough) to talk CURVE over tcp;
         ``curve_client_key``: this client's certificate when the pool only admits known keys."""
         self.endpoint = endpoint or default_endpoint()
@@ -41,6 +46,10 @@ class Client:
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
+        path = ipc_path(self.endpoint)
+        self._lane_path = _lane.path_for(path) if lane and path and self._curve is None else None
+        self._lane_retry_at = 0.0
+        self._lanes: list[_lane.Connection] = []
         self._lock = threading.Lock()
         self._io: _IoThread | None = None
         self._meta: dict[str, dict] = {}
@@ -177,7 +186,55 @@ class Client:
             self._local.sock = sock
         return sock
 
-    def _exchange(self, frames: list, req_id: int, timeout: float | None, what: str):
+    def _lane_conn(self) -> _lane.Connection | None:
+        conn = getattr(self._local, "lane", None)
+        if conn is not None or self._lane_path is None or time.monotonic() < self._lane_retry_at:
+            return conn
+        try:
+            conn = _lane.Connection(self._lane_path)
+        except OSError:  # no pool there yet, or one without lanes: ZMQ, which also waits for a pool
+            self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+            return None
+        with self._lock:
+            self._lanes.append(conn)
+        self._local.lane = conn
+        return conn
+
+    def _drop_lane(self, conn: _lane.Connection) -> None:
+        self._local.lane = None
+        with self._lock:
+            if conn in self._lanes:
+                self._lanes.remove(conn)
+        conn.close()
+
+    def _exchange_lane(self, conn: _lane.Connection, frames: list, req_id: int, timeout: float | None, what: str):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            try:
+                conn.send(frames, timeout)
+            except TimeoutError:
+                self._drop_lane(conn)  # the pool stopped reading, maybe mid-message: the framing is lost
+                raise
+            except OSError:  # the pool behind this lane is gone and never saw the request: over ZMQ
+                self._drop_lane(conn)
+                return self._exchange(frames, req_id, timeout, what, lane=False)
+            while True:  # a receive that times out keeps its place: the lane stays usable
+                msg, rest = _wire.decode(conn.recv(deadline))
+                if getattr(msg, "req_id", None) == req_id:
+                    return msg, rest
+                self._late_reply(getattr(msg, "req_id", None))
+        except TimeoutError:
+            raise errors.PoolUnavailable(
+                f"no answer from the pool at {self.endpoint} within {timeout}s ({what})") from None
+        except (EOFError, OSError, _lane.LaneError) as exc:
+            self._drop_lane(conn)
+            raise errors.PoolUnavailable(f"the pool at {self.endpoint} closed the connection ({what}): "
+                                         f"{exc}") from None
+
+    def _exchange(self, frames: list, req_id: int, timeout: float | None, what: str, lane: bool = True):
+        conn = self._lane_conn() if lane else None
+        if conn is not None:
+            return self._exchange_lane(conn, frames, req_id, timeout, what)
         sock = self._socket()
         zmqio.send_parts(sock, frames)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -219,6 +276,9 @@ class Client:
             for sock in self._sockets:
                 sock.close(0)
             self._sockets.clear()
+            for conn in self._lanes:
+                conn.close()
+            self._lanes.clear()
         self._ctx.term()
 
     def __enter__(self) -> "Client":

@@ -12,6 +12,7 @@ from gepool import errors
 from gepool.ipc import dtypes, layout, protocol, zmqio
 from gepool.ipc.ring import TensorDesc
 from gepool.scheduler.arenas import Arenas
+from gepool.scheduler.lanes import Lanes
 from gepool.scheduler.models import Model
 from gepool.scheduler.requests import Request
 from gepool.scheduler.supervisor import READY, Worker
@@ -35,9 +36,16 @@ class Batch:
 
 
 class Dispatcher:
-    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas) -> None:
-        self.clients, self.workers, self.arenas = clients, workers, arenas
+    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas, lanes: Lanes | None = None) -> None:
+        self.clients, self.workers, self.arenas, self.lanes = clients, workers, arenas, lanes
         self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
+
+    def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
+        """To a client over its lane or the ZMQ socket. ``copy``: the parts point into a slot."""
+        if self.lanes is not None and self.lanes.owns(identity):
+            self.lanes.send(identity, parts)  # sent now, or queued as a copy
+        else:
+            zmqio.send_parts(self.clients, [identity, *parts], copy)
 
     def schedule(self, model: Model) -> None:
         """Hands out batches while a worker can take one and the batcher says go."""
@@ -138,7 +146,7 @@ class Dispatcher:
                 if len(outs) != len(model.config.outputs) or not all(d.in_arena for d in outs):
                     raise ValueError("the worker left a direct batch's outputs outside the arena")
                 reply = protocol.Result(req.req_id, refs, True, model.version)
-                zmqio.send_parts(self.clients, [req.identity, reply.encode()])
+                self.reply(req.identity, [reply.encode()])
                 model.stats.answered(time.monotonic() - req.arrived)
             except Exception as exc:
                 log.exception("internal error answering request %s", req.req_id)
@@ -174,15 +182,13 @@ class Dispatcher:
                     np.copyto(np.frombuffer(arena.view, p.dtype, p.size, off).reshape(p.shape), p)
                     refs.append([n, dtypes.from_numpy(p.dtype), list(p.shape), off])
                 reply = protocol.Result(req.req_id, refs, True, model.version)
-                zmqio.send_parts(self.clients, [req.identity, reply.encode()])
+                self.reply(req.identity, [reply.encode()])
                 return
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
         # copied: the pieces are views of a slot that is reused as soon as the batch is answered
-        zmqio.send_parts(self.clients, [req.identity, protocol.Result(req.req_id, refs, False, model.version).encode(),
-                                        *pieces],
-                         copy=True)
+        self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version).encode(), *pieces], True)
 
     def recover(self, model: Model, batch: Batch, err: errors.GepoolError, can_retry: bool) -> None:
         """A batch whose worker died: each request runs once more on another worker, or hears ``err``."""
@@ -205,7 +211,7 @@ class Dispatcher:
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
         model.stats.failed()
-        zmqio.send_parts(self.clients, [req.identity, protocol.Error(req.req_id, err.code, err.message).encode()])
+        self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()])
 
 
 def _pick(model: Model) -> tuple[Worker | None, bool]:

@@ -17,11 +17,12 @@ import zmq
 
 from gepool import errors
 from gepool.config_json import render_config
-from gepool.ipc import protocol, zmqio
-from gepool.ipc.sockets import make_socket
+from gepool.ipc import lane, protocol, zmqio
+from gepool.ipc.sockets import ipc_path, make_socket
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
+from gepool.scheduler.lanes import Lanes
 from gepool.scheduler.models import Model
 from gepool.scheduler.requests import admit
 from gepool.scheduler.supervisor import READY, STARTING, Supervisor, Worker
@@ -72,6 +73,7 @@ class Front:
         self._dirty_since_tick = False
         self._wake_at: float | None = None
         self._busy_poll_s = max(0, options.busy_poll_us) / 1e6
+        self.lanes: Lanes | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -81,13 +83,17 @@ class Front:
         # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
         self.opts.endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
-        self.dispatch = Dispatcher(self.clients, self.workers, self.arenas)
+        self.lanes = self._open_lanes()
+        self.dispatch = Dispatcher(self.clients, self.workers, self.arenas, self.lanes)
         self.poller = zmq.Poller()
         self.poller.register(self.clients, zmq.POLLIN)
         self.poller.register(self.workers, zmq.POLLIN)
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(wake_r, zmq.POLLIN)
         self._clients_fd, self._workers_fd, self._wake_r = self.clients.FD, self.workers.FD, wake_r
+        self._lanes_fd = self.lanes.fileno() if self.lanes is not None else -1
+        if self.lanes is not None:
+            self.poller.register(self._lanes_fd, zmq.POLLIN)
         old_fd = signal.set_wakeup_fd(wake_w)
         old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -101,6 +107,17 @@ class Front:
             os.close(wake_r)
             os.close(wake_w)
         return 0
+
+    def _open_lanes(self) -> Lanes | None:
+        """Same-host clients' fast path beside an ipc endpoint (not with CURVE: a lane is not authenticated)."""
+        path = ipc_path(self.opts.endpoint)
+        if path is None or self.opts.curve_secret_key:
+            return None
+        try:
+            return Lanes(lane.path_for(path), self._on_message)
+        except OSError as exc:  # a path too long for a Unix socket, say: clients keep to ZMQ
+            log.warning("no lanes beside %s: %s", self.opts.endpoint, exc)
+            return None
 
     def _curve(self) -> tuple[bytes, bytes] | None:
         if not self.opts.curve_secret_key:
@@ -130,6 +147,8 @@ class Front:
             for sock, _ in events:
                 if sock is self.clients:
                     self._drain(self.clients, self._on_client)
+                elif sock == self._lanes_fd:
+                    self.lanes.pump(MAX_MESSAGES_PER_WAKE)
                 elif sock in self.by_bell:
                     self._on_bell(self.by_bell[sock])
                 else:
@@ -211,6 +230,8 @@ class Front:
         used to fire up to a millisecond late. The ZMQ sockets' FDs only say "look"; poll(0) says what
         is there."""
         fds = [self._clients_fd, self._workers_fd, self._wake_r, *self.by_sentinel, *self.by_bell]
+        if self._lanes_fd >= 0:
+            fds.append(self._lanes_fd)
         while True:
             events = self.poller.poll(0)
             remaining = at - time.monotonic()
@@ -248,11 +269,15 @@ class Front:
 
     # -- clients -------------------------------------------------------------------------
     def _on_client(self, frames: list) -> None:
-        identity = frames[0].bytes
-        if len(frames) < 2:
+        if len(frames) >= 2:
+            self._on_message(frames[0].bytes, frames[1:])
+
+    def _on_message(self, identity: bytes, parts: list) -> None:
+        """A client's message, from the ZMQ socket or a lane: the payload, then its tensor parts."""
+        if not parts:
             return
         try:
-            msg = protocol.decode(frames[1].buffer)
+            msg = protocol.decode(parts[0].buffer)
         except protocol.ProtocolError as exc:
             log.warning("dropping a bad message: %s", exc)
             self.send(identity, protocol.Error(0, errors.ProtocolMismatch.code, str(exc)))
@@ -262,8 +287,8 @@ class Front:
             if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
                 if self._busy_poll_s and self.dispatch.last_batch_requests <= 1:
                     self._prepare_worker(msg.model)
-                return self._infer(identity, msg, frames[2:])
-            reply = self._handle(identity, msg, frames[2:])
+                return self._infer(identity, msg, parts[1:])
+            reply = self._handle(identity, msg, parts[1:])
         except errors.GepoolError as exc:
             reply = protocol.Error(req_id, exc.code, exc.message)
         except Exception as exc:  # a bug must not take the pool down; the client hears INTERNAL
@@ -338,12 +363,13 @@ class Front:
     def status(self) -> dict:
         return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint,
                 "stopping": self.stopping or self.grace_until is not None,
-                "arenas": len(self.arenas), "pid": os.getpid(),
+                "arenas": len(self.arenas), "lanes": len(self.lanes) if self.lanes is not None else 0,
+                "pid": os.getpid(),
                 "model_control_mode": self.opts.model_control_mode,
                 "models": {name: g.summary() for name, g in self.control.groups.items()}}
 
     def send(self, identity: bytes, msg, frames: list = ()) -> None:
-        zmqio.send_parts(self.clients, [identity, msg.encode(), *frames])
+        self.dispatch.reply(identity, [msg.encode(), *frames])
 
     def send_worker(self, w: Worker, msg) -> None:
         self.workers.send_multipart([b"w%d" % w.id, msg.encode()])
@@ -490,6 +516,8 @@ class Front:
         for sock in (getattr(self, "clients", None), getattr(self, "workers", None)):
             if sock is not None:
                 sock.close(0)
+        if getattr(self, "lanes", None) is not None:
+            self.lanes.close()
         if getattr(self, "auth", None) is not None:
             self.auth.stop()
         self.ctx.term()

@@ -1,0 +1,201 @@
+"""The front's end of the lanes (see ipc/lane.py): a listening SEQPACKET socket beside the ipc
+endpoint, and one connection per client thread, all behind one epoll whose descriptor sits in the
+front's poll like any socket. A lane's messages go through the same handler as the ZMQ socket's;
+its identity is minted here, and replies to it go back over the lane.
+
+The front never blocks on a client: a reply that finds the client's socket buffer full waits in that
+lane's queue (copied, since it may point into a slot) until the socket drains. A client that breaks
+the framing loses its lane; one that closed it loses the replies still due, as with ZMQ.
+"""
+
+import collections
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gepool.ipc import lane
+
+log = logging.getLogger("gepool.lanes")
+
+MARK = 1  # first byte of a lane identity; ZMQ's own identities start with 0
+_ID = struct.Struct("<BQ")
+QUEUE_LIMIT = 1 << 30  # bytes of replies held for one lane before the front gives up on it
+
+
+@dataclass(eq=False)
+class Lane:
+    sock: socket.socket
+    identity: bytes
+    receiver: lane.Receiver = field(default_factory=lane.Receiver)
+    queue: collections.deque = field(default_factory=collections.deque)
+    queued: int = 0
+
+
+class Part:
+    """What the front's handlers read from a ZMQ Frame, for a lane's part."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+
+    @property
+    def bytes(self) -> bytes:
+        return bytes(self.buffer)
+
+
+class Lanes:
+    def __init__(self, path: str, on_message: Callable[[bytes, list], None]) -> None:
+        """``on_message(identity, parts)``: parts as the ZMQ handler gets them after the identity."""
+        self.path, self.on_message = path, on_message
+        if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)  # left by a dead pool (the ZMQ endpoint beside it was checked already)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
+                                      | socket.SOCK_CLOEXEC)
+        try:
+            self.listener.bind(path)
+            os.chmod(path, 0o600)
+            self.listener.listen(256)
+        except BaseException:
+            self.listener.close()
+            raise
+        self.epoll = select.epoll()
+        self.epoll.register(self.listener.fileno(), select.EPOLLIN)
+        self.by_fd: dict[int, Lane] = {}
+        self.by_identity: dict[bytes, Lane] = {}
+        self._minted = 0
+
+    def fileno(self) -> int:
+        return self.epoll.fileno()
+
+    def __len__(self) -> int:
+        return len(self.by_fd)
+
+    def pump(self, budget: int) -> None:
+        """Accepts, reads and flushes what is ready, handling at most ``budget`` messages; what is left
+        keeps the epoll readable, so the front's next poll comes straight back."""
+        for fd, events in self.epoll.poll(0):
+            if fd == self.listener.fileno():
+                self._accept()
+                continue
+            conn = self.by_fd.get(fd)
+            if conn is None:
+                continue
+            if events & select.EPOLLOUT:
+                self._flush(conn)
+            if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and conn.sock.fileno() >= 0:
+                budget -= self._read(conn, budget)
+            if budget <= 0:
+                return
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, say: the client falls back to ZMQ
+                log.warning("cannot accept a lane: %s", exc)
+                return
+            sock.setblocking(False)
+            lane.tune(sock)
+            self._minted += 1
+            conn = Lane(sock, _ID.pack(MARK, self._minted))
+            self.by_fd[sock.fileno()] = conn
+            self.by_identity[conn.identity] = conn
+            self.epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _read(self, conn: Lane, budget: int) -> int:
+        handled = 0
+        while handled < budget:
+            try:
+                parts = conn.receiver.recv(conn.sock)
+            except (BlockingIOError, InterruptedError):
+                break
+            except (EOFError, ConnectionError):
+                self._drop(conn)
+                break
+            except (lane.LaneError, MemoryError, OSError) as exc:
+                log.warning("closing a lane: %s", exc)
+                self._drop(conn)
+                break
+            if parts is not None:
+                handled += 1
+                self.on_message(conn.identity, [Part(p) for p in parts])
+        return handled
+
+    def owns(self, identity: bytes) -> bool:
+        """An identity minted here (its lane may be gone since): never one for the ZMQ socket."""
+        return len(identity) == _ID.size and identity[0] == MARK and _ID.unpack(identity)[1] <= self._minted
+
+    def send(self, identity: bytes, parts: list) -> None:
+        """Sends now, or queues a copy; a closed lane's replies are dropped (its client is gone)."""
+        conn = self.by_identity.get(identity)
+        if conn is None:
+            return
+        try:
+            records = lane.records(parts)
+        except lane.LaneError as exc:
+            log.error("cannot send to a lane: %s", exc)
+            return
+        if not conn.queue:
+            sendmsg = conn.sock.sendmsg
+            for i, record in enumerate(records):
+                try:
+                    sendmsg(record, (), socket.MSG_NOSIGNAL)
+                except (BlockingIOError, InterruptedError):
+                    records = records[i:]
+                    break
+                except OSError:
+                    self._drop(conn)
+                    return
+            else:
+                return
+            self.epoll.modify(conn.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
+        for record in records:
+            data = b"".join(record)
+            conn.queue.append(data)
+            conn.queued += len(data)
+        if conn.queued > QUEUE_LIMIT:
+            log.warning("a lane's client has not read %d bytes of replies; closing it", conn.queued)
+            self._drop(conn)
+
+    def _flush(self, conn: Lane) -> None:
+        while conn.queue:
+            try:
+                conn.sock.send(conn.queue[0], socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(conn)
+                return
+            conn.queued -= len(conn.queue.popleft())
+        self.epoll.modify(conn.sock.fileno(), select.EPOLLIN)
+
+    def _drop(self, conn: Lane) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        self.by_fd.pop(fd, None)
+        self.by_identity.pop(conn.identity, None)
+        try:
+            self.epoll.unregister(fd)
+        except OSError:
+            pass
+        conn.sock.close()
+        conn.queue.clear()
+
+    def close(self) -> None:
+        for conn in list(self.by_fd.values()):
+            self._drop(conn)
+        self.epoll.close()
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

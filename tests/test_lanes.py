@@ -1,0 +1,159 @@
+"""Lanes: same-host clients over a Unix SEQPACKET socket beside the ipc endpoint (ipc/lane.py)."""
+
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from gepool import Client, _wire, errors
+from gepool.ipc import lane, protocol
+from tests.conftest import wait_until
+
+
+def _pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lane.tune(a)
+    lane.tune(b)
+    return a, b
+
+
+MESSAGES = [
+    [b"one part"],
+    [b"header", np.arange(300_000, dtype=np.float64), b"", np.array(2.5, np.float32), np.zeros((0, 3))],
+    [b"x" * (lane.RECORD_MAX - 20)],  # just fits one record with its header
+    [b"y" * lane.RECORD_MAX],  # just does not
+    [b"z"] * lane.MAX_PARTS,  # more buffers than one sendmsg may take
+    [np.arange(12, dtype=np.int32).reshape(3, 4)[:, :2].copy()],
+]
+
+
+def test_framing_round_trips_every_shape_of_message():
+    a, b = _pair()
+    rx = lane.Receiver(readonly=True)
+
+    def send():
+        for parts in MESSAGES:
+            for record in lane.records(parts):
+                assert sum(memoryview(x).nbytes for x in record) <= lane.RECORD_MAX
+                a.sendmsg(record)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        for sent in MESSAGES:
+            while (got := rx.recv(b)) is None:
+                pass
+            assert [bytes(p) for p in got] == [np.asarray(p).tobytes() if isinstance(p, np.ndarray) else bytes(p)
+                                               for p in sent]
+            assert all(p.readonly for p in got)
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("record", [
+    b"\x00\x01",  # too short for a header
+    b"\x00" + (5).to_bytes(4, "little"),  # five parts, no lengths
+    b"\x00" + (1).to_bytes(4, "little") + (10).to_bytes(8, "little") + b"abc",  # 10 bytes declared, 3 sent
+    b"\x00" + (lane.MAX_PARTS + 1).to_bytes(4, "little") + bytes(8 * (lane.MAX_PARTS + 1)),
+])
+def test_broken_framing_is_an_error_not_a_message(record):
+    a, b = _pair()
+    try:
+        a.send(record)
+        with pytest.raises(lane.LaneError):
+            lane.Receiver().recv(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def _raw(pool) -> lane.Connection:
+    return lane.Connection(lane.path_for(pool.endpoint[len("ipc://"):]))
+
+
+def test_clients_talk_over_lanes_and_get_the_same_answers(pool):
+    x = np.random.default_rng(3).standard_normal((32, 1024)).astype(np.float32)  # 128 KiB: several records
+    with Client(pool.endpoint, lane=False) as plain:
+        before = plain.status()["lanes"]
+        want = plain.infer("mlp", {"INPUT": x})["LOGITS"]
+        assert plain.status()["lanes"] == before
+        with Client(pool.endpoint) as fast:
+            got = fast.infer("mlp", {"INPUT": x})["LOGITS"]
+            assert plain.status()["lanes"] == before + 1  # the new client's thread holds one
+            np.testing.assert_array_equal(got, want)
+            assert not got.flags.writeable
+            with pytest.raises(errors.InvalidArgument, match="INPUT"):
+                fast.infer("mlp", {"WRONG": x})
+        assert wait_until(lambda: plain.status()["lanes"] == before)
+
+
+def test_a_slow_reader_never_holds_up_the_front(pool, client):
+    """Replies a lane's client does not read wait in the front's queue (128 KiB each, far past the
+    socket buffer); meanwhile the pool serves others, and in the end every reply arrives."""
+    x = np.ones((32, 1024), np.float32)
+    want = client.infer("mlp", {"INPUT": x})["LOGITS"]
+    answered = client.stats()["mlp"]["requests"]
+    conn = _raw(pool)
+    try:
+        sent = []
+        for _ in range(40):
+            out = _wire.encode_infer("mlp", {"INPUT": x}, None, None, None, None, 0)
+            conn.send(out.frames, 10)
+            sent.append(out.req_id)
+        assert wait_until(lambda: client.stats()["mlp"]["requests"] >= answered + len(sent), 60)
+        assert client.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
+        got = {}
+        for _ in sent:
+            msg, frames = _wire.decode(conn.recv(None))
+            got[msg.req_id] = _wire.result(msg, frames, None)["LOGITS"]
+        assert sorted(got) == sorted(sent)
+        for out in got.values():
+            np.testing.assert_array_equal(out, want)
+    finally:
+        conn.close()
+
+
+def test_garbage_on_a_lane_closes_that_lane_only(pool, client):
+    conn = _raw(pool)
+    try:
+        conn.send([b"\xc1 not msgpack"], 10)  # framed well, but no protocol message
+        msg, _ = _wire.decode(conn.recv(None))
+        assert isinstance(msg, protocol.Error) and msg.code == errors.ProtocolMismatch.code
+        conn.sock.send(b"\x00\x01")  # broken framing: the front hangs up
+        with pytest.raises(EOFError):
+            conn.recv(None)
+    finally:
+        conn.close()
+    assert client.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
+
+
+def test_no_lane_without_an_ipc_endpoint(small_pool_tcp):
+    with Client(small_pool_tcp.endpoint) as c:
+        assert c.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
+        assert c.status()["lanes"] == 0
+
+
+@pytest.fixture
+def small_pool_tcp(tmp_path):
+    from gepool import Pool
+    from tests import repo as test_repo
+
+    test_repo.make_models.make_tiny(str(tmp_path))
+    with Pool(str(tmp_path), endpoint="tcp://127.0.0.1:*") as pool:
+        yield pool
+
+
+def test_lane_socket_is_owner_only_and_goes_with_the_pool(tmp_path):
+    from gepool import Pool
+    from tests import repo as test_repo
+
+    test_repo.make_models.make_tiny(str(tmp_path / "m"))
+    endpoint = f"ipc://{tmp_path}/p.sock"
+    path = lane.path_for(str(tmp_path / "p.sock"))
+    with Pool(str(tmp_path / "m"), endpoint=endpoint):
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    assert not os.path.exists(path)
