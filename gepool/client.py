@@ -3,6 +3,7 @@
 import collections
 import concurrent.futures
 import os
+import socket
 import threading
 import time
 
@@ -254,7 +255,7 @@ class Client:
     def _io_thread(self) -> "_IoThread":
         with self._lock:
             if self._io is None:
-                self._io = _IoThread(self._ctx, self.endpoint, self._curve)
+                self._io = _IoThread(self._ctx, self.endpoint, self._curve, self._lane_path)
                 self._io.start()
             return self._io
 
@@ -289,16 +290,20 @@ class Client:
 
 
 class _IoThread(threading.Thread):
-    """Owns one socket; callers hand it encoded requests through a deque and a wake-up pipe."""
+    """Owns one ZMQ socket and, beside an ipc endpoint, a lane (preferred while it works); callers hand
+    it encoded requests through a deque and a wake-up pipe."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, curve: tuple | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: tuple | None = None,
+                 lane_path: str | None = None) -> None:
         super().__init__(name="gepool-client-io", daemon=True)
-        self.ctx, self.endpoint, self.curve = ctx, endpoint, curve
+        self.ctx, self.endpoint, self.curve, self.lane_path = ctx, endpoint, curve, lane_path
         self.outbox: collections.deque = collections.deque()
-        self.pending: dict[int, tuple] = {}
+        self.pending: dict[int, tuple] = {}  # req_id -> (out, fut, deadline, client, sent over the lane)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stopping = False
         self.clients: set = set()  # clients with orphaned requests
+        self.lane: _lane.Connection | None = None
+        self.lane_retry_at = 0.0
 
     def submit(self, out: _wire.Outgoing, fut, timeout: float | None, client: Client) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -325,18 +330,65 @@ class _IoThread(threading.Thread):
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
                         pass
+                if self.outbox and self.lane is None:
+                    self._connect_lane(poller)
                 while self.outbox:
                     out, fut, deadline, client = self.outbox.popleft()
-                    self.pending[out.req_id] = (out, fut, deadline, client)
+                    self.pending[out.req_id] = (out, fut, deadline, client, self.lane is not None)
+                    if self.lane is not None:
+                        try:
+                            self.lane.send(out.frames, None)
+                            continue
+                        except OSError as exc:  # the pool behind it is gone and never saw this one
+                            self._lose_lane(poller, exc)
+                            self.pending[out.req_id] = (out, fut, deadline, client, False)
                     zmqio.send_parts(sock, out.frames)
                 if sock in events:
                     self._receive(sock)
+                if self.lane is not None and self.lane.sock.fileno() in events:
+                    self._receive_lane(poller)
                 self._expire()
         finally:
-            for out, fut, _, client in list(self.pending.values()):
+            for out, fut, _, client, _ in list(self.pending.values()):
                 client._release(out)
                 fut.set_exception(errors.Unavailable("the client was closed before the reply arrived"))
             sock.close(0)
+            if self.lane is not None:
+                self.lane.close()
+
+    def _connect_lane(self, poller: zmq.Poller) -> None:
+        if self.lane_path is None or time.monotonic() < self.lane_retry_at:
+            return
+        try:
+            self.lane = _lane.Connection(self.lane_path)
+        except OSError:
+            self.lane_retry_at = time.monotonic() + LANE_RETRY_S
+            return
+        poller.register(self.lane.sock.fileno(), zmq.POLLIN)
+
+    def _lose_lane(self, poller: zmq.Poller, exc: BaseException) -> None:
+        """Requests that went over the lane will hear nothing more: they fail now, not at their deadline."""
+        poller.unregister(self.lane.sock.fileno())
+        self.lane.close()
+        self.lane, self.lane_retry_at = None, time.monotonic() + LANE_RETRY_S
+        for req_id, (out, fut, _, client, via_lane) in list(self.pending.items()):
+            if via_lane:
+                del self.pending[req_id]
+                client._orphan(out)
+                fut.set_exception(errors.PoolUnavailable(
+                    f"the pool at {self.endpoint} closed the connection (request {req_id}): {exc}"))
+
+    def _receive_lane(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                parts = self.lane.receiver.recv(self.lane.sock, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except (EOFError, OSError, _lane.LaneError) as exc:
+                self._lose_lane(poller, exc)
+                return
+            if parts is not None:
+                self._deliver(parts)
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
@@ -344,29 +396,32 @@ class _IoThread(threading.Thread):
                 frames = zmqio.recv_parts(sock, zmqio.NOBLOCK)
             except zmq.Again:
                 return
-            msg, rest = _wire.decode(frames)
-            entry = self.pending.pop(getattr(msg, "req_id", None), None)
-            if entry is None:
-                for client in self.clients:
-                    client._late_reply(getattr(msg, "req_id", None))
-                continue
-            out, fut, _, client = entry
-            try:
-                fut.set_result(_wire.result(msg, rest, client.arena, out))
-            except Exception as exc:
-                fut.set_exception(exc)
-            finally:
-                client._release(out)
+            self._deliver(frames)
+
+    def _deliver(self, frames: list) -> None:
+        msg, rest = _wire.decode(frames)
+        entry = self.pending.pop(getattr(msg, "req_id", None), None)
+        if entry is None:
+            for client in self.clients:
+                client._late_reply(getattr(msg, "req_id", None))
+            return
+        out, fut, _, client, _ = entry
+        try:
+            fut.set_result(_wire.result(msg, rest, client.arena, out))
+        except Exception as exc:
+            fut.set_exception(exc)
+        finally:
+            client._release(out)
 
     def _wait_ms(self) -> int:
-        deadlines = [d for _, _, d, _ in self.pending.values() if d is not None]
+        deadlines = [entry[2] for entry in self.pending.values() if entry[2] is not None]
         if not deadlines:
             return -1
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for req_id, (out, fut, deadline, client) in list(self.pending.items()):
+        for req_id, (out, fut, deadline, client, _) in list(self.pending.items()):
             if deadline is not None and deadline <= now:
                 del self.pending[req_id]
                 client._orphan(out)

@@ -89,14 +89,15 @@ class Receiver:
         self.sizes: tuple = ()
         self.filled = 0
 
-    def recv(self, sock: socket.socket) -> list[memoryview] | None:
+    def recv(self, sock: socket.socket, flags: int = 0) -> list[memoryview] | None:
         """Takes one record (BlockingIOError or TimeoutError pass through); returns the message's parts
-        once its last record is in. EOFError when the peer closed, LaneError on broken framing."""
+        once its last record is in. EOFError when the peer closed, LaneError on broken framing.
+        ``flags``: MSG_DONTWAIT reads a blocking socket without waiting."""
         if self.body is None:
-            n, _, flags, _ = sock.recvmsg_into([self.scratch])
+            n, _, got, _ = sock.recvmsg_into([self.scratch], 0, flags)
             if n == 0:
                 raise EOFError("the peer closed the lane")
-            if flags & socket.MSG_TRUNC:
+            if got & socket.MSG_TRUNC:
                 raise LaneError(f"a record longer than {RECORD_MAX} bytes")
             scratch = memoryview(self.scratch)[:n]
             sizes, at = _header(scratch)
@@ -111,10 +112,10 @@ class Receiver:
             self.body[:n - at] = scratch[at:]
             return None
         room = memoryview(self.body)[self.filled:self.filled + RECORD_MAX - 1]
-        n, _, flags, _ = sock.recvmsg_into([self.flag, room])
+        n, _, got, _ = sock.recvmsg_into([self.flag, room], 0, flags)
         if n == 0:
             raise EOFError("the peer closed the lane")
-        if flags & socket.MSG_TRUNC or n == 1 and room.nbytes:
+        if got & socket.MSG_TRUNC or n == 1 and room.nbytes:
             raise LaneError("a record overflows its message")
         self.filled += n - 1
         if self.flag[0] & MORE:

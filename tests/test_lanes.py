@@ -157,3 +157,17 @@ def test_lane_socket_is_owner_only_and_goes_with_the_pool(tmp_path):
     with Pool(str(tmp_path / "m"), endpoint=endpoint):
         assert os.stat(path).st_mode & 0o777 == 0o600
     assert not os.path.exists(path)
+
+
+def test_futures_go_over_the_io_threads_lane(pool):
+    x = np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)
+    with Client(pool.endpoint, lane=False) as plain:
+        before = plain.status()["lanes"]
+        with Client(pool.endpoint) as fast:
+            futures = [fast.infer_async("tiny", {"INPUT0": x + i}) for i in range(200)]
+            for i, fut in enumerate(futures):
+                np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT0"], 2 * (x + i) + 1)
+            assert plain.status()["lanes"] == before + 2  # this thread's (the client's hello) and the I/O thread's
+        [fut] = [plain.infer_async("tiny", {"INPUT0": x})]
+        np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT0"], 2 * x + 1)
+        assert wait_until(lambda: plain.status()["lanes"] == before)
