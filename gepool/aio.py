@@ -2,29 +2,42 @@
 
 import asyncio
 import os
+import socket
+import time
 
 import zmq
 import zmq.asyncio
 
 from gepool import _wire, errors
 from gepool.arena import ClientArena
-from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S
+from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S, LANE_RETRY_S
+from gepool.ipc import lane as _lane
 from gepool.ipc import protocol
-from gepool.ipc.sockets import default_endpoint, make_socket
+from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket
 
 
 class AsyncClient:
-    """Use ``async with AsyncClient(endpoint) as c:`` or ``await AsyncClient.connect(...)``."""
+    """Use ``async with AsyncClient(endpoint) as c:`` or ``await AsyncClient.connect(...)``.
+
+    On an ipc endpoint it talks over a lane (see ``Client``) unless ``lane=False``."""
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
-                 curve_server_key: str | None = None, curve_client_key: str | None = None) -> None:
+                 curve_server_key: str | None = None, curve_client_key: str | None = None,
+                 lane: bool = True) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self._shared_memory, self._arena_bytes = shared_memory, arena_bytes
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint,
-                                 curve_client=_wire.curve_client(curve_server_key, curve_client_key))
+        curve = _wire.curve_client(curve_server_key, curve_client_key)
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint, curve_client=curve)
+        path = ipc_path(self.endpoint)
+        self._lane_path = _lane.path_for(path) if lane and path and curve is None else None
+        self._lane: socket.socket | None = None
+        self._lane_rx: _lane.Receiver | None = None
+        self._lane_lock = asyncio.Lock()
+        self._lane_retry_at = 0.0
+        self._on_lane: set[int] = set()  # pending requests sent over the lane
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._meta: dict[str, dict] = {}
@@ -109,25 +122,92 @@ class AsyncClient:
     async def _exchange(self, frames: list, req_id: int, timeout: float | None):
         fut = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
+        wait = self.timeout if timeout is None else timeout
         try:
-            await self._sock.send_multipart(frames, copy=False)
-            wait = self.timeout if timeout is None else timeout
+            if not await self._send_lane(frames, req_id):
+                await self._sock.send_multipart(frames, copy=False)
             return await asyncio.wait_for(fut, wait)
         except TimeoutError:
             raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} within {wait}s") from None
         finally:
             self._pending.pop(req_id, None)
+            self._on_lane.discard(req_id)
+
+    async def _send_lane(self, frames: list, req_id: int) -> bool:
+        """False: no lane, or it died before the pool read this request (then ZMQ carries it).
+        A lock keeps one message's records together; a record that finds the socket full waits."""
+        if self._lane is None and not self._connect_lane():
+            return False
+        loop = asyncio.get_running_loop()
+        async with self._lane_lock:
+            sock = self._lane
+            if sock is None:
+                return False
+            try:
+                for record in _lane.records(frames):
+                    try:
+                        sock.sendmsg(record)
+                    except BlockingIOError:
+                        await loop.sock_sendall(sock, b"".join(record))
+            except OSError as exc:
+                self._lose_lane(exc)
+                return False
+            self._on_lane.add(req_id)
+            return True
+
+    def _connect_lane(self) -> bool:
+        if self._lane_path is None or time.monotonic() < self._lane_retry_at:
+            return False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            _lane.tune(sock)
+            sock.connect(self._lane_path)  # never waits: a full backlog is EAGAIN, and ZMQ goes instead
+        except OSError:
+            sock.close()
+            self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+            return False
+        self._lane, self._lane_rx = sock, _lane.Receiver(readonly=True)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._read_lane)
+        return True
+
+    def _read_lane(self) -> None:
+        while self._lane is not None:
+            try:
+                parts = self._lane_rx.recv(self._lane)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (EOFError, OSError, _lane.LaneError) as exc:
+                self._lose_lane(exc)
+                return
+            if parts is not None:
+                self._deliver(parts)
+
+    def _lose_lane(self, exc: BaseException) -> None:
+        """What went over the lane will hear nothing more: it fails now, not at its timeout."""
+        sock, self._lane, self._lane_retry_at = self._lane, None, time.monotonic() + LANE_RETRY_S
+        if sock is None:
+            return
+        asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()
+        for req_id in self._on_lane:
+            fut = self._pending.get(req_id)
+            if fut is not None and not fut.done():
+                fut.set_exception(errors.PoolUnavailable(
+                    f"the pool at {self.endpoint} closed the connection (request {req_id}): {exc}"))
+        self._on_lane.clear()
+
+    def _deliver(self, frames: list) -> None:
+        try:
+            msg, rest = _wire.decode(frames)
+        except protocol.ProtocolError:
+            return
+        fut = self._pending.get(getattr(msg, "req_id", None))
+        if fut is not None and not fut.done():
+            fut.set_result((msg, rest))
 
     async def _read(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                msg, rest = _wire.decode(frames)
-            except protocol.ProtocolError:
-                continue
-            fut = self._pending.get(getattr(msg, "req_id", None))
-            if fut is not None and not fut.done():
-                fut.set_result((msg, rest))
+            self._deliver(await self._sock.recv_multipart(copy=False))
 
     async def close(self) -> None:
         if self.arena is not None and self._arena_id != protocol.NO_ARENA:
@@ -144,6 +224,10 @@ class AsyncClient:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        if self._lane is not None:
+            asyncio.get_running_loop().remove_reader(self._lane.fileno())
+            self._lane.close()
+            self._lane = None
         self._sock.close(0)
         self._ctx.term()
 

@@ -71,24 +71,32 @@ def test_broken_framing_is_an_error_not_a_message(record):
         b.close()
 
 
+def _lanes(client) -> int:
+    """Lanes open at the front, once every lane closed before this call is gone: a lane closed earlier is
+    ready in the front's epoll by the time our first query arrives, so the pass that reads that
+    query, or the one after, drops it."""
+    client.status()
+    return client.status()["lanes"]
+
+
 def _raw(pool) -> lane.Connection:
     return lane.Connection(lane.path_for(pool.endpoint[len("ipc://"):]))
 
 
-def test_clients_talk_over_lanes_and_get_the_same_answers(pool):
+def test_clients_talk_over_lanes_and_get_the_same_answers(pool, client):
     x = np.random.default_rng(3).standard_normal((32, 1024)).astype(np.float32)  # 128 KiB: several records
     with Client(pool.endpoint, lane=False) as plain:
-        before = plain.status()["lanes"]
+        before = _lanes(client)
         want = plain.infer("mlp", {"INPUT": x})["LOGITS"]
-        assert plain.status()["lanes"] == before
+        assert plain.status()["lanes"] <= before  # (a lane some earlier test left may close meanwhile)
         with Client(pool.endpoint) as fast:
             got = fast.infer("mlp", {"INPUT": x})["LOGITS"]
-            assert plain.status()["lanes"] == before + 1  # the new client's thread holds one
+            assert plain.status()["lanes"] >= before + 1  # the new client's thread holds one
             np.testing.assert_array_equal(got, want)
             assert not got.flags.writeable
             with pytest.raises(errors.InvalidArgument, match="INPUT"):
                 fast.infer("mlp", {"WRONG": x})
-        assert wait_until(lambda: plain.status()["lanes"] == before)
+        assert wait_until(lambda: plain.status()["lanes"] <= before)
 
 
 def test_a_slow_reader_never_holds_up_the_front(pool, client):
@@ -159,15 +167,35 @@ def test_lane_socket_is_owner_only_and_goes_with_the_pool(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_futures_go_over_the_io_threads_lane(pool):
+def test_futures_go_over_the_io_threads_lane(pool, client):
     x = np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)
     with Client(pool.endpoint, lane=False) as plain:
-        before = plain.status()["lanes"]
+        before = _lanes(client)
         with Client(pool.endpoint) as fast:
             futures = [fast.infer_async("tiny", {"INPUT0": x + i}) for i in range(200)]
             for i, fut in enumerate(futures):
                 np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT0"], 2 * (x + i) + 1)
-            assert plain.status()["lanes"] == before + 2  # this thread's (the client's hello) and the I/O thread's
+            assert plain.status()["lanes"] >= before + 2  # this thread's (the client's hello) and the I/O thread's
         [fut] = [plain.infer_async("tiny", {"INPUT0": x})]
         np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT0"], 2 * x + 1)
-        assert wait_until(lambda: plain.status()["lanes"] == before)
+        assert wait_until(lambda: plain.status()["lanes"] <= before)
+
+
+def test_the_asyncio_client_uses_a_lane_too(pool, client):
+    import asyncio
+
+    from gepool import AsyncClient
+
+    x = np.random.default_rng(7).standard_normal((2, 16)).astype(np.float32)
+    before = _lanes(client)
+
+    async def run(lane: bool) -> int:
+        async with AsyncClient(pool.endpoint, lane=lane) as c:
+            outs = await asyncio.gather(*(c.infer("tiny", {"INPUT0": x + i}) for i in range(100)))
+            for i, out in enumerate(outs):
+                np.testing.assert_array_equal(out["OUTPUT0"], 2 * (x + i) + 1)
+            return (await c.status())["lanes"]
+
+    assert asyncio.run(run(True)) >= before + 1
+    before = _lanes(client)
+    assert asyncio.run(run(False)) <= before
