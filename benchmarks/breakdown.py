@@ -1,6 +1,6 @@
 """Where a tiny request's time goes at concurrency 1: seven segments from the client's send to its return.
 
-    python benchmarks/breakdown.py [--requests 3000] [--busy-poll-us 0]
+    python benchmarks/breakdown.py [--requests 3000] [--busy-poll-us 0] [--zmq]
 
 The client stamps each request's send and return; the front (this script runs it, wrapped, in place
 of ``python -m gepool.pool``) stamps when its handler sees the request and when the reply has gone
@@ -35,11 +35,11 @@ def _front(out_path: str, argv: list[str]) -> int:
     from gepool.scheduler import dispatch, front
 
     stamps: dict = {"in": [], "done": []}
-    on_client, complete = front.Front._on_client, dispatch.Dispatcher.complete
+    on_message, complete = front.Front._on_message, dispatch.Dispatcher.complete
 
-    def stamped_on_client(self, frames):
+    def stamped_on_message(self, identity, parts):  # from the ZMQ socket or a lane
         stamps["in"].append(time.monotonic())
-        return on_client(self, frames)
+        return on_message(self, identity, parts)
 
     def stamped_complete(self, model, w, index, seq):
         t0 = time.monotonic()
@@ -47,7 +47,7 @@ def _front(out_path: str, argv: list[str]) -> int:
         complete(self, model, w, index, seq)
         stamps["done"].append((*times, t0, time.monotonic()))
 
-    front.Front._on_client, dispatch.Dispatcher.complete = stamped_on_client, stamped_complete
+    front.Front._on_message, dispatch.Dispatcher.complete = stamped_on_message, stamped_complete
 
     def dump() -> None:
         with open(out_path, "w") as f:
@@ -63,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--busy-poll-us", type=int, default=0)
+    parser.add_argument("--zmq", action="store_true", help="the client talks ZMQ, not over a lane")
     args = parser.parse_args()
 
     import core
@@ -81,7 +82,7 @@ def main() -> None:
     x = np.ones((1, 16), np.float32)
     sent = []
     with gp.Pool(core.example_repo("gepool-breakdown-"), busy_poll_us=args.busy_poll_us) as pool:
-        client = pool.client()
+        client = pool.client(lane=not args.zmq)
         for _ in range(300):
             client.infer("tiny", {"INPUT0": x})
         for _ in range(args.requests):
@@ -97,7 +98,8 @@ def main() -> None:
         rows.append((t_in - t_send, t_filled - t_in, t_start - t_filled, t_end - t_start, t_done - t_end,
                      t_replied - t_done, t_back - t_replied))
     med = np.median(np.array(rows), axis=0) * 1e6
-    print(f"tiny c=1, {args.requests} requests, busy poll {args.busy_poll_us} us (medians)")
+    print(f"tiny c=1, {args.requests} requests, busy poll {args.busy_poll_us} us, "
+          f"{'ZMQ' if args.zmq else 'lane'} (medians)")
     for name, us in zip(SEGMENTS, med, strict=True):
         print(f"  {name:<38} {us:6.0f} us")
     total = np.median([b - s for s, b in sent]) * 1e6

@@ -1,9 +1,9 @@
 """Side by side in one run: the limit (onnxruntime in-process at its best batch), the transport floor
-(a bare pyzmq round trip), gepool through the library client (frames and shared memory) and over
-HTTP; the MLP under Poisson arrivals at 70% of its measured capacity, with the adaptive batch policy
-and with Triton's static one (p99 against the compute time of the batches served); then a 16 MiB
-tensor through the shared-memory carrier beside a plain in-process memcpy; last, the tiny model and
-the MLP again on a pool whose front busy-polls.
+(a bare pyzmq round trip), gepool through the library client (frames and shared memory, over a
+lane, and frames over ZMQ) and over HTTP; the MLP under Poisson arrivals at 70% of its measured
+capacity, with the adaptive batch policy and with Triton's static one (p99 against the compute time
+of the batches served); then a 16 MiB tensor through the shared-memory carrier beside a plain
+in-process memcpy; last, the tiny model and the MLP again on a pool whose front busy-polls.
 
     python benchmarks/compare.py [--seconds 4]
 
@@ -119,6 +119,9 @@ def main() -> None:
             rate = core.mlp_throughput(client, 16, args.seconds)
             capacity = max(capacity, rate)
             rows.append((f"gepool MLP c=16, {name}", f"{rate:.0f} rows/s", f"{rate / best_rate:.2f}x limit"))
+        with pool.client(lane=False) as over_zmq:
+            rows.append(versus_floor("gepool tiny c=1, frames, ZMQ instead of a lane",
+                                     np.median(core.tiny_latency(over_zmq, 2000)), floors))
         rows += poisson_rows(frames, capacity, args.seconds)
         http = http_bench.perf_analyzer("tiny", port, 1, args.seconds)
         if http:
