@@ -158,14 +158,12 @@ class AsyncClient:
     def _connect_lane(self) -> bool:
         if self._lane_path is None or time.monotonic() < self._lane_retry_at:
             return False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            _lane.tune(sock)
-            sock.connect(self._lane_path)  # never waits: a full backlog is EAGAIN, and ZMQ goes instead
+        try:  # blocks the loop for the front's ACCEPTED: a round trip, once per client
+            sock = _lane.Connection(self._lane_path).sock
         except OSError:
-            sock.close()
             self._lane_retry_at = time.monotonic() + LANE_RETRY_S
             return False
+        sock.setblocking(False)
         self._lane, self._lane_rx = sock, _lane.Receiver(readonly=True)
         asyncio.get_running_loop().add_reader(sock.fileno(), self._read_lane)
         return True

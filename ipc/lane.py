@@ -24,6 +24,10 @@ MORE = 1
 _LAST, _MORE = b"\x00", b"\x01"
 _COUNT = struct.Struct("<I")
 SUFFIX = ".lane"
+# The front's first message on a lane it keeps: a message of no parts. It refuses one by closing it
+# instead (at its lane cap), and the client then talks ZMQ.
+ACCEPTED = _LAST + _COUNT.pack(0)
+HANDSHAKE_TIMEOUT_S = 2.0
 
 
 class LaneError(ValueError):
@@ -151,17 +155,24 @@ def _split(body, sizes: tuple, readonly: bool) -> list[memoryview]:
 
 
 class Connection:
-    """A client thread's end of a lane: blocking sends and receives, with a deadline."""
+    """A client thread's end of a lane: blocking sends and receives, with a deadline. Connecting waits
+    for the front's ACCEPTED (OSError if it refuses or does not answer: the caller then uses ZMQ)."""
 
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.receiver = Receiver(readonly=True)
         try:
             tune(self.sock)
             self.sock.connect(path)
+            self.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self.receiver.recv(self.sock) != []:
+                raise ConnectionRefusedError("the pool did not accept the lane")
+        except (EOFError, LaneError, TimeoutError) as exc:
+            self.sock.close()
+            raise ConnectionRefusedError(f"the pool did not accept the lane: {exc}") from None
         except BaseException:
             self.sock.close()
             raise
-        self.receiver = Receiver(readonly=True)
 
     def send(self, parts: list, timeout: float | None) -> None:
         """TimeoutError if the pool stops reading; the lane is then unusable (half a message went)."""

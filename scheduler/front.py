@@ -33,6 +33,7 @@ DRAIN_TIMEOUT_S = 30.0
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
 TICK_S = 0.01  # housekeeping cadence while requests and completions keep the loop busy
 SERVER_NAME = "gepool"
+FD_SETSIZE = 1024  # select()'s limit on Linux
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Front:
     def run(self) -> int:
         """Serves until SIGINT/SIGTERM; returns the process exit code."""
         _refuse_live_pool(self.ctx, self.opts.endpoint)
+        _raise_fd_limit()
         self.clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint, curve_server=self._curve())
         # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
         self.opts.endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -175,6 +177,8 @@ class Front:
         """Housekeeping and every model's timers; True once a stop has drained."""
         self._watchdog(now)
         self.arenas.reap(now)
+        if self.lanes is not None:
+            self.lanes.resume(now)
         self._restart_due(now)
         if not self.stopping:
             self.control.poll(now)
@@ -228,10 +232,12 @@ class Front:
         """Events before ``at``, sleeping in select(), whose timeout has microseconds. zmq_poll counts whole
         milliseconds, so a deadline under a millisecond away (a max_queue_delay_microseconds of 200, say)
         used to fire up to a millisecond late. The ZMQ sockets' FDs only say "look"; poll(0) says what
-        is there."""
+        is there. select() cannot take a descriptor past FD_SETSIZE (a worker restarted while a
+        thousand lanes are open may get one): such a descriptor waits out the rest of the sub-ms wait."""
         fds = [self._clients_fd, self._workers_fd, self._wake_r, *self.by_sentinel, *self.by_bell]
         if self._lanes_fd >= 0:
             fds.append(self._lanes_fd)
+        fds = [fd for fd in fds if fd < FD_SETSIZE]
         while True:
             events = self.poller.poll(0)
             remaining = at - time.monotonic()
@@ -254,6 +260,8 @@ class Front:
             deadlines.append(self.control.poll_at)
         if len(self.arenas):
             deadlines.append(self.arenas.check_at)
+        if self.lanes is not None and self.lanes.resume_at is not None:
+            deadlines.append(self.lanes.resume_at)
         if self.drain_deadline is not None:
             deadlines.append(self.drain_deadline)
         if self.grace_until is not None:
@@ -533,6 +541,19 @@ def _runtime_dir() -> str:
     from gepool.ipc.sockets import default_endpoint
 
     return os.path.dirname(default_endpoint()[len("ipc://"):])
+
+
+def _raise_fd_limit() -> None:
+    """Every lane is a descriptor in the front: lift the soft limit (often 1024) to the hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _read_all(fd: int) -> bytes:

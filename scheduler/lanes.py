@@ -11,10 +11,12 @@ the framing loses its lane; one that closed it loses the replies still due, as w
 import collections
 import logging
 import os
+import resource
 import select
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +27,12 @@ log = logging.getLogger("gepool.lanes")
 MARK = 1  # first byte of a lane identity; ZMQ's own identities start with 0
 _ID = struct.Struct("<BQ")
 QUEUE_LIMIT = 1 << 30  # bytes of replies held for one lane before the front gives up on it
+ACCEPT_PAUSE_S = 1.0  # after accept() failed (out of descriptors): connections wait in the backlog
+# Descriptors kept for everything but lanes: past the soft limit less this, a new lane is refused
+# (closed at once; its client talks ZMQ, which costs the front no descriptor per client). libzmq
+# aborts the process when its ipc listener meets EMFILE, so the front must never get there.
+FD_RESERVE = 1024
+MIN_LANES = 64
 
 
 @dataclass(eq=False)
@@ -69,6 +77,7 @@ class Lanes:
         self.by_fd: dict[int, Lane] = {}
         self.by_identity: dict[bytes, Lane] = {}
         self._minted = 0
+        self.resume_at: float | None = None  # accepting paused until then
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -99,16 +108,37 @@ class Lanes:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors, say: the client falls back to ZMQ
-                log.warning("cannot accept a lane: %s", exc)
+            except OSError as exc:  # out of descriptors: stop asking (the listener would stay ready, and
+                # the loop spin) until the front's timer resumes it; the connection waits in the backlog
+                log.warning("cannot accept a lane, pausing for %.0f s: %s", ACCEPT_PAUSE_S, exc)
+                self.epoll.unregister(self.listener.fileno())
+                self.resume_at = time.monotonic() + ACCEPT_PAUSE_S
                 return
+            if len(self.by_fd) >= self.cap():
+                sock.close()  # refused: the client's handshake sees the close and it falls back to ZMQ
+                continue
             sock.setblocking(False)
             lane.tune(sock)
+            try:
+                sock.send(lane.ACCEPTED, socket.MSG_NOSIGNAL)
+            except OSError:
+                sock.close()
+                continue
             self._minted += 1
             conn = Lane(sock, _ID.pack(MARK, self._minted))
             self.by_fd[sock.fileno()] = conn
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), select.EPOLLIN)
+
+    @staticmethod
+    def cap() -> int:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return 1 << 20 if soft == resource.RLIM_INFINITY else max(MIN_LANES, soft - FD_RESERVE)
+
+    def resume(self, now: float) -> None:
+        if self.resume_at is not None and now >= self.resume_at:
+            self.resume_at = None
+            self.epoll.register(self.listener.fileno(), select.EPOLLIN)
 
     def _read(self, conn: Lane, budget: int) -> int:
         handled = 0

@@ -199,3 +199,108 @@ def test_the_asyncio_client_uses_a_lane_too(pool, client):
     assert asyncio.run(run(True)) >= before + 1
     before = _lanes(client)
     assert asyncio.run(run(False)) <= before
+
+
+def test_more_lanes_than_select_can_watch(pool, client):
+    """Over a thousand lanes: the front's descriptors pass FD_SETSIZE, and it still answers on each."""
+    import resource
+
+    want = 1100
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < want + 200:
+        pytest.skip(f"the hard descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want + 200), hard))
+    conns = []
+    try:
+        for _ in range(want):
+            conns.append(_raw(pool))
+        assert wait_until(lambda: client.status()["lanes"] >= want)
+        x = np.arange(16, dtype=np.float32)[None]
+        for conn in (conns[0], conns[-1]):
+            out = _wire.encode_infer("tiny", {"INPUT0": x}, None, None, None, None, 0)
+            conn.send(out.frames, 10)
+            msg, frames = _wire.decode(conn.recv(None))
+            np.testing.assert_array_equal(_wire.result(msg, frames, None)["OUTPUT0"], 2 * x + 1)
+    finally:
+        for conn in conns:
+            conn.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert wait_until(lambda: client.status()["lanes"] < want)
+
+
+def test_out_of_descriptors_the_front_pauses_accepting_and_catches_up(pool, client):
+    """With the front at its descriptor limit, new lanes wait in the backlog: the front neither spins
+    on a listener it cannot accept from nor drops their requests; once descriptors are free again,
+    every one is answered. (No ZMQ client may connect meanwhile: libzmq aborts a process whose ipc
+    listener meets EMFILE, which is why the front caps its lanes well below the limit.)"""
+    import resource
+    import time
+
+    front = pool.process.pid
+    soft, hard = resource.prlimit(front, resource.RLIMIT_NOFILE)
+    x = np.arange(16, dtype=np.float32)[None]
+    socks, accepted = [], []
+    path = lane.path_for(pool.endpoint[len("ipc://"):])
+    try:
+        resource.prlimit(front, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{front}/fd")) + 4, hard))
+        for _ in range(30):  # raw sockets: a lane.Connection would wait for the front's ACCEPTED
+            socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            socks[-1].connect(path)
+            out = _wire.encode_infer("tiny", {"INPUT0": x}, None, None, None, None, 0)
+            for record in lane.records(out.frames):
+                socks[-1].sendmsg(record)
+        cpu = _cpu_s(front)
+        time.sleep(2.0)
+        assert _cpu_s(front) - cpu < 0.5, "the front spun on a listener it could not accept from"
+    finally:
+        resource.prlimit(front, resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        for sock in socks:
+            sock.settimeout(30)
+            rx = lane.Receiver()
+            while (first := rx.recv(sock)) is None:
+                pass
+            assert first == []  # ACCEPTED
+            while (parts := rx.recv(sock)) is None:
+                pass
+            msg, frames = _wire.decode(parts)
+            np.testing.assert_array_equal(_wire.result(msg, frames, None)["OUTPUT0"], 2 * x + 1)
+            accepted.append(sock)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert len(accepted) == 30
+
+
+def test_past_its_lane_cap_the_front_refuses_and_clients_fall_back_to_zmq(pool, client):
+    import resource
+
+    from gepool.scheduler import lanes
+
+    front = pool.process.pid
+    soft, hard = resource.prlimit(front, resource.RLIMIT_NOFILE)
+    open_now = _lanes(client)
+    x = np.arange(16, dtype=np.float32)[None]
+    conns = []
+    try:
+        resource.prlimit(front, resource.RLIMIT_NOFILE, (lanes.FD_RESERVE + lanes.MIN_LANES, hard))
+        for _ in range(lanes.MIN_LANES - open_now):
+            conns.append(_raw(pool))
+        with pytest.raises(ConnectionRefusedError):
+            _raw(pool)
+        with Client(pool.endpoint) as c:  # its lane is refused: ZMQ serves it
+            np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+            assert c.status()["lanes"] == lanes.MIN_LANES
+    finally:
+        resource.prlimit(front, resource.RLIMIT_NOFILE, (soft, hard))
+        for conn in conns:
+            conn.close()
+
+
+def _cpu_s(pid: int) -> float:
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
