@@ -136,8 +136,12 @@ class AsyncClient:
     async def _send_lane(self, frames: list, req_id: int) -> bool:
         """False: no lane, or it died before the pool read this request (then ZMQ carries it).
         A lock keeps one message's records together; a record that finds the socket full waits."""
-        if self._lane is None and not self._connect_lane():
-            return False
+        if self._lane is None:
+            if self._lane_path is None or time.monotonic() < self._lane_retry_at:
+                return False
+            async with self._lane_lock:  # one connection attempt at a time
+                if self._lane is None and time.monotonic() >= self._lane_retry_at:
+                    await self._connect_lane()
         loop = asyncio.get_running_loop()
         async with self._lane_lock:
             sock = self._lane
@@ -155,18 +159,23 @@ class AsyncClient:
             self._on_lane.add(req_id)
             return True
 
-    def _connect_lane(self) -> bool:
-        if self._lane_path is None or time.monotonic() < self._lane_retry_at:
-            return False
-        try:  # blocks the loop for the front's ACCEPTED: a round trip, once per client
-            sock = _lane.Connection(self._lane_path).sock
-        except OSError:
+    async def _connect_lane(self) -> None:
+        """Waits for the front's ACCEPTED without blocking the loop (the front may be busy, or be the
+        one that started this process and waits on it); until then, and if refused, ZMQ serves."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            _lane.tune(sock)
+            sock.connect(self._lane_path)  # never waits: a full backlog is EAGAIN
+            first = await asyncio.wait_for(loop.sock_recv(sock, _lane.RECORD_MAX), _lane.HANDSHAKE_TIMEOUT_S)
+            if first != _lane.ACCEPTED:
+                raise ConnectionRefusedError("the pool did not accept the lane")
+        except OSError:  # TimeoutError included
+            sock.close()
             self._lane_retry_at = time.monotonic() + LANE_RETRY_S
-            return False
-        sock.setblocking(False)
+            return
         self._lane, self._lane_rx = sock, _lane.Receiver(readonly=True)
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._read_lane)
-        return True
+        loop.add_reader(sock.fileno(), self._read_lane)
 
     def _read_lane(self) -> None:
         while self._lane is not None:

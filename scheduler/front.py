@@ -372,6 +372,7 @@ class Front:
         return {"pool_id": self.opts.owner_id, "endpoint": self.opts.endpoint,
                 "stopping": self.stopping or self.grace_until is not None,
                 "arenas": len(self.arenas), "lanes": len(self.lanes) if self.lanes is not None else 0,
+                "lane_pids": self.lanes.pids() if self.lanes is not None else [],
                 "pid": os.getpid(),
                 "model_control_mode": self.opts.model_control_mode,
                 "models": {name: g.summary() for name, g in self.control.groups.items()}}

@@ -26,6 +26,7 @@ log = logging.getLogger("gepool.lanes")
 
 MARK = 1  # first byte of a lane identity; ZMQ's own identities start with 0
 _ID = struct.Struct("<BQ")
+_UCRED = struct.Struct("3i")  # pid, uid, gid
 QUEUE_LIMIT = 1 << 30  # bytes of replies held for one lane before the front gives up on it
 ACCEPT_PAUSE_S = 1.0  # after accept() failed (out of descriptors): connections wait in the backlog
 # Descriptors kept for everything but lanes: past the soft limit less this, a new lane is refused
@@ -39,6 +40,7 @@ MIN_LANES = 64
 class Lane:
     sock: socket.socket
     identity: bytes
+    pid: int  # the client process, from the kernel (SO_PEERCRED)
     receiver: lane.Receiver = field(default_factory=lane.Receiver)
     queue: collections.deque = field(default_factory=collections.deque)
     queued: int = 0
@@ -85,6 +87,10 @@ class Lanes:
     def __len__(self) -> int:
         return len(self.by_fd)
 
+    def pids(self) -> list[int]:
+        """The processes on the other end of the lanes (what status() reports)."""
+        return sorted({conn.pid for conn in self.by_fd.values()})
+
     def pump(self, budget: int) -> None:
         """Accepts, reads and flushes what is ready, handling at most ``budget`` messages; what is left
         keeps the epoll readable, so the front's next poll comes straight back."""
@@ -125,7 +131,8 @@ class Lanes:
                 sock.close()
                 continue
             self._minted += 1
-            conn = Lane(sock, _ID.pack(MARK, self._minted))
+            pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
+            conn = Lane(sock, _ID.pack(MARK, self._minted), pid)
             self.by_fd[sock.fileno()] = conn
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), select.EPOLLIN)

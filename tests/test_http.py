@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from gepool import Pool
+from gepool import Client, Pool
 from tests import repo as test_repo
 from tests.conftest import free_port
 
@@ -263,3 +263,15 @@ def test_bench_over_http(http_pool):
         assert lv["server"]["requests"] == lv["ok"]  # from /v2/models/tiny/stats, before and after
         assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert 25 <= report["levels"][1]["sent"] <= 80
+
+
+def test_the_sidecar_reaches_the_front_over_a_lane(http_pool, triton):
+    """The sidecar is an AsyncClient on the pool's ipc endpoint: it must hold a lane, not talk ZMQ."""
+    from tests.conftest import _descendants
+
+    assert triton.is_model_ready("tiny")
+    sidecar = [pid for pid in _descendants(http_pool.process.pid)
+               if b"gepool.http.server" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(sidecar) == 1
+    with Client(http_pool.endpoint, lane=False) as c:
+        assert sidecar[0] in c.status()["lane_pids"]
