@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 
 import numpy as np
 import zmq
@@ -50,7 +51,9 @@ class Client:
         path = ipc_path(self.endpoint)
         self._lane_path = _lane.path_for(path) if lane and path and self._curve is None else None
         self._lane_retry_at = 0.0
-        self._lanes: list[_lane.Connection] = []
+        # a thread's lane lives in its thread-local: when the thread ends the lane closes, and the
+        # front's descriptor with it (a client shared by short-lived threads would pile them up)
+        self._lanes: weakref.WeakSet[_lane.Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._io: _IoThread | None = None
         self._meta: dict[str, dict] = {}
@@ -197,15 +200,14 @@ class Client:
             self._lane_retry_at = time.monotonic() + LANE_RETRY_S
             return None
         with self._lock:
-            self._lanes.append(conn)
+            self._lanes.add(conn)
         self._local.lane = conn
         return conn
 
     def _drop_lane(self, conn: _lane.Connection) -> None:
         self._local.lane = None
         with self._lock:
-            if conn in self._lanes:
-                self._lanes.remove(conn)
+            self._lanes.discard(conn)
         conn.close()
 
     def _exchange_lane(self, conn: _lane.Connection, frames: list, req_id: int, timeout: float | None, what: str):
@@ -277,7 +279,7 @@ class Client:
             for sock in self._sockets:
                 sock.close(0)
             self._sockets.clear()
-            for conn in self._lanes:
+            for conn in list(self._lanes):
                 conn.close()
             self._lanes.clear()
         self._ctx.term()

@@ -196,3 +196,8 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def __del__(self) -> None:  # a thread that ended took its lane with it: close, without a warning
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            sock.close()
