@@ -60,6 +60,13 @@ def raw(pool):
     ctx.term()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a whole process (every thread), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A loopback port nobody listens on right now (a small race with other processes is accepted)."""
     with socket.socket() as s:

@@ -9,7 +9,7 @@ import pytest
 
 from gepool import Client, _wire, errors
 from gepool.ipc import lane, protocol
-from tests.conftest import wait_until
+from tests.conftest import cpu_seconds, wait_until
 
 
 def _pair():
@@ -249,9 +249,9 @@ def test_out_of_descriptors_the_front_pauses_accepting_and_catches_up(pool, clie
             out = _wire.encode_infer("tiny", {"INPUT0": x}, None, None, None, None, 0)
             for record in lane.records(out.frames):
                 socks[-1].sendmsg(record)
-        cpu = _cpu_s(front)
+        cpu = cpu_seconds(front)
         time.sleep(2.0)
-        assert _cpu_s(front) - cpu < 0.5, "the front spun on a listener it could not accept from"
+        assert cpu_seconds(front) - cpu < 0.5, "the front spun on a listener it could not accept from"
     finally:
         resource.prlimit(front, resource.RLIMIT_NOFILE, (soft, hard))
     try:
@@ -296,31 +296,3 @@ def test_past_its_lane_cap_the_front_refuses_and_clients_fall_back_to_zmq(pool, 
         for conn in conns:
             conn.close()
 
-
-def _cpu_s(pid: int) -> float:
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def test_a_thread_that_ends_takes_its_lane_with_it(pool, client):
-    """Each thread gets its own lane; one that ends must not leave it (and a descriptor in the front)."""
-    x = np.zeros((1, 16), np.float32)
-    with Client(pool.endpoint) as c:
-        base = _lanes(client)
-        seen = []
-
-        def work() -> None:
-            c.infer("tiny", {"INPUT0": x})
-            seen.append(c.status()["lanes"])
-
-        for _ in range(3):
-            t = threading.Thread(target=work)
-            t.start()
-            t.join()
-        assert seen and all(n >= base + 1 for n in seen), seen
-        assert wait_until(lambda: client.status()["lanes"] <= base)
-        assert c.infer("tiny", {"INPUT0": x})["OUTPUT0"][0, 0] == 1.0

@@ -9,7 +9,7 @@ import pytest
 
 from gepool import Client, Pool, errors
 from tests import repo as test_repo
-from tests.conftest import _descendants, running, wait_until
+from tests.conftest import _descendants, cpu_seconds, running, wait_until
 
 
 @pytest.fixture
@@ -105,12 +105,6 @@ def test_sigterm_grace_reports_not_ready_but_keeps_serving(small_repo):
         pool.stop()
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_busy_polling_front_serves_and_sleeps_when_idle(small_repo):
     """Busy polling spends CPU only right after events: the answers are the same (sequential requests
     also wake their worker early with a PREPARE record), and an idle front and worker go back to sleep
@@ -124,10 +118,10 @@ def test_busy_polling_front_serves_and_sleeps_when_idle(small_repo):
         futures = [c.infer_async("tiny", {"INPUT0": np.full((1, 16), i, np.float32)}) for i in range(50)]
         assert [f.result(30)["OUTPUT0"][0, 0] for f in futures] == [2 * i + 1 for i in range(50)]
         pids = {"front": pool.process.pid, "worker": c.status()["models"]["tiny"]["worker_pids"][0]}
-        before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         time.sleep(2.0)
         for name, pid in pids.items():  # the worker polls a little after each PREPARE, then sleeps too
-            idle_cpu = _cpu_s(pid) - before[name]
+            idle_cpu = cpu_seconds(pid) - before[name]
             assert idle_cpu < 0.5, f"the {name} used {idle_cpu:.2f}s of CPU in 2s of idleness"
 
 
