@@ -296,3 +296,23 @@ def test_past_its_lane_cap_the_front_refuses_and_clients_fall_back_to_zmq(pool, 
         for conn in conns:
             conn.close()
 
+
+
+def test_a_thread_that_ends_takes_its_lane_with_it(pool, client):
+    """Each thread gets its own lane; one that ends must not leave it (and a descriptor in the front)."""
+    x = np.zeros((1, 16), np.float32)
+    with Client(pool.endpoint) as c:
+        base = _lanes(client)
+        seen = []
+
+        def work() -> None:
+            c.infer("tiny", {"INPUT0": x})
+            seen.append(c.status()["lanes"])
+
+        for _ in range(3):
+            t = threading.Thread(target=work)
+            t.start()
+            t.join()
+        assert seen and all(n >= base + 1 for n in seen), seen
+        assert wait_until(lambda: client.status()["lanes"] <= base)
+        assert c.infer("tiny", {"INPUT0": x})["OUTPUT0"][0, 0] == 1.0
