@@ -148,7 +148,11 @@ class AsyncClient:
             if sock is None:
                 return False
             try:
-                for record in _lane.records(frames):
+                records = _lane.records(frames)
+            except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
+                return False
+            try:
+                for record in records:
                     try:
                         sock.sendmsg(record)
                     except BlockingIOError:

@@ -221,6 +221,8 @@ class Client:
             except OSError:  # the pool behind this lane is gone and never saw the request: over ZMQ
                 self._drop_lane(conn)
                 return self._exchange(frames, req_id, timeout, what, lane=False)
+            except _lane.LaneError:  # more parts than a lane frames: nothing went, ZMQ takes it
+                return self._exchange(frames, req_id, timeout, what, lane=False)
             while True:  # a receive that times out keeps its place: the lane stays usable
                 msg, rest = _wire.decode(conn.recv(deadline))
                 if getattr(msg, "req_id", None) == req_id:
@@ -343,6 +345,8 @@ class _IoThread(threading.Thread):
                             continue
                         except OSError as exc:  # the pool behind it is gone and never saw this one
                             self._lose_lane(poller, exc)
+                            self.pending[out.req_id] = (out, fut, deadline, client, False)
+                        except _lane.LaneError:  # more parts than a lane frames: nothing went
                             self.pending[out.req_id] = (out, fut, deadline, client, False)
                     zmqio.send_parts(sock, out.frames)
                 if sock in events:

@@ -17,7 +17,7 @@ import time
 
 RECORD_MAX = 64 * 1024  # fits the default socket buffer (212992 bytes) on any Linux host
 SOCKET_BUFFER = 1 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
-MAX_PARTS = 1024
+MAX_PARTS = (RECORD_MAX - 1 - 4) // 8  # 8191: the header must fit in the first record
 MAX_BUFFERS = 512  # per sendmsg, well under IOV_MAX (1024); a record with more parts is joined first
 MAX_MESSAGE_BYTES = 1 << 34
 MORE = 1

@@ -54,6 +54,11 @@ def test_framing_round_trips_every_shape_of_message():
         b.close()
 
 
+def test_a_message_a_lane_cannot_frame_is_refused_before_anything_is_sent():
+    with pytest.raises(lane.LaneError):
+        lane.records([b""] * (lane.MAX_PARTS + 1))
+
+
 @pytest.mark.parametrize("record", [
     b"\x00\x01",  # too short for a header
     b"\x00" + (5).to_bytes(4, "little"),  # five parts, no lengths
