@@ -151,15 +151,21 @@ class AsyncClient:
                 records = _lane.records(frames)
             except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
                 return False
+            sent = 0
             try:
                 for record in records:
                     try:
                         sock.sendmsg(record)
                     except BlockingIOError:
                         await loop.sock_sendall(sock, b"".join(record))
+                    sent += 1
             except OSError as exc:
                 self._lose_lane(exc)
                 return False
+            except asyncio.CancelledError:  # mid-message, the rest would never follow: close the lane
+                if sent:
+                    self._lose_lane(ConnectionAbortedError("a send was cancelled mid-message"))
+                raise
             self._on_lane.add(req_id)
             return True
 

@@ -175,10 +175,19 @@ class Connection:
             raise
 
     def send(self, parts: list, timeout: float | None) -> None:
-        """TimeoutError if the pool stops reading; the lane is then unusable (half a message went)."""
+        """TimeoutError if the pool stops reading. Whatever stops a send after its first record (a
+        timeout, KeyboardInterrupt) closes the lane: the rest of the message would never follow, and
+        the next message's records would be read as this one's."""
         self.sock.settimeout(timeout)
-        for record in records(parts):
-            self.sock.sendmsg(record)
+        sent = 0
+        try:
+            for record in records(parts):
+                self.sock.sendmsg(record)
+                sent += 1
+        except BaseException:
+            if sent:
+                self.sock.close()
+            raise
 
     def recv(self, deadline: float | None) -> list[memoryview]:
         """One whole message; TimeoutError at ``deadline`` (time.monotonic), EOFError if the pool closed."""

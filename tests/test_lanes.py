@@ -76,6 +76,35 @@ def test_broken_framing_is_an_error_not_a_message(record):
         b.close()
 
 
+def test_a_send_cut_short_closes_the_lane(tmp_path):
+    """The pool stops reading mid-message: the client's send times out and the lane is closed, so
+    that no later message can be read as the rest of this one."""
+    path = str(tmp_path / "x.lane")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    accepted = []
+
+    def front() -> None:  # accepts and says ACCEPTED, then never reads
+        sock, _ = listener.accept()
+        sock.send(lane.ACCEPTED)
+        accepted.append(sock)
+
+    t = threading.Thread(target=front)
+    t.start()
+    conn = lane.Connection(path)
+    t.join()
+    try:
+        with pytest.raises(TimeoutError):
+            conn.send([b"header", np.zeros(4 << 20, np.uint8)], 0.5)  # far more than the socket holds
+        assert conn.sock.fileno() == -1
+    finally:
+        conn.close()
+        for sock in accepted:
+            sock.close()
+        listener.close()
+
+
 def _lanes(client) -> int:
     """Lanes open at the front, once every lane closed before this call is gone: a lane closed earlier is
     ready in the front's epoll by the time our first query arrives, so the pass that reads that
