@@ -3,14 +3,13 @@
 import asyncio
 import os
 import socket
-import time
 
 import zmq
 import zmq.asyncio
 
 from gepool import _wire, errors
 from gepool.arena import ClientArena
-from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S, LANE_RETRY_S
+from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S
 from gepool.ipc import lane as _lane
 from gepool.ipc import protocol
 from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket
@@ -31,12 +30,10 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         curve = _wire.curve_client(curve_server_key, curve_client_key)
         self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint, curve_client=curve)
-        path = ipc_path(self.endpoint)
-        self._lane_path = _lane.path_for(path) if lane and path and curve is None else None
+        self._dialer = _lane.Dialer(ipc_path(self.endpoint), lane and curve is None)
         self._lane: socket.socket | None = None
         self._lane_rx: _lane.Receiver | None = None
         self._lane_lock = asyncio.Lock()
-        self._lane_retry_at = 0.0
         self._on_lane: set[int] = set()  # pending requests sent over the lane
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -137,10 +134,10 @@ class AsyncClient:
         """False: no lane, or it died before the pool read this request (then ZMQ carries it).
         A lock keeps one message's records together; a record that finds the socket full waits."""
         if self._lane is None:
-            if self._lane_path is None or time.monotonic() < self._lane_retry_at:
+            if not self._dialer.due():
                 return False
             async with self._lane_lock:  # one connection attempt at a time
-                if self._lane is None and time.monotonic() >= self._lane_retry_at:
+                if self._lane is None and self._dialer.due():
                     await self._connect_lane()
         loop = asyncio.get_running_loop()
         async with self._lane_lock:
@@ -176,13 +173,13 @@ class AsyncClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         try:
             _lane.tune(sock)
-            sock.connect(self._lane_path)  # never waits: a full backlog is EAGAIN
+            sock.connect(self._dialer.path)  # never waits: a full backlog is EAGAIN
             first = await asyncio.wait_for(loop.sock_recv(sock, _lane.RECORD_MAX), _lane.HANDSHAKE_TIMEOUT_S)
             if first != _lane.ACCEPTED:
                 raise ConnectionRefusedError("the pool did not accept the lane")
         except OSError:  # TimeoutError included
             sock.close()
-            self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+            self._dialer.failed()
             return
         self._lane, self._lane_rx = sock, _lane.Receiver(readonly=True)
         loop.add_reader(sock.fileno(), self._read_lane)
@@ -201,9 +198,10 @@ class AsyncClient:
 
     def _lose_lane(self, exc: BaseException) -> None:
         """What went over the lane will hear nothing more: it fails now, not at its timeout."""
-        sock, self._lane, self._lane_retry_at = self._lane, None, time.monotonic() + LANE_RETRY_S
+        sock, self._lane = self._lane, None
         if sock is None:
             return
+        self._dialer.failed()
         asyncio.get_running_loop().remove_reader(sock.fileno())
         sock.close()
         for req_id in self._on_lane:

@@ -20,7 +20,6 @@ from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket
 DEFAULT_TIMEOUT_S = 120.0  # never wait forever on a pool that vanished
 CONNECT_TIMEOUT_S = 10.0
 DEFAULT_ARENA_BYTES = 64 << 20
-LANE_RETRY_S = 1.0  # after a lane could not connect, ZMQ alone this long
 
 
 class Client:
@@ -48,9 +47,7 @@ class Client:
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
-        path = ipc_path(self.endpoint)
-        self._lane_path = _lane.path_for(path) if lane and path and self._curve is None else None
-        self._lane_retry_at = 0.0
+        self._dialer = _lane.Dialer(ipc_path(self.endpoint), lane and self._curve is None)
         # a thread's lane lives in its thread-local: when the thread ends the lane closes, and the
         # front's descriptor with it (a client shared by short-lived threads would pile them up)
         self._lanes: weakref.WeakSet[_lane.Connection] = weakref.WeakSet()
@@ -192,12 +189,10 @@ class Client:
 
     def _lane_conn(self) -> _lane.Connection | None:
         conn = getattr(self._local, "lane", None)
-        if conn is not None or self._lane_path is None or time.monotonic() < self._lane_retry_at:
+        if conn is not None:
             return conn
-        try:
-            conn = _lane.Connection(self._lane_path)
-        except OSError:  # no pool there yet, or one without lanes: ZMQ, which also waits for a pool
-            self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+        conn = self._dialer.connect()
+        if conn is None:  # no pool there yet, or one without lanes: ZMQ, which also waits for a pool
             return None
         with self._lock:
             self._lanes.add(conn)
@@ -259,7 +254,7 @@ class Client:
     def _io_thread(self) -> "_IoThread":
         with self._lock:
             if self._io is None:
-                self._io = _IoThread(self._ctx, self.endpoint, self._curve, self._lane_path)
+                self._io = _IoThread(self._ctx, self.endpoint, self._curve, self._dialer)
                 self._io.start()
             return self._io
 
@@ -298,16 +293,16 @@ class _IoThread(threading.Thread):
     it encoded requests through a deque and a wake-up pipe."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, curve: tuple | None = None,
-                 lane_path: str | None = None) -> None:
+                 dialer: _lane.Dialer | None = None) -> None:
         super().__init__(name="gepool-client-io", daemon=True)
-        self.ctx, self.endpoint, self.curve, self.lane_path = ctx, endpoint, curve, lane_path
+        self.ctx, self.endpoint, self.curve = ctx, endpoint, curve
+        self.dialer = dialer or _lane.Dialer(None)
         self.outbox: collections.deque = collections.deque()
         self.pending: dict[int, tuple] = {}  # req_id -> (out, fut, deadline, client, sent over the lane)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stopping = False
         self.clients: set = set()  # clients with orphaned requests
         self.lane: _lane.Connection | None = None
-        self.lane_retry_at = 0.0
 
     def submit(self, out: _wire.Outgoing, fut, timeout: float | None, client: Client) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -363,20 +358,16 @@ class _IoThread(threading.Thread):
                 self.lane.close()
 
     def _connect_lane(self, poller: zmq.Poller) -> None:
-        if self.lane_path is None or time.monotonic() < self.lane_retry_at:
-            return
-        try:
-            self.lane = _lane.Connection(self.lane_path)
-        except OSError:
-            self.lane_retry_at = time.monotonic() + LANE_RETRY_S
-            return
-        poller.register(self.lane.sock.fileno(), zmq.POLLIN)
+        self.lane = self.dialer.connect()
+        if self.lane is not None:
+            poller.register(self.lane.sock.fileno(), zmq.POLLIN)
 
     def _lose_lane(self, poller: zmq.Poller, exc: BaseException) -> None:
         """Requests that went over the lane will hear nothing more: they fail now, not at their deadline."""
         poller.unregister(self.lane.sock.fileno())
         self.lane.close()
-        self.lane, self.lane_retry_at = None, time.monotonic() + LANE_RETRY_S
+        self.lane = None
+        self.dialer.failed()
         for req_id, (out, fut, _, client, via_lane) in list(self.pending.items()):
             if via_lane:
                 del self.pending[req_id]

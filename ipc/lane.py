@@ -28,6 +28,7 @@ SUFFIX = ".lane"
 # instead (at its lane cap), and the client then talks ZMQ.
 ACCEPTED = _LAST + _COUNT.pack(0)
 HANDSHAKE_TIMEOUT_S = 2.0
+RETRY_S = 1.0  # after a lane could not connect (or died), a client talks ZMQ alone this long
 
 
 class LaneError(ValueError):
@@ -36,6 +37,30 @@ class LaneError(ValueError):
 
 def path_for(ipc_path: str) -> str:
     return ipc_path + SUFFIX
+
+
+class Dialer:
+    """Where a client's lanes connect (None: it has none, e.g. tcp or CURVE), and when it may try
+    again after one failed to connect or died; the client talks ZMQ meanwhile."""
+
+    def __init__(self, ipc_path: str | None, wanted: bool = True) -> None:
+        self.path = path_for(ipc_path) if wanted and ipc_path else None
+        self.retry_at = 0.0
+
+    def due(self) -> bool:
+        return self.path is not None and time.monotonic() >= self.retry_at
+
+    def failed(self) -> None:
+        self.retry_at = time.monotonic() + RETRY_S
+
+    def connect(self) -> "Connection | None":
+        if not self.due():
+            return None
+        try:
+            return Connection(self.path)
+        except OSError:  # no pool there yet, one without lanes, or a refusal
+            self.failed()
+            return None
 
 
 def tune(sock: socket.socket) -> None:
@@ -83,10 +108,11 @@ def _joined(record: list) -> list:
 
 class Receiver:
     """One connection's incoming message, a record at a time. A single-record message is copied out of
-    a scratch buffer; a longer one is received straight into its own buffer."""
+    a scratch buffer; a longer one is received straight into its own buffer. Receivers used by one
+    thread may share a scratch buffer (the front's do: 64 KiB per lane adds up)."""
 
-    def __init__(self, readonly: bool = False) -> None:
-        self.scratch = bytearray(RECORD_MAX)
+    def __init__(self, readonly: bool = False, scratch: bytearray | None = None) -> None:
+        self.scratch = bytearray(RECORD_MAX) if scratch is None else scratch
         self.flag = bytearray(1)
         self.readonly = readonly
         self.body: bytearray | None = None

@@ -41,7 +41,7 @@ class Lane:
     sock: socket.socket
     identity: bytes
     pid: int  # the client process, from the kernel (SO_PEERCRED)
-    receiver: lane.Receiver = field(default_factory=lane.Receiver)
+    receiver: lane.Receiver
     queue: collections.deque = field(default_factory=collections.deque)
     queued: int = 0
 
@@ -53,10 +53,6 @@ class Part:
 
     def __init__(self, buffer: memoryview) -> None:
         self.buffer = buffer
-
-    @property
-    def bytes(self) -> bytes:
-        return bytes(self.buffer)
 
 
 class Lanes:
@@ -80,6 +76,7 @@ class Lanes:
         self.by_identity: dict[bytes, Lane] = {}
         self._minted = 0
         self.resume_at: float | None = None  # accepting paused until then
+        self._scratch = bytearray(lane.RECORD_MAX)  # every lane's: one thread reads them, one record at a time
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -132,7 +129,7 @@ class Lanes:
                 continue
             self._minted += 1
             pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
-            conn = Lane(sock, _ID.pack(MARK, self._minted), pid)
+            conn = Lane(sock, _ID.pack(MARK, self._minted), pid, lane.Receiver(scratch=self._scratch))
             self.by_fd[sock.fileno()] = conn
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), select.EPOLLIN)
