@@ -307,7 +307,8 @@ class _IoThread(threading.Thread):
     def submit(self, out: _wire.Outgoing, fut, timeout: float | None, client: Client) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.outbox.append((out, fut, deadline, client))
-        os.write(self.wake_w, b"x")
+        if threading.get_ident() != self.ident:  # a future's callback runs here: the loop sends it
+            os.write(self.wake_w, b"x")
 
     def stop(self) -> None:
         self.stopping = True
@@ -323,31 +324,17 @@ class _IoThread(threading.Thread):
         poller.register(self.wake_r, zmq.POLLIN)
         try:
             while not self.stopping:
-                events = dict(poller.poll(self._wait_ms()))
+                events = dict(poller.poll(0 if self.outbox else self._wait_ms()))
                 if self.wake_r in events:
                     try:
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
                         pass
-                if self.outbox and self.lane is None:
-                    self._connect_lane(poller)
-                while self.outbox:
-                    out, fut, deadline, client = self.outbox.popleft()
-                    self.pending[out.req_id] = (out, fut, deadline, client, self.lane is not None)
-                    if self.lane is not None:
-                        try:
-                            self.lane.send(out.frames, None)
-                            continue
-                        except OSError as exc:  # the pool behind it is gone and never saw this one
-                            self._lose_lane(poller, exc)
-                            self.pending[out.req_id] = (out, fut, deadline, client, False)
-                        except _lane.LaneError:  # more parts than a lane frames: nothing went
-                            self.pending[out.req_id] = (out, fut, deadline, client, False)
-                    zmqio.send_parts(sock, out.frames)
+                self._flush(sock, poller)
                 if sock in events:
-                    self._receive(sock)
+                    self._receive(sock, poller)
                 if self.lane is not None and self.lane.sock.fileno() in events:
-                    self._receive_lane(poller)
+                    self._receive_lane(sock, poller)
                 self._expire()
         finally:
             for out, fut, _, client, _ in list(self.pending.values()):
@@ -356,6 +343,23 @@ class _IoThread(threading.Thread):
             sock.close(0)
             if self.lane is not None:
                 self.lane.close()
+
+    def _flush(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        if self.outbox and self.lane is None:
+            self._connect_lane(poller)
+        while self.outbox:
+            out, fut, deadline, client = self.outbox.popleft()
+            self.pending[out.req_id] = (out, fut, deadline, client, self.lane is not None)
+            if self.lane is not None:
+                try:
+                    self.lane.send(out.frames, None)
+                    continue
+                except OSError as exc:  # the pool behind it is gone and never saw this one
+                    self._lose_lane(poller, exc)
+                    self.pending[out.req_id] = (out, fut, deadline, client, False)
+                except _lane.LaneError:  # more parts than a lane frames: nothing went
+                    self.pending[out.req_id] = (out, fut, deadline, client, False)
+            zmqio.send_parts(sock, out.frames)
 
     def _connect_lane(self, poller: zmq.Poller) -> None:
         self.lane = self.dialer.connect()
@@ -375,8 +379,10 @@ class _IoThread(threading.Thread):
                 fut.set_exception(errors.PoolUnavailable(
                     f"the pool at {self.endpoint} closed the connection (request {req_id}): {exc}"))
 
-    def _receive_lane(self, poller: zmq.Poller) -> None:
-        while True:
+    # Each reply's callbacks may send the next requests (a closed loop): they go out before the next
+    # reply is read, so the front gets the first of them while it is still sending the rest.
+    def _receive_lane(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        while self.lane is not None:
             try:
                 parts = self.lane.receiver.recv(self.lane.sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -386,14 +392,16 @@ class _IoThread(threading.Thread):
                 return
             if parts is not None:
                 self._deliver(parts)
+                self._flush(sock, poller)
 
-    def _receive(self, sock: zmq.Socket) -> None:
+    def _receive(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
         while True:
             try:
                 frames = zmqio.recv_parts(sock, zmqio.NOBLOCK)
             except zmq.Again:
                 return
             self._deliver(frames)
+            self._flush(sock, poller)
 
     def _deliver(self, frames: list) -> None:
         msg, rest = _wire.decode(frames)

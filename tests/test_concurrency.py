@@ -52,3 +52,41 @@ def test_one_client_shared_by_many_threads(client):
 
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         list(ex.map(work, range(8)))
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "zmq"])
+def test_closed_loops_driven_from_future_callbacks(pool, lane):
+    """Each answer's callback (run on the client's I/O thread) sends the next request: the I/O thread
+    sends those itself, between replies, and every chain runs to its end with its own answers."""
+    import threading
+
+    chains, steps = 8, 40
+    finished = threading.Event()
+    seen: dict[int, list] = {c: [] for c in range(chains)}
+    errors_seen: list = []
+    lock = threading.Lock()
+
+    with pool.client(lane=lane) as client:
+        def send(chain: int, step: int) -> None:
+            x = np.full((1, 16), chain * 1000 + step, np.float32)
+            client.infer_async("tiny", {"INPUT0": x}).add_done_callback(
+                lambda fut: on_done(chain, step, fut))
+
+        def on_done(chain: int, step: int, fut) -> None:
+            try:
+                seen[chain].append(float(fut.result()["OUTPUT0"][0, 0]))
+            except Exception as exc:  # an error must fail the test, not vanish in the I/O thread
+                errors_seen.append(exc)
+                finished.set()
+                return
+            if step + 1 < steps:
+                send(chain, step + 1)
+            with lock:
+                if all(len(v) == steps for v in seen.values()):
+                    finished.set()
+
+        for chain in range(chains):
+            send(chain, 0)
+        assert finished.wait(120), {c: len(v) for c, v in seen.items()}
+    assert not errors_seen
+    assert seen == {c: [2 * (c * 1000 + s) + 1 for s in range(steps)] for c in range(chains)}
