@@ -3,7 +3,8 @@
 lane, and frames over ZMQ) and over HTTP; the MLP under Poisson arrivals at 70% of its measured
 capacity, with the adaptive batch policy and with Triton's static one (p99 against the compute time
 of the batches served); then a 16 MiB tensor through the shared-memory carrier beside a plain
-in-process memcpy; last, the tiny model and the MLP again on a pool whose front busy-polls.
+in-process memcpy; last, the tiny model and the MLP again on a pool whose front busy-polls, and the
+tiny model on one whose front never polls (what the default adaptive polling buys).
 
     python benchmarks/compare.py [--seconds 4]
 
@@ -146,6 +147,9 @@ def main() -> None:
         rate = core.mlp_throughput(client, 16, args.seconds)
         rows.append((f"gepool MLP c=16, frames, busy poll {BUSY_POLL_US} us", f"{rate:.0f} rows/s",
                      f"{rate / best_rate:.2f}x limit"))
+    with Pool(repo, busy_poll_us=-1) as pool:  # what the default's adaptive polling buys
+        rows.append(versus_floor("gepool tiny c=1, frames, polling off (-1)",
+                                 np.median(core.tiny_latency(pool.client(), 2000)), floors))
     rows.insert(0, ("pyzmq REQ/REP round trip (floor), over the run",
                     f"p50 {min(floors) * 1e6:.0f}-{max(floors) * 1e6:.0f} us", ""))
     width = max(len(r[0]) for r in rows)

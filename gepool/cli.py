@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--curve-secret-key", help="ZMQ certificate file: CURVE encryption/auth for a tcp endpoint")
     p.add_argument("--curve-authorized-keys", help="folder of client .key files admitted (default: any key)")
     p.add_argument("--busy-poll-us", type=int, default=0,
-                   help="the front polls this many microseconds before sleeping: lower latency at low "
-                        "concurrency for up to a core's time (default 0: off)")
+                   help="0 (default): while traffic is sequential the front polls, instead of sleeping, "
+                        "for what is due within microseconds (a short batch's completion, the next request "
+                        "of a client sending back to back); N > 0: polls N us before any sleep; -1: never polls")
 
     p = sub.add_parser("status", help="models and their states")
     p.add_argument("--endpoint")

@@ -141,8 +141,8 @@ class Pool:
         """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
         ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
         public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key.
-        ``busy_poll_us``: the front polls this long before it sleeps, trading up to a core's time under
-        light load for lower latency (off by default)."""
+        ``busy_poll_us``: 0 polls adaptively while traffic is sequential (``scheduler/polling.py``),
+        N > 0 polls N microseconds before any sleep (a core's time under light load), -1 never polls."""
         self.repository = model_repository
         self.endpoint = endpoint or f"ipc://{os.path.dirname(default_endpoint()[6:])}/pool-{naming.new_owner_id()}.sock"
         self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout

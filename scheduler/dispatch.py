@@ -14,6 +14,7 @@ from gepool.ipc.ring import TensorDesc
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.lanes import Lanes
 from gepool.scheduler.models import Model
+from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.requests import Request
 from gepool.scheduler.supervisor import READY, Worker
 
@@ -36,8 +37,10 @@ class Batch:
 
 
 class Dispatcher:
-    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas, lanes: Lanes | None = None) -> None:
+    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas, lanes: Lanes | None = None,
+                 polling: PollPolicy | None = None) -> None:
         self.clients, self.workers, self.arenas, self.lanes = clients, workers, arenas, lanes
+        self.polling = polling or PollPolicy()
         self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
 
     def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
@@ -81,6 +84,7 @@ class Dispatcher:
             self._copy_in(model, slot, reqs, now)
         rows = sum(r.rows for r in reqs)
         self.last_batch_requests = len(reqs)
+        self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
         w.inflight[index] = Batch(index, model.seq, reqs, rows, direct is not None)
         w.rows += rows
         model.stats.dispatched(rows, [now - r.arrived for r in reqs])
@@ -166,6 +170,8 @@ class Dispatcher:
             del arrays  # views into the slot: gone before the slot is reused
         slot.release()
         w.free.append(index)
+        self.polling.answered(time.monotonic(), len(batch.requests), t_end - t_start,
+                              not any(x.inflight for x in model.workers))
 
     def _respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
         batched = model.config.max_batch_size > 0

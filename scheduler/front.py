@@ -24,6 +24,7 @@ from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.lanes import Lanes
 from gepool.scheduler.models import Model
+from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.requests import admit
 from gepool.scheduler.supervisor import READY, STARTING, Supervisor, Worker
 
@@ -50,7 +51,7 @@ class FrontOptions:
     poll_secs: float = 15.0
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
-    busy_poll_us: int = 0  # before sleeping in poll, keep polling this long (latency for a core's time)
+    busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never
 
 
 class Front:
@@ -73,7 +74,7 @@ class Front:
         self._queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._dirty_since_tick = False
         self._wake_at: float | None = None
-        self._busy_poll_s = max(0, options.busy_poll_us) / 1e6
+        self.polling = PollPolicy(options.busy_poll_us)
         self.lanes: Lanes | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -86,7 +87,7 @@ class Front:
         self.opts.endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
         self.lanes = self._open_lanes()
-        self.dispatch = Dispatcher(self.clients, self.workers, self.arenas, self.lanes)
+        self.dispatch = Dispatcher(self.clients, self.workers, self.arenas, self.lanes, self.polling)
         self.poller = zmq.Poller()
         self.poller.register(self.clients, zmq.POLLIN)
         self.poller.register(self.workers, zmq.POLLIN)
@@ -202,22 +203,21 @@ class Front:
         self._queued = queued
 
     def _wait(self, next_tick: float | None) -> list:
-        """The next events. With busy polling, a short wait is spent polling rather than asleep: waking
-        a sleeping process costs each hop of a request tens of microseconds on a loaded host, which at
-        low concurrency is most of gepool's latency. A request and its completion come back to back at
-        concurrency 1, so the front rarely sleeps then; idle, it polls once per wake and sleeps.
-        Only while traffic is sequential (the last batch held one request): once requests batch, the
-        polling front would take the core that clients and workers need, and the wake-ups it saves
-        are shared by a whole batch anyway."""
+        """The next events, polled for while one is expected within microseconds (``polling.py`` says
+        when), slept for otherwise."""
         at = self._next_deadline(next_tick)
         now = time.monotonic()
-        if self._busy_poll_s and (at is None or at > now) and self.dispatch.last_batch_requests <= 1:
-            until = now + self._busy_poll_s if at is None else min(now + self._busy_poll_s, at)
+        until, window = self.polling.until(now, self.dispatch.last_batch_requests <= 1)
+        if until > now and (at is None or at > now):
+            until = until if at is None else min(until, at)
             poll = self.poller.poll
             while time.monotonic() < until:
                 events = poll(0)
                 if events:
                     return events
+                os.sched_yield()  # sharing a CPU with the worker or client it waits for, let it run
+            if window:
+                self.polling.missed()
             now = time.monotonic()
         if at is None:
             return self.poller.poll(-1)
@@ -293,7 +293,8 @@ class Front:
         req_id = getattr(msg, "req_id", 0)
         try:
             if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
-                if self._busy_poll_s and self.dispatch.last_batch_requests <= 1:
+                if self.polling.enabled and self.dispatch.last_batch_requests <= 1:
+                    self.polling.arrived(time.monotonic())
                     self._prepare_worker(msg.model)
                 return self._infer(identity, msg, parts[1:])
             reply = self._handle(identity, msg, parts[1:])
@@ -324,7 +325,7 @@ class Front:
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
 
     def _prepare_worker(self, name: object) -> None:
-        """Busy polling, sequential traffic: wakes the idle worker that will run this request now, so
+        """Sequential traffic: wakes the idle worker that will run this request now, so
         its wake-up overlaps admission (the worker polls its doorbell briefly for the batch)."""
         group = self.control.groups.get(name) if type(name) is str else None
         if group is None or len(group.serving) != 1:
@@ -373,7 +374,7 @@ class Front:
                 "stopping": self.stopping or self.grace_until is not None,
                 "arenas": len(self.arenas), "lanes": len(self.lanes) if self.lanes is not None else 0,
                 "lane_pids": self.lanes.pids() if self.lanes is not None else [],
-                "pid": os.getpid(),
+                "pid": os.getpid(), "polling": self.polling.summary(),
                 "model_control_mode": self.opts.model_control_mode,
                 "models": {name: g.summary() for name, g in self.control.groups.items()}}
 

@@ -105,13 +105,15 @@ def test_sigterm_grace_reports_not_ready_but_keeps_serving(small_repo):
         pool.stop()
 
 
-def test_busy_polling_front_serves_and_sleeps_when_idle(small_repo):
-    """Busy polling spends CPU only right after events: the answers are the same (sequential requests
-    also wake their worker early with a PREPARE record), and an idle front and worker go back to sleep
-    instead of spinning."""
+@pytest.mark.parametrize("busy_poll_us, mode", [(0, "adaptive"), (2000, "fixed"), (-1, "off")])
+def test_polling_front_serves_and_sleeps_when_idle(small_repo, busy_poll_us, mode):
+    """Polling (adaptive by default, fixed when asked, or off) spends CPU only right after events: the
+    answers are the same (sequential requests also wake their worker early with a PREPARE record), and
+    an idle front and worker go back to sleep instead of spinning."""
     repo, _ = small_repo
-    with Pool(repo, busy_poll_us=2000) as pool:
+    with Pool(repo, busy_poll_us=busy_poll_us) as pool:
         c = pool.client()
+        assert c.status()["polling"]["mode"] == mode
         for i in range(200):
             x = np.full((1 + i % 3, 16), i, np.float32)
             np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)

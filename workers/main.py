@@ -140,6 +140,7 @@ def _await_batch(bell: WorkerBell) -> list:
         records = bell.runs()
         if records:
             return records
+        os.sched_yield()  # woken onto the front's CPU, the worker must not hold up the batch it waits for
     return []
 
 
