@@ -16,7 +16,7 @@ def answered_then_arrived(p: PollPolicy, at: float, gap: float) -> None:
 
 
 def test_a_lone_short_batch_is_polled_for_until_its_expected_end():
-    p = PollPolicy()
+    p = PollPolicy(cpus=2)
     p.dispatched(10.0, 1, 40 * US)
     assert p.until(10.0, True) == (pytest.approx(10.0 + 40 * US + polling.COMPLETION_SLACK_S), False)
     assert p.until(10.0, False) == (0.0, False), "batching traffic: no polling"
@@ -26,14 +26,14 @@ def test_a_lone_short_batch_is_polled_for_until_its_expected_end():
 
 @pytest.mark.parametrize("requests, cost", [(2, 40 * US), (1, SHORT * 2), (1, None)])
 def test_batches_that_are_shared_long_or_unmeasured_are_slept_through(requests, cost):
-    p = PollPolicy()
+    p = PollPolicy(cpus=2)
     p.dispatched(10.0, requests, cost)
     until, _ = p.until(10.0, True)
     assert until <= 10.0
 
 
 def test_the_window_grows_to_catch_a_gap_like_the_last_and_never_past_its_limit():
-    p = PollPolicy()
+    p = PollPolicy(cpus=2)
     p.answered(1.0, 1, 50 * US, True)
     assert p.until(1.0, True) == (0.0, False), "no window before any gap was seen"
     p.arrived(1.0 + 80 * US)
@@ -48,7 +48,7 @@ def test_the_window_grows_to_catch_a_gap_like_the_last_and_never_past_its_limit(
 
 
 def test_empty_windows_halve_it_to_nothing_and_a_missed_window_is_not_polled_again():
-    p = PollPolicy()
+    p = PollPolicy(cpus=2)
     answered_then_arrived(p, 1.0, 150 * US)
     sizes = []
     t = 2.0
@@ -64,7 +64,7 @@ def test_empty_windows_halve_it_to_nothing_and_a_missed_window_is_not_polled_aga
 
 
 def test_a_batch_of_several_or_a_long_one_opens_no_window():
-    p = PollPolicy()
+    p = PollPolicy(cpus=2)
     answered_then_arrived(p, 1.0, 100 * US)
     p.answered(2.0, 3, 50 * US, True)
     assert p.until(2.0, True) == (0.0, False)
@@ -82,3 +82,9 @@ def test_fixed_and_off():
     answered_then_arrived(off, 1.0, 50 * US)
     off.answered(2.0, 1, 10 * US, True)
     assert off.until(2.0, True) == (0.0, False) and off.summary()["mode"] == "off"
+
+
+def test_adaptive_polling_is_off_on_one_cpu_and_an_explicit_window_is_kept():
+    assert not PollPolicy(0, cpus=1).enabled
+    assert PollPolicy(0, cpus=2).enabled
+    assert PollPolicy(300, cpus=1).until(1.0, True) == (pytest.approx(1.0 + 300 * US), False)
