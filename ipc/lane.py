@@ -22,6 +22,7 @@ MAX_BUFFERS = 512  # per sendmsg, well under IOV_MAX (1024); a record with more 
 MAX_MESSAGE_BYTES = 1 << 34
 MORE = 1
 _LAST, _MORE = b"\x00", b"\x01"
+_TRUNC = int(socket.MSG_TRUNC)  # an IntFlag: `int & IntFlag` goes through enum's Python code, per record
 _COUNT = struct.Struct("<I")
 SUFFIX = ".lane"
 # The front's first message on a lane it keeps: a message of no parts. It refuses one by closing it
@@ -127,7 +128,7 @@ class Receiver:
             n, _, got, _ = sock.recvmsg_into([self.scratch], 0, flags)
             if n == 0:
                 raise EOFError("the peer closed the lane")
-            if got & socket.MSG_TRUNC:
+            if got & _TRUNC:
                 raise LaneError(f"a record longer than {RECORD_MAX} bytes")
             scratch = memoryview(self.scratch)[:n]
             sizes, at = _header(scratch)
@@ -145,7 +146,7 @@ class Receiver:
         n, _, got, _ = sock.recvmsg_into([self.flag, room], 0, flags)
         if n == 0:
             raise EOFError("the peer closed the lane")
-        if got & socket.MSG_TRUNC or n == 1 and room.nbytes:
+        if got & _TRUNC or n == 1 and room.nbytes:
             raise LaneError("a record overflows its message")
         self.filled += n - 1
         if self.flag[0] & MORE:
