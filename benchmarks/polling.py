@@ -1,0 +1,78 @@
+"""What the front's polling buys and costs: the tiny model at concurrency 1, back to back and with gaps
+between requests, on pools with adaptive polling (the default, 0), polling off (-1) and a fixed
+200 us window, in alternating rounds.
+
+    python benchmarks/polling.py [--requests 2000] [--rounds 2] [--modes 0,-1,200]
+
+For each: p50 and p99 latency, and the CPU time the front and the worker spent per request (from
+/proc, over the whole pattern). Polling saves wake-ups, and on a VM waking a sleeping process costs
+CPU as well as time, so compare CPU per request, not the share of a core (a faster pool simply serves
+more requests per second).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+PATTERNS = (("back to back", 0.0), ("1 ms gaps", 0.001), ("10 ms gaps", 0.01))
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_pattern(client, pids: list[int], gap: float, n: int) -> tuple[np.ndarray, list[float]]:
+    x = np.ones((1, 16), np.float32)
+    before = [cpu_seconds(p) for p in pids]
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client.infer("tiny", {"INPUT0": x})
+        times.append(time.perf_counter() - t)
+        if gap:
+            time.sleep(gap)
+    return np.array(times), [(cpu_seconds(p) - b) / n for p, b in zip(pids, before)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes", default="0,-1,200", help="busy_poll_us values to compare")
+    args = parser.parse_args()
+
+    import core
+
+    from gepool import Pool
+
+    repo = core.example_repo("gepool-polling-")
+    modes = [int(m) for m in args.modes.split(",")]
+    print(f"tiny model, concurrency 1, {args.requests} requests per pattern (gapped: a quarter as many)")
+    print(f"{'busy_poll_us':>12}  {'pattern':<13} {'p50 us':>7} {'p99 us':>7} {'front us/req':>13} "
+          f"{'worker us/req':>14}  polling")
+    for _ in range(args.rounds):
+        for mode in modes:
+            with Pool(repo, busy_poll_us=mode) as pool:
+                client = pool.client()
+                status = client.status()
+                pids = [pool.process.pid, status["models"]["tiny"]["worker_pids"][0]]
+                run_pattern(client, pids, 0.0, 300)
+                for name, gap in PATTERNS:
+                    n = args.requests if not gap else max(50, args.requests // 4)
+                    times, cpu = run_pattern(client, pids, gap, n)
+                    polling = client.status()["polling"]
+                    print(f"{mode:>12}  {name:<13} {np.median(times) * 1e6:7.0f} {np.percentile(times, 99) * 1e6:7.0f} "
+                          f"{cpu[0] * 1e6:13.0f} {cpu[1] * 1e6:14.0f}  {polling['mode']}, window "
+                          f"{polling['window_us']:.0f} us, {polling['empty_windows']}/{polling['windows']} empty")
+
+
+if __name__ == "__main__":
+    main()
