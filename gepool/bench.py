@@ -274,11 +274,23 @@ def bench(client, model: str, concurrency: list[int] | None = None, rates: list[
             levels.append(level)
     return {"model": model, "batch_size": batch_size, "seconds": seconds,
             "inputs": {k: list(v.shape) for k, v in inputs.items()}, "processes": processes,
-            "levels": [asdict(x) for x in levels]}
+            "pool": pool_setup(client, model), "levels": [asdict(x) for x in levels]}
+
+
+def pool_setup(client, model: str) -> dict:
+    """What the figures depend on besides the load: the model's workers and their threads, and whether
+    the front polls (concurrency-1 latency differs by a third with and without)."""
+    status = client.status()
+    m = status["models"].get(model, {})
+    return {"workers": len(m.get("worker_pids", [])), "worker_threads": m.get("worker_threads", []),
+            "polling": status.get("polling", {}).get("mode", "unknown")}
 
 
 def format_report(report: dict) -> str:
-    lines = [f"model {report['model']}, batch {report['batch_size']}, {report['seconds']:.0f}s per level",
+    pool = report.get("pool")
+    setup = (f"; {pool['workers']} worker(s), threads {pool['worker_threads']}, front polling {pool['polling']}"
+             if pool else "")
+    lines = [f"model {report['model']}, batch {report['batch_size']}, {report['seconds']:.0f}s per level{setup}",
              f"{'load':>14s} {'req/s':>9s} {'rows/s':>9s} {'p50':>8s} {'p90':>8s} {'p95':>8s} {'p99':>8s} "
              f"{'max':>8s}  {'server batch':>12s} {'queue ms':>8s} {'compute ms':>10s}  errors"]
     for lv in report["levels"]:

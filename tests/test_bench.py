@@ -46,6 +46,11 @@ def test_a_short_real_run(client):
         assert set(lv["latency_ms"]) == {"p50", "p90", "p95", "p99", "max", "mean"}
         assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"] <= lv["latency_ms"]["max"]
     assert 50 <= report["levels"][2]["sent"] <= 160  # ~100 arrivals in 1 s
+    status = client.status()
+    assert report["pool"] == {"workers": len(status["models"]["tiny"]["worker_pids"]),
+                              "worker_threads": status["models"]["tiny"]["worker_threads"],
+                              "polling": status["polling"]["mode"]}
+    assert report["pool"]["workers"] >= 1 and f"front polling {status['polling']['mode']}" in format_report(report)
 
 
 def test_cli_writes_the_report(pool, tmp_path):
