@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gepool.ipc import lane
+from gepool import errors
+from gepool.ipc import lane, protocol
 
 log = logging.getLogger("gepool.lanes")
 
@@ -174,9 +175,9 @@ class Lanes:
             return
         try:
             records = lane.records(parts)
-        except lane.LaneError as exc:
-            log.error("cannot send to a lane: %s", exc)
-            return
+        except lane.LaneError as exc:  # the client hears why instead of waiting out its timeout
+            log.error("cannot send a reply over a lane: %s", exc)
+            records = lane.records([_unframeable(parts[0], exc)])
         if not conn.queue:
             sendmsg = conn.sock.sendmsg
             for i, record in enumerate(records):
@@ -233,3 +234,13 @@ class Lanes:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _unframeable(header, exc: lane.LaneError) -> bytes:
+    """An Error for the request a reply answered (its req_id read back from the reply's header)."""
+    try:
+        req_id = getattr(protocol.decode(memoryview(header)), "req_id", 0)
+    except protocol.ProtocolError:
+        req_id = 0
+    return protocol.Error(req_id if type(req_id) is int else 0, errors.Internal.code,
+                          f"the reply cannot travel over this client's lane: {exc}").encode()

@@ -3,6 +3,7 @@
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -103,6 +104,33 @@ def test_a_send_cut_short_closes_the_lane(tmp_path):
         for sock in accepted:
             sock.close()
         listener.close()
+
+
+def test_a_reply_a_lane_cannot_frame_comes_back_as_an_error(tmp_path):
+    """The front's end: a reply with more parts than a lane frames is not dropped (its client would
+    wait out its timeout) but answered with an error naming why, for the same request."""
+    from gepool.scheduler.lanes import Lanes
+
+    lanes = Lanes(str(tmp_path / "f.lane"), lambda identity, parts: None)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(lane.Connection(lanes.path)))
+    t.start()
+    try:
+        assert wait_until(lambda: lanes.pump(10) or not t.is_alive(), 30)
+        t.join()
+        (conn,) = got
+        (identity,) = lanes.by_identity
+        reply = protocol.Result(42, [], False, 1).encode()
+        lanes.send(identity, [reply, *[b"x"] * lane.MAX_PARTS])
+        msg, _ = _wire.decode(conn.recv(time.monotonic() + 30))
+        assert isinstance(msg, protocol.Error) and msg.req_id == 42 and msg.code == "INTERNAL"
+        assert f"at most {lane.MAX_PARTS} parts" in msg.message
+        lanes.send(identity, [reply])  # the lane still works
+        assert isinstance(_wire.decode(conn.recv(time.monotonic() + 30))[0], protocol.Result)
+        conn.close()
+    finally:
+        t.join(5)
+        lanes.close()
 
 
 def _lanes(client) -> int:
