@@ -75,6 +75,7 @@ class Front:
         self._dirty_since_tick = False
         self._wake_at: float | None = None
         self.polling = PollPolicy(options.busy_poll_us)
+        self._refused: set[str] = set()  # models whose last prewoken request failed admission
         self.lanes: Lanes | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -293,10 +294,16 @@ class Front:
         req_id = getattr(msg, "req_id", 0)
         try:
             if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
+                prepared = False
                 if self.polling.enabled and self.dispatch.last_batch_requests <= 1:
                     self.polling.arrived(time.monotonic())
-                    self._prepare_worker(msg.model)
-                return self._infer(identity, msg, parts[1:])
+                    prepared = self._prepare_worker(msg.model)
+                try:
+                    return self._infer(identity, msg, parts[1:])
+                except errors.GepoolError:
+                    if prepared:  # no batch follows: stop waking this worker for nothing until one is admitted
+                        self._refused.add(msg.model)
+                    raise
             reply = self._handle(identity, msg, parts[1:])
         except errors.GepoolError as exc:
             reply = protocol.Error(req_id, exc.code, exc.message)
@@ -324,19 +331,22 @@ class Front:
             return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
 
-    def _prepare_worker(self, name: object) -> None:
-        """Sequential traffic: wakes the idle worker that will run this request now, so
-        its wake-up overlaps admission (the worker polls its doorbell briefly for the batch)."""
+    def _prepare_worker(self, name: object) -> bool:
+        """Sequential traffic: wakes the idle worker that will run this request now, so its wake-up
+        overlaps admission (the worker polls its doorbell briefly for the batch). Not for a model whose
+        last prewoken request was refused: a client repeating a bad request would keep it polling."""
         group = self.control.groups.get(name) if type(name) is str else None
-        if group is None or len(group.serving) != 1:
-            return
+        if group is None or len(group.serving) != 1 or name in self._refused:
+            return False
         (model,) = group.serving.values()
         if len(model.batcher):
-            return
+            return False
         for w in model.workers:
             if w.state == READY and not w.inflight and w.info.get("prewake"):
                 w.bell.prepare()
-                return
+                self.polling.prewakes += 1
+                return True
+        return False
 
     def _infer(self, identity: bytes, msg: protocol.Infer, frames: list) -> None:
         if type(msg.req_id) is not int or type(msg.model) is not str:
@@ -352,6 +362,7 @@ class Front:
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self._dirty.add(model)
+        self._refused.discard(msg.model)
         return None
 
     def _query(self, what: str, args: dict) -> dict:

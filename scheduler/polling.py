@@ -43,6 +43,7 @@ class PollPolicy:
         self.completion_due = 0.0  # a lone short batch is in flight: its completion is expected before this
         self.answered_at: float | None = None  # a lone short request was answered then; none since
         self.polls = self.misses = 0  # adaptive windows started, and those that passed empty (status)
+        self.prewakes = 0  # PREPARE records the front sent (it counts them)
 
     def dispatched(self, now: float, requests: int, cost: float | None) -> None:
         if requests == 1 and cost is not None and cost <= SHORT_BATCH_S:
@@ -86,4 +87,4 @@ class PollPolicy:
     def summary(self) -> dict:
         return {"mode": "off" if not self.enabled else "fixed" if self.fixed_s else "adaptive",
                 "window_us": round((self.fixed_s or self.window_s) * 1e6, 1),
-                "windows": self.polls, "empty_windows": self.misses}
+                "windows": self.polls, "empty_windows": self.misses, "prewakes": self.prewakes}

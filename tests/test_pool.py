@@ -128,6 +128,25 @@ def test_polling_front_serves_and_sleeps_when_idle(small_repo, busy_poll_us, mod
             assert idle_cpu < 0.5, f"the {name} used {idle_cpu:.2f}s of CPU in 2s of idleness"
 
 
+def test_a_repeated_bad_request_does_not_keep_waking_the_worker(client):
+    """Sequential requests wake their idle worker early (PREPARE), and it polls for the batch; a request
+    that then fails admission brings no batch, so after one the front stops prewaking that model until
+    a request for it is admitted."""
+    if client.status()["polling"]["mode"] != "adaptive":
+        pytest.skip("adaptive polling is off on a front confined to one CPU")
+    good, bad = np.ones((1, 16), np.float32), np.ones((1, 15), np.float32)
+    client.infer("tiny", {"INPUT0": good})  # a lone batch: traffic counts as sequential
+    before = client.status()["polling"]["prewakes"]
+    for _ in range(30):
+        with pytest.raises(errors.InvalidArgument):
+            client.infer("tiny", {"INPUT0": bad})
+    after_bad = client.status()["polling"]["prewakes"]
+    assert after_bad - before <= 1, "a refused request's worker was woken again and again"
+    for _ in range(3):
+        np.testing.assert_array_equal(client.infer("tiny", {"INPUT0": good})["OUTPUT0"], 2 * good + 1)
+    assert client.status()["polling"]["prewakes"] > after_bad, "admitted requests prewake again"
+
+
 def test_a_pool_with_nothing_to_start_is_ready_at_once(tmp_path):
     """No worker ever reports, so readiness must not wait for an event: an empty repository, and one
     whose only model cannot load (reported UNAVAILABLE with the reason), both start."""
