@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 
@@ -199,7 +200,26 @@ class Pool:
         self._clients.clear()
         if self.process is None:
             return None
-        return _stop(self.process)
+        code = _stop(self.process)
+        if code is not None and code < 0:  # killed by a signal: the front could not remove its files
+            self._remove_leftovers()
+        return code
+
+    def _remove_leftovers(self) -> None:
+        """The dead front's worker socket and doorbells, and its endpoint and lane sockets unless some
+        other pool listens there by now (stop() may come late, and twice)."""
+        naming.remove_runtime_of(os.path.dirname(default_endpoint()[len("ipc://"):]), self.process.pid)
+        if not self.endpoint.startswith("ipc://"):
+            return
+        path = self.endpoint[len("ipc://"):]
+        for leftover, kind in ((path, socket.SOCK_STREAM), (path + ".lane", socket.SOCK_SEQPACKET)):
+            with socket.socket(socket.AF_UNIX, kind) as probe:
+                try:
+                    probe.connect(leftover)
+                except ConnectionRefusedError:  # a socket file nobody listens on
+                    os.unlink(leftover)
+                except OSError:  # gone already, or not a socket
+                    pass
 
     def __enter__(self) -> "Pool":
         return self.start()

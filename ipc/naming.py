@@ -82,3 +82,20 @@ def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
         if head is not None:
             owners[entry] = owner_pid(PREFIX + entry[len(head):])
     return _unlink_dead(folder, owners, dry_run)
+
+
+def remove_runtime_of(folder: str, pid: int) -> list[str]:
+    """Unlinks what the dead process ``pid`` left in the runtime folder (a pool's front killed before it
+    could clean up: its worker socket and doorbells); returns their names."""
+    try:
+        entries = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for entry in sorted(e for e in entries if e.startswith(f"gepool-{pid}x")):
+        try:
+            os.unlink(os.path.join(folder, entry))
+            removed.append(entry)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gepool import Client, Pool, errors
+from gepool.ipc.sockets import default_endpoint
 from tests import repo as test_repo
 from tests.conftest import _descendants, rss_kb, running, wait_until
 
@@ -95,7 +96,10 @@ def test_killed_front_workers_exit_clients_fail_fast_and_reconnect(repo, tmp_pat
         with pytest.raises(errors.PoolUnavailable):
             plain.infer("tiny", {"INPUT0": np.ones((1, 16), np.float32)})
         os.unlink(gate)
-        pool.stop()
+        pool.stop()  # removes what the killed front could not: its sockets, doorbells and endpoint files
+        front_pid, runtime = pool.process.pid, os.path.dirname(default_endpoint()[len("ipc://"):])
+        assert not [e for e in os.listdir(runtime) if e.startswith(f"gepool-{front_pid}x")]
+        assert not os.path.exists(endpoint[len("ipc://"):]) and not os.path.exists(endpoint[len("ipc://"):] + ".lane")
         with Pool(models, endpoint=endpoint):
             for c in (plain, shm):  # the same client objects: ZMQ reconnected, the arena is registered again
                 x = np.arange(16, dtype=np.float32)[None]
