@@ -1,6 +1,7 @@
 """Side by side in one run: the limit (onnxruntime in-process at its best batch), the transport floor
 (a bare pyzmq round trip), gepool through the library client (frames and shared memory, over a
-lane, and frames over ZMQ) and over HTTP; the MLP under Poisson arrivals at 70% of its measured
+lane, and frames over ZMQ; a shared-memory client sends requests under 64 KiB as frames, so its tiny
+and MLP rows measure that choice) and over HTTP; the MLP under Poisson arrivals at 70% of its measured
 capacity, with the adaptive batch policy and with Triton's static one (p99 against the compute time
 of the batches served); then a 16 MiB tensor through the shared-memory carrier beside a plain
 in-process memcpy; last, the tiny model and the MLP again on a pool whose front busy-polls, and the

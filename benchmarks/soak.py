@@ -67,7 +67,7 @@ def main() -> None:
 
         def load(i: int) -> None:
             rng = random.Random(i)
-            with pool.client(shared_memory=i % 2 == 1, timeout=REQUEST_TIMEOUT_S) as c:
+            with pool.client(shared_memory=i % 2 == 1, arena_min_bytes=0, timeout=REQUEST_TIMEOUT_S) as c:
                 while not stop.is_set():
                     model = rng.choice(["tiny", "tiny", "pair", "pair", "postprocess", "mlp"])
                     name, width = inputs[model]

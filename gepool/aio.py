@@ -23,8 +23,9 @@ class AsyncClient:
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
                  curve_server_key: str | None = None, curve_client_key: str | None = None,
-                 lane: bool = True) -> None:
+                 lane: bool = True, arena_min_bytes: int = _wire.ARENA_MIN) -> None:
         self.endpoint = endpoint or default_endpoint()
+        self.arena_min_bytes = arena_min_bytes  # as Client's
         self.timeout = timeout
         self._shared_memory, self._arena_bytes = shared_memory, arena_bytes
         self._ctx = zmq.asyncio.Context()
@@ -72,7 +73,8 @@ class AsyncClient:
         for attempt in (1, 2):
             if self.arena is not None:
                 arena = (self.arena, self._arena_id)
-            out = _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes)
+            out = _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes,
+                                     self.arena_min_bytes)
             try:
                 msg, frames = await self._exchange(out.frames, out.req_id, timeout)
             except errors.PoolUnavailable:

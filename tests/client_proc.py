@@ -11,7 +11,7 @@ from gepool import Client
 
 
 def main(endpoint: str, n: int, seed: int, shared: bool) -> int:
-    with Client(endpoint, shared_memory=shared) as c:
+    with Client(endpoint, shared_memory=shared, arena_min_bytes=0) as c:
         xs = [np.full((1 + i % 3, 16), seed * 100_000 + i, np.float32) for i in range(n)]
         futures = [c.infer_async("tiny", {"INPUT0": x}) for x in xs]
         for x, fut in zip(xs, futures):

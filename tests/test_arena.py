@@ -23,12 +23,12 @@ def whole(arena: ClientArena) -> bool:
 @pytest.fixture
 def shm(pool, monkeypatch):
     monkeypatch.setattr(_wire, "ZERO_COPY_MIN", 0)  # the tiny model's outputs stand in for large ones
-    with pool.client(shared_memory=True, arena_bytes=1 << 20) as c:
+    with pool.client(shared_memory=True, arena_bytes=1 << 20, arena_min_bytes=0) as c:
         yield c
 
 
 def test_small_outputs_are_copied_out_and_their_range_freed_at_once(pool):
-    with pool.client(shared_memory=True, arena_bytes=1 << 20) as c:
+    with pool.client(shared_memory=True, arena_bytes=1 << 20, arena_min_bytes=0) as c:
         x = np.ones((2, 16), np.float32)
         out = c.infer("tiny", {"INPUT0": x})["OUTPUT0"]
         np.testing.assert_array_equal(out, x * 2 + 1)
@@ -69,6 +69,26 @@ def test_an_input_made_in_the_arena_travels_as_its_offset(shm):
     np.testing.assert_array_equal(out, np.asarray(x) * 2 + 1)
     del x, out
     assert whole(shm.arena)
+
+
+def test_small_requests_travel_as_frames_unless_an_input_lies_in_the_arena(pool):
+    """Under arena_min_bytes (64 KiB by default) a shared-memory client sends frames, which are faster
+    for small tensors; from it up, and whenever an input was made in the arena, the arena carries them."""
+    with pool.client(shared_memory=True, arena_bytes=1 << 20) as c:
+        small = np.ones((1, 16), np.float32)
+        sent = c._encode("tiny", {"INPUT0": small}, None, None, None)
+        assert len(sent.frames) == 2 and sent.ranges == [] and sent.out_range is None and whole(c.arena)
+        big = np.ones((1, 16 * 1024), np.float32)  # 64 KiB: at the threshold
+        sent = _wire.encode_infer("x", {"X": big}, None, None, None, (c.arena, c._arena_id), 0)
+        assert len(sent.frames) == 1 and sent.ranges and not whole(c.arena)
+        sent.release(c.arena)
+        placed = c.empty((1, 16), np.float32)
+        sent = c._encode("tiny", {"INPUT0": placed}, None, None, None)
+        assert len(sent.frames) == 1 and sent.out_range is not None  # offsets only; outputs get room
+        sent.release(c.arena)
+        np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": small})["OUTPUT0"], 2 * small + 1)
+        del placed
+        assert whole(c.arena)
 
 
 def test_a_full_arena_falls_back_to_frames(shm):

@@ -26,7 +26,7 @@ def still_serves(client) -> None:
 ])
 @pytest.mark.parametrize("shared", [False, True], ids=["frames", "shm"])
 def test_bad_request_is_named_and_pool_serves_on(pool, model, inputs, exc, words, shared):
-    with pool.client(shared_memory=shared) as c:
+    with pool.client(shared_memory=shared, arena_min_bytes=0) as c:
         with pytest.raises(exc) as info:
             c.infer(model, inputs)
         assert words in str(info.value)
@@ -85,7 +85,7 @@ def test_malformed_messages_get_errors(raw, client, frames, words):
 
 
 def test_arena_offsets_are_checked(pool):
-    with pool.client(shared_memory=True) as c:
+    with pool.client(shared_memory=True, arena_min_bytes=0) as c:
         header = protocol.Infer(5, "tiny", -1, [["INPUT0", "FP32", [1, 16], c.arena.size - 8]], None, 0, 0,
                                 c._arena_id, 0, 0).encode()
         reply = c._exchange([header], 5, 30, "raw")[0]

@@ -13,7 +13,7 @@ PER_CLIENT = 120
 
 
 def _thread_client(pool, seed: int, shared: bool) -> int:
-    with pool.client(shared_memory=shared) as c:
+    with pool.client(shared_memory=shared, arena_min_bytes=0) as c:
         xs = [np.full((1 + i % 3, 16), seed * 100_000 + i, np.float32) for i in range(PER_CLIENT)]
         futures = [c.infer_async("tiny", {"INPUT0": x}) for x in xs]
         blocking = [c.infer("tiny", {"INPUT0": x}) for x in xs[:10]]  # sync calls while futures fly

@@ -85,7 +85,7 @@ def test_killed_front_workers_exit_clients_fail_fast_and_reconnect(repo, tmp_pat
     try:
         workers = _descendants(pool.process.pid)
         plain = Client(endpoint, timeout=3)
-        shm = Client(endpoint, shared_memory=True, timeout=3)
+        shm = Client(endpoint, shared_memory=True, timeout=3, arena_min_bytes=0)
         fut = plain.infer_async("pair", {"INPUT": np.full((8, 4), -1, np.float32)})
         assert wait_until(lambda: plain.stats()["pair"]["batches"] == 1)
         pool.process.kill()
@@ -115,8 +115,8 @@ def test_dead_client_releases_its_arena_and_others_are_served(repo):
     models, gate = repo
     with Pool(models) as pool:
         code = (f"import os, numpy as np; from gepool import Client; c = Client({pool.endpoint!r}, "
-                "shared_memory=True); [c.infer_async('busy', {'INPUT': np.ones((1, 4), np.float32)}) "
-                "for _ in range(20)]; os._exit(0)")
+                "shared_memory=True, arena_min_bytes=0); "
+                "[c.infer_async('busy', {'INPUT': np.ones((1, 4), np.float32)}) for _ in range(20)]; os._exit(0)")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
         c = pool.client()

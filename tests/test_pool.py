@@ -82,7 +82,7 @@ def test_tcp_endpoint_on_loopback_with_both_carriers(small_repo):
     with Pool(repo, endpoint="tcp://127.0.0.1:*") as pool:
         assert pool.endpoint.startswith("tcp://127.0.0.1:") and not pool.endpoint.endswith("*")
         for shared in (False, True):
-            with Client(pool.endpoint, shared_memory=shared) as c:
+            with Client(pool.endpoint, shared_memory=shared, arena_min_bytes=0) as c:
                 x = np.arange(32, dtype=np.float32).reshape(2, 16)
                 np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
 

@@ -22,7 +22,7 @@ def direct(model_repo: str, name: str, feeds: dict) -> list[np.ndarray]:
 def test_onnx_models_match_onnxruntime(pool, model_repo, shared_memory, name, input_name, width, max_bs, rows):
     n = max_bs if rows == "max" else int(rows)
     x = RNG.standard_normal((n, width)).astype(np.float32)
-    with pool.client(shared_memory=shared_memory) as c:
+    with pool.client(shared_memory=shared_memory, arena_min_bytes=0) as c:
         out = c.infer(name, {input_name: x})
     (want,) = direct(model_repo, name, {input_name: x})
     (got,) = out.values()
@@ -97,7 +97,7 @@ async def _async_many(endpoint: str, shared_memory: bool):
 
     from gepool import AsyncClient
 
-    async with AsyncClient(endpoint, shared_memory=shared_memory) as c:
+    async with AsyncClient(endpoint, shared_memory=shared_memory, arena_min_bytes=0) as c:
         xs = [np.full((1, 16), i, np.float32) for i in range(50)]
         outs = await asyncio.gather(*(c.infer("tiny", {"INPUT0": x}) for x in xs))
         return [o["OUTPUT0"][0, 0] for o in outs]
