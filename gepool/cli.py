@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 100,200")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per level")
     p.add_argument("--batch-size", type=int, default=1, help="rows per request")
-    p.add_argument("--shared-memory", action="store_true")
+    p.add_argument("--shared-memory", action="store_true",
+                   help="a shared-memory client, as a user's would be: requests under 64 KiB still go as frames")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="use this data")
     p.add_argument("--processes", type=_processes, default="auto",
                    help="client processes sharing each level, or 'auto' (the default): one, doubled while "
