@@ -44,6 +44,7 @@ class PollPolicy:
         self.answered_at: float | None = None  # a lone short request was answered then; none since
         self.polls = self.misses = 0  # adaptive windows started, and those that passed empty (status)
         self.prewakes = 0  # PREPARE records the front sent (it counts them)
+        self._counted: float | None = None  # the answer whose window was counted last
 
     def dispatched(self, now: float, requests: int, cost: float | None) -> None:
         if requests == 1 and cost is not None and cost <= SHORT_BATCH_S:
@@ -74,7 +75,9 @@ class PollPolicy:
         if self.answered_at is not None and self.window_s:
             end = self.answered_at + self.window_s
             if end > now:
-                self.polls += 1
+                if self._counted != self.answered_at:  # a window resumed after another event counts once
+                    self._counted = self.answered_at
+                    self.polls += 1
                 return end, True
         return 0.0, False
 

@@ -88,3 +88,11 @@ def test_adaptive_polling_is_off_on_one_cpu_and_an_explicit_window_is_kept():
     assert not PollPolicy(0, cpus=1).enabled
     assert PollPolicy(0, cpus=2).enabled
     assert PollPolicy(300, cpus=1).until(1.0, True) == (pytest.approx(1.0 + 300 * US), False)
+
+
+def test_a_window_resumed_after_another_event_is_counted_once():
+    p = PollPolicy(cpus=2)
+    answered_then_arrived(p, 1.0, 100 * US)
+    p.answered(2.0, 1, 50 * US, True)
+    assert p.until(2.0, True)[1] and p.until(2.0 + 10 * US, True)[1]  # interrupted, then resumed
+    assert p.polls == 1
