@@ -208,7 +208,7 @@ class Front:
         when), slept for otherwise."""
         at = self._next_deadline(next_tick)
         now = time.monotonic()
-        until, window = self.polling.until(now, self.dispatch.last_batch_requests <= 1)
+        until, window = self.polling.until(now, self.dispatch.last_batch_requests <= 1, self._busy_workers())
         if until > now and (at is None or at > now):
             until = until if at is None else min(until, at)
             poll = self.poller.poll
@@ -228,6 +228,9 @@ class Front:
         if remaining < 1e-3:
             return self._wait_until(at)
         return self.poller.poll(int(remaining * 1000))  # whole ms, rounded down: the rest in _wait_until
+
+    def _busy_workers(self) -> int:
+        return sum(1 for w in self.supervisor.workers.values() if w.inflight)
 
     def _wait_until(self, at: float) -> list:
         """Events before ``at``, sleeping in select(), whose timeout has microseconds. zmq_poll counts whole
@@ -297,7 +300,7 @@ class Front:
                 prepared = False
                 if self.polling.enabled and self.dispatch.last_batch_requests <= 1:
                     self.polling.arrived(time.monotonic())
-                    prepared = self._prepare_worker(msg.model)
+                    prepared = not self._busy_workers() and self._prepare_worker(msg.model)
                 try:
                     return self._infer(identity, msg, parts[1:])
                 except errors.GepoolError:

@@ -14,9 +14,11 @@ workers and a wake-up is shared by a whole batch):
   the next like it; a window that passes empty is halved. A client sending back to back is caught
   every time; sparse traffic shrinks the window to nothing within a few requests.
 
-A request arriving while traffic is sequential also wakes its idle worker with a PREPARE record, so
-that the worker's wake-up overlaps the request's admission (it polls its doorbell briefly for the batch).
-Both pollers yield the CPU between polls: the process they wait for may have been woken onto their CPU.
+A sequential request also wakes its idle worker with a PREPARE record, so that the worker's wake-up
+overlaps the request's admission (it polls its doorbell briefly for the batch). None of this happens
+while another worker computes: the cores are taken then, and polling slowed the others down (three
+tiny clients beside an MLP one lost 10-15% of their throughput). Both pollers yield the CPU between
+polls: the process they wait for may have been woken onto their CPU.
 
 ``busy_poll_us`` > 0 swaps the adaptive window for a fixed one after any lone batch (the opt-in,
 costlier knob: the front also polls once per wake when idle); -1 turns polling off, and so does a
@@ -64,15 +66,17 @@ class PollPolicy:
             if self.window_s < gap <= WINDOW_LIMIT_S:
                 self.window_s = min(WINDOW_LIMIT_S, gap * GROW + WINDOW_PAD_S)
 
-    def until(self, now: float, sequential: bool) -> tuple[float, bool]:
-        """(poll until, whether that is an adaptive window); a time not after ``now`` means sleep."""
+    def until(self, now: float, sequential: bool, busy_workers: int = 0) -> tuple[float, bool]:
+        """(poll until, whether that is an adaptive window); a time not after ``now`` means sleep.
+        ``busy_workers``: workers with a batch in flight. Adaptive polling waits for one batch at most:
+        with another model computing, the cores are taken and polling would slow it down."""
         if not self.enabled or not sequential:
             return 0.0, False
         if self.fixed_s:
             return now + self.fixed_s, False
-        if self.completion_due > now:
+        if self.completion_due > now and busy_workers <= 1:
             return self.completion_due, False
-        if self.answered_at is not None and self.window_s:
+        if self.answered_at is not None and self.window_s and busy_workers == 0:
             end = self.answered_at + self.window_s
             if end > now:
                 if self._counted != self.answered_at:  # a window resumed after another event counts once

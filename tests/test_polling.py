@@ -96,3 +96,14 @@ def test_a_window_resumed_after_another_event_is_counted_once():
     p.answered(2.0, 1, 50 * US, True)
     assert p.until(2.0, True)[1] and p.until(2.0 + 10 * US, True)[1]  # interrupted, then resumed
     assert p.polls == 1
+
+
+def test_nothing_is_polled_for_while_another_worker_computes():
+    p = PollPolicy(cpus=2)
+    p.dispatched(1.0, 1, 40 * US)
+    assert p.until(1.0, True, busy_workers=1)[0] > 1.0, "the short batch's own worker is busy: poll"
+    assert p.until(1.0, True, busy_workers=2) == (0.0, False), "another model computes: sleep"
+    answered_then_arrived(p, 2.0, 100 * US)
+    p.answered(3.0, 1, 40 * US, True)
+    assert p.until(3.0, True, busy_workers=1) == (0.0, False)
+    assert p.until(3.0, True, busy_workers=0)[1]
