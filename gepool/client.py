@@ -343,6 +343,10 @@ class _IoThread(threading.Thread):
             for out, fut, _, client, _ in list(self.pending.values()):
                 client._release(out)
                 fut.set_exception(errors.Unavailable("the client was closed before the reply arrived"))
+            while self.outbox:  # never sent, some by the callbacks just run: they fail too, not hang
+                out, fut, _, client = self.outbox.popleft()
+                client._release(out)
+                fut.set_exception(errors.Unavailable("the client was closed before the request was sent"))
             sock.close(0)
             if self.lane is not None:
                 self.lane.close()

@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from gepool import errors
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PER_CLIENT = 120
 
@@ -90,3 +92,19 @@ def test_closed_loops_driven_from_future_callbacks(pool, lane):
         assert finished.wait(120), {c: len(v) for c, v in seen.items()}
     assert not errors_seen
     assert seen == {c: [2 * (c * 1000 + s) + 1 for s in range(steps)] for c in range(chains)}
+
+
+def test_closing_a_client_settles_every_future(pool):
+    """Futures still waiting to be sent, or answered, when the client closes fail with Unavailable
+    instead of hanging."""
+    for _ in range(5):
+        client = pool.client()
+        x = np.ones((1, 16), np.float32)
+        client.infer("tiny", {"INPUT0": x})
+        futures = [client.infer_async("tiny", {"INPUT0": x}) for _ in range(300)]
+        client.close()
+        for fut in futures:
+            try:
+                np.testing.assert_array_equal(fut.result(timeout=30)["OUTPUT0"], 2 * x + 1)
+            except Exception as exc:  # a hung future raises TimeoutError here and fails the test
+                assert isinstance(exc, errors.Unavailable), repr(exc)
