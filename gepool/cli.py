@@ -212,17 +212,15 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_cleanup(args) -> int:
-    import os
-
     from gepool.ipc import naming
-    from gepool.ipc.sockets import default_endpoint
+    from gepool.ipc.sockets import runtime_dir
 
     removed = naming.cleanup_dead(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} /dev/shm/{name}")
     print(f"{verb} {len(removed)} segment(s)")
-    folder = os.path.dirname(default_endpoint()[len("ipc://"):])
+    folder = runtime_dir()
     stale = naming.cleanup_runtime(folder, dry_run=args.dry_run)
     if stale:
         print(f"{verb} {len(stale)} stale socket/FIFO file(s) in {folder}")

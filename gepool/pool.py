@@ -16,7 +16,7 @@ import sys
 
 from gepool import errors
 from gepool.ipc import naming
-from gepool.ipc.sockets import default_endpoint
+from gepool.ipc.sockets import default_endpoint, runtime_dir
 
 START_TIMEOUT_S = 300.0
 GATEWAY_START_TIMEOUT_S = 60.0
@@ -145,7 +145,7 @@ class Pool:
         ``busy_poll_us``: 0 polls adaptively while traffic is sequential (``scheduler/polling.py``),
         N > 0 polls N microseconds before any sleep (a core's time under light load), -1 never polls."""
         self.repository = model_repository
-        self.endpoint = endpoint or f"ipc://{os.path.dirname(default_endpoint()[6:])}/pool-{naming.new_owner_id()}.sock"
+        self.endpoint = endpoint or f"ipc://{runtime_dir()}/pool-{naming.new_owner_id()}.sock"
         self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout
         self.http_port, self.http_host, self.metrics_port = http_port, http_host, metrics_port
         self.curve_secret_key, self.curve_authorized_keys = curve_secret_key, curve_authorized_keys
@@ -208,7 +208,7 @@ class Pool:
     def _remove_leftovers(self) -> None:
         """The dead front's worker socket and doorbells, and its endpoint and lane sockets unless some
         other pool listens there by now (stop() may come late, and twice)."""
-        naming.remove_runtime_of(os.path.dirname(default_endpoint()[len("ipc://"):]), self.process.pid)
+        naming.remove_runtime_of(runtime_dir(), self.process.pid)
         if not self.endpoint.startswith("ipc://"):
             return
         path = self.endpoint[len("ipc://"):]

@@ -91,11 +91,4 @@ def remove_runtime_of(folder: str, pid: int) -> list[str]:
         entries = os.listdir(folder)
     except FileNotFoundError:
         return []
-    removed = []
-    for entry in sorted(e for e in entries if e.startswith(f"gepool-{pid}x")):
-        try:
-            os.unlink(os.path.join(folder, entry))
-            removed.append(entry)
-        except FileNotFoundError:
-            pass
-    return removed
+    return _unlink_dead(folder, {e: pid for e in sorted(entries) if e.startswith(f"gepool-{pid}x")}, False)

@@ -9,13 +9,19 @@ LINGER_MS = 0  # a stopping process never waits on unsent messages: every peer h
 HWM = 0  # no silent drops at a high-water mark; overload is refused by the front's queues
 
 
-def default_endpoint() -> str:
-    """An ipc:// path in the user's runtime directory, in a folder only the user can enter."""
+def runtime_dir() -> str:
+    """gepool's folder in the user's runtime directory (made if missing), which only the user can enter:
+    endpoints, worker sockets and doorbells live there."""
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gepool-{os.getuid()}"
     folder = os.path.join(base, "gepool")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
-    return f"ipc://{folder}/gepool.sock"
+    return folder
+
+
+def default_endpoint() -> str:
+    """An ipc:// path in the user's runtime directory, in a folder only the user can enter."""
+    return f"ipc://{runtime_dir()}/gepool.sock"
 
 
 def ipc_path(endpoint: str) -> str | None:

@@ -18,7 +18,7 @@ import zmq
 from gepool import errors
 from gepool.config_json import render_config
 from gepool.ipc import lane, protocol, zmqio
-from gepool.ipc.sockets import ipc_path, make_socket
+from gepool.ipc.sockets import ipc_path, make_socket, runtime_dir
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
@@ -61,9 +61,9 @@ class Front:
         self.control = ModelControl(self)
         self.arenas = Arenas(on_drop=self._drop_arena)
         self.ctx = zmq.Context()
-        self.worker_endpoint = f"ipc://{_runtime_dir()}/gepool-{options.owner_id}.workers"
+        self.worker_endpoint = f"ipc://{runtime_dir()}/gepool-{options.owner_id}.workers"
         self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level,
-                                     _runtime_dir())
+                                     runtime_dir())
         self.by_sentinel: dict[int, Worker] = {}
         self.by_bell: dict[int, Worker] = {}
         self.stopping = False
@@ -208,7 +208,8 @@ class Front:
         when), slept for otherwise."""
         at = self._next_deadline(next_tick)
         now = time.monotonic()
-        until, window = self.polling.until(now, self.dispatch.last_batch_requests <= 1, self._busy_workers())
+        sequential = self.polling.enabled and self.dispatch.last_batch_requests <= 1
+        until, window = self.polling.until(now, sequential, self._busy_workers() if sequential else 0)
         if until > now and (at is None or at > now):
             until = until if at is None else min(until, at)
             poll = self.poller.poll
@@ -551,12 +552,6 @@ class Front:
                     os.unlink(endpoint[len("ipc://"):])
                 except FileNotFoundError:
                     pass
-
-
-def _runtime_dir() -> str:
-    from gepool.ipc.sockets import default_endpoint
-
-    return os.path.dirname(default_endpoint()[len("ipc://"):])
 
 
 def _raise_fd_limit() -> None:

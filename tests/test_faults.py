@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gepool import Client, Pool, errors
-from gepool.ipc.sockets import default_endpoint
+from gepool.ipc.sockets import runtime_dir
 from tests import repo as test_repo
 from tests.conftest import _descendants, rss_kb, running, wait_until
 
@@ -97,7 +97,7 @@ def test_killed_front_workers_exit_clients_fail_fast_and_reconnect(repo, tmp_pat
             plain.infer("tiny", {"INPUT0": np.ones((1, 16), np.float32)})
         os.unlink(gate)
         pool.stop()  # removes what the killed front could not: its sockets, doorbells and endpoint files
-        front_pid, runtime = pool.process.pid, os.path.dirname(default_endpoint()[len("ipc://"):])
+        front_pid, runtime = pool.process.pid, runtime_dir()
         assert not [e for e in os.listdir(runtime) if e.startswith(f"gepool-{front_pid}x")]
         assert not os.path.exists(endpoint[len("ipc://"):]) and not os.path.exists(endpoint[len("ipc://"):] + ".lane")
         with Pool(models, endpoint=endpoint):
