@@ -128,10 +128,16 @@ def test_polling_front_serves_and_sleeps_when_idle(small_repo, busy_poll_us, mod
             assert idle_cpu < 0.5, f"the {name} used {idle_cpu:.2f}s of CPU in 2s of idleness"
 
 
-def test_a_repeated_bad_request_does_not_keep_waking_the_worker(client):
+def test_a_repeated_bad_request_does_not_keep_waking_the_worker(small_repo):
     """Sequential requests wake their idle worker early (PREPARE), and it polls for the batch; a request
     that then fails admission brings no batch, so after one the front stops prewaking that model until
-    a request for it is admitted."""
+    a request for it is admitted. (A pool of its own: a worker busy elsewhere would stop prewakes.)"""
+    repo, _ = small_repo
+    with Pool(repo) as pool:
+        _check_prewakes_after_refusals(pool.client())
+
+
+def _check_prewakes_after_refusals(client) -> None:
     if client.status()["polling"]["mode"] != "adaptive":
         pytest.skip("adaptive polling is off on a front confined to one CPU")
     good, bad = np.ones((1, 16), np.float32), np.ones((1, 15), np.float32)
