@@ -36,6 +36,13 @@ def _echo(endpoint: str, n: int) -> None:
     ctx.term()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of one process (every thread), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def example_repo(prefix: str) -> str:
     """A fresh temporary repository holding the tiny and MLP example models."""
     import make_models

@@ -26,13 +26,9 @@ sys.path.insert(0, HERE)
 PATTERNS = (("back to back", 0.0), ("1 ms gaps", 0.001), ("10 ms gaps", 0.01))
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_pattern(client, pids: list[int], gap: float, n: int) -> tuple[np.ndarray, list[float]]:
+    from core import cpu_seconds
+
     x = np.ones((1, 16), np.float32)
     before = [cpu_seconds(p) for p in pids]
     times = []

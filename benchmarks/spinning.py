@@ -21,14 +21,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 
 def tree_cpu(pid: int) -> float:
+    import core
+
     """CPU seconds of a process and its children (the front and its workers)."""
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += core.cpu_seconds(p)
             with open(f"/proc/{p}/task/{p}/children") as f:
                 todo += [int(c) for c in f.read().split()]
         except (FileNotFoundError, ProcessLookupError):

@@ -208,7 +208,7 @@ class Front:
         when), slept for otherwise."""
         at = self._next_deadline(next_tick)
         now = time.monotonic()
-        sequential = self.polling.enabled and self.dispatch.last_batch_requests <= 1
+        sequential = self._sequential()
         until, window = self.polling.until(now, sequential, self._busy_workers() if sequential else 0)
         if until > now and (at is None or at > now):
             until = until if at is None else min(until, at)
@@ -229,6 +229,10 @@ class Front:
         if remaining < 1e-3:
             return self._wait_until(at)
         return self.poller.poll(int(remaining * 1000))  # whole ms, rounded down: the rest in _wait_until
+
+    def _sequential(self) -> bool:
+        """Polling is on and the last batch held one request (what every poll and prewake needs)."""
+        return self.polling.enabled and self.dispatch.last_batch_requests <= 1
 
     def _busy_workers(self) -> int:
         return sum(1 for w in self.supervisor.workers.values() if w.inflight)
@@ -299,7 +303,7 @@ class Front:
         try:
             if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
                 prepared = False
-                if self.polling.enabled and self.dispatch.last_batch_requests <= 1:
+                if self._sequential():
                     self.polling.arrived(time.monotonic())
                     prepared = not self._busy_workers() and self._prepare_worker(msg.model)
                 try:
