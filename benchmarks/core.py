@@ -74,25 +74,51 @@ def zmq_floor(n: int) -> np.ndarray:
     return np.array(times)
 
 
-def ort_limit(model_path: str, threads: int, seconds: float) -> tuple[int, float]:
+def ort_rates(model_path: str, threads: int, seconds: float, sizes: tuple[int, ...] = (1, 8, 16, 32),
+              rounds: int = 3) -> dict[int, tuple[float, float]]:
+    """onnxruntime in-process per batch size: (rows/s, CPU seconds per row). The sizes take turns over
+    ``rounds`` rounds and each keeps its median: this host drifts by 15% within seconds, and the ratio
+    of two sizes (batch 16 against the best) should compare neighbouring moments."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model_path, opts, providers=["CPUExecutionProvider"])
-    best = (0, 0.0)
-    for bs in (1, 8, 16, 32):
-        x = np.random.default_rng(0).standard_normal((bs, 1024)).astype(np.float32)
-        sess.run(None, {"INPUT": x})
-        rows, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 4:
+    inputs = {bs: np.random.default_rng(0).standard_normal((bs, 1024)).astype(np.float32) for bs in sizes}
+    seen: dict[int, list[tuple[float, float]]] = {bs: [] for bs in sizes}
+    for _ in range(rounds):
+        for bs, x in inputs.items():
             sess.run(None, {"INPUT": x})
-            rows += bs
-        rate = rows / (time.perf_counter() - start)
-        print(f"   onnxruntime in-process, batch {bs:2d}: {rate:8.0f} rows/s")
-        best = max(best, (bs, rate), key=lambda b: b[1])
-    return best
+            rows, start, cpu = 0, time.perf_counter(), cpu_seconds(os.getpid())
+            while time.perf_counter() - start < seconds / len(sizes) / rounds:
+                sess.run(None, {"INPUT": x})
+                rows += bs
+            seen[bs].append((rows / (time.perf_counter() - start), (cpu_seconds(os.getpid()) - cpu) / rows))
+    rates = {bs: (float(np.median([r for r, _ in v])), float(np.median([c for _, c in v]))) for bs, v in seen.items()}
+    for bs, (rate, cpu) in rates.items():
+        print(f"   onnxruntime in-process, batch {bs:2d}: {rate:8.0f} rows/s, {cpu * 1e6:5.0f} us CPU per row")
+    return rates
+
+
+def ort_limit(model_path: str, threads: int, seconds: float) -> tuple[int, float, dict[int, tuple[float, float]]]:
+    """(best batch size, its rows/s, ort_rates' figures per batch size)."""
+    rates = ort_rates(model_path, threads, seconds)
+    best = max(rates, key=lambda bs: rates[bs][0])
+    return best, rates[best][0], rates
+
+
+def serving_cpu(pool, client, run) -> tuple[object, dict[str, float]]:
+    """``run()``'s result, and the CPU seconds the front, the workers and this (client) process spent
+    while it ran: on a host whose cores onnxruntime fills, every one of them is taken from compute."""
+    workers = [p for m in client.status()["models"].values() for p in m.get("worker_pids", [])]
+    pids = {"front": [pool.process.pid], "workers": workers}
+    before = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
+    mine = cpu_seconds(os.getpid())
+    result = run()
+    spent = {k: sum(cpu_seconds(p) for p in v) - before[k] for k, v in pids.items()}
+    spent["client"] = cpu_seconds(os.getpid()) - mine
+    return result, spent
 
 
 def tiny_latency(client, n: int) -> np.ndarray:
@@ -152,7 +178,7 @@ def main() -> None:
 
     print("3a. onnxruntime in-process (the limit), MLP 1024-4096-4096-1000")
     worker_threads = len(os.sched_getaffinity(0))  # what the pool gives its one MLP instance
-    best_bs, best_rate = ort_limit(f"{repo}/mlp/1/model.onnx", worker_threads, args.seconds)
+    best_bs, best_rate, rates = ort_limit(f"{repo}/mlp/1/model.onnx", worker_threads, args.seconds)
 
     with Pool(repo) as pool:
         client = pool.client()
@@ -168,6 +194,9 @@ def main() -> None:
     print(f"   tiny p50 / zmq round trip      = {p50 / (np.median(floor) * 1e6):5.2f}   (target <= 3)")
     print(f"   MLP gepool / onnxruntime best  = {rate / best_rate:5.2f}   (target >= 0.85; "
           f"best in-process batch {best_bs}, {worker_threads} thread(s))")
+    print(f"   in-process batch 16 / best     = {rates[16][0] / best_rate:5.2f}   (the most any server reaches at "
+          f"concurrency 16: sixteen requests form no larger batch)")
+    print(f"   MLP gepool / in-process b. 16  = {rate / rates[16][0]:5.2f}   (what gepool's own overhead leaves)")
 
 
 if __name__ == "__main__":
