@@ -69,9 +69,13 @@ class Model:
 
     def deadline(self) -> float | None:
         """When the front must look at this model again: a request's queue timeout (whatever the workers
-        are doing), or the batcher's delay if a worker could take the batch when it comes."""
+        are doing), or the batcher's delay if an idle worker could take the batch when it comes. While
+        every worker computes, a delay that runs out changes nothing (the batch keeps growing until one
+        frees, and a completion or an arrival wakes the front): waking for it anyway, the front spun in
+        poll(0) from the oldest request's delay to the batch's end, a core taken from the worker."""
         timeout = self.batcher.timeout_deadline()
-        if not len(self.batcher) or not any(w.state == READY and w.free for w in self.workers):
+        if not len(self.batcher) or not any(w.state == READY and w.free and len(w.inflight) < w.concurrency
+                                            for w in self.workers):
             return timeout
         delay = self.batcher.deadline()
         return min(d for d in (timeout, delay) if d is not None) if (timeout or delay) else None

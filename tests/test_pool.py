@@ -128,6 +128,33 @@ def test_polling_front_serves_and_sleeps_when_idle(small_repo, busy_poll_us, mod
             assert idle_cpu < 0.5, f"the {name} used {idle_cpu:.2f}s of CPU in 2s of idleness"
 
 
+def test_the_front_sleeps_while_a_queue_waits_for_its_busy_worker(small_repo):
+    """A request queued behind a running batch waits for the worker past its 1 ms delay (the batch
+    keeps growing until the worker frees). The front used to keep that delay as its wake-up time and
+    spun in poll(0) until the batch ended, taking a core from the worker; now it sleeps until an
+    event, then sends the queued request."""
+    repo, gate = small_repo
+    open(gate, "w").close()
+    try:
+        with Pool(repo) as pool:
+            c = pool.client()
+            running = c.infer_async("gated", {"INPUT": np.full((8, 4), -1, np.float32)})
+            assert wait_until(lambda: _batches(c, "gated") == 1)
+            queued = c.infer_async("gated", {"INPUT": np.full((1, 4), 3, np.float32)})
+            assert wait_until(lambda: c.status()["models"]["gated"]["queued"] == 1)
+            before = cpu_seconds(pool.process.pid)
+            time.sleep(2.0)
+            spent = cpu_seconds(pool.process.pid) - before
+            assert spent < 0.5, f"the front used {spent:.2f}s of CPU in 2s while its worker was busy"
+            assert not queued.done() and _batches(c, "gated") == 1
+            os.unlink(gate)
+            assert running.result(timeout=60)["BATCH"][0, 0] == 8
+            np.testing.assert_array_equal(queued.result(timeout=60)["OUTPUT"], np.full((1, 4), 3, np.float32))
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+
+
 def test_a_repeated_bad_request_does_not_keep_waking_the_worker(small_repo):
     """Sequential requests wake their idle worker early (PREPARE), and it polls for the batch; a request
     that then fails admission brings no batch, so after one the front stops prewaking that model until
