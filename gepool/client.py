@@ -292,8 +292,11 @@ class Client:
 
 
 class _IoThread(threading.Thread):
-    """Owns one ZMQ socket and, beside an ipc endpoint, a lane (preferred while it works); callers hand
-    it encoded requests through a deque and a wake-up pipe."""
+    """Owns one ZMQ socket and, beside an ipc endpoint, a lane (preferred while it works). Another
+    thread's request goes straight onto the lane when nothing waits to go before it: waking this
+    thread through the pipe to send it cost a second wake-up per request (an open-loop sender paid
+    two per arrival). Otherwise callers hand it requests through a deque and a wake-up pipe.
+    ``send_lock`` keeps one message's records together on the lane and orders the two paths."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, curve: tuple | None = None,
                  dialer: _lane.Dialer | None = None) -> None:
@@ -306,12 +309,43 @@ class _IoThread(threading.Thread):
         self.stopping = False
         self.clients: set = set()  # clients with orphaned requests
         self.lane: _lane.Connection | None = None
+        self.lane_fd = -1
+        self.send_lock = threading.Lock()
+        self.ended = False  # the loop has failed what it held: nothing may be added to pending now
+        self.wait_until: float | None = None  # the earliest request deadline the loop's poll wakes for
+        self.wakes = 0  # pipe writes for requests: what straight sends save
 
     def submit(self, out: _wire.Outgoing, fut, timeout: float | None, client: Client) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.outbox.append((out, fut, deadline, client))
-        if threading.get_ident() != self.ident:  # a future's callback runs here: the loop sends it
-            os.write(self.wake_w, b"x")
+        if threading.get_ident() == self.ident:  # a future's callback runs here: the loop sends it
+            self.outbox.append((out, fut, deadline, client))
+            return
+        with self.send_lock:
+            if self.ended:
+                client._release(out)
+                fut.set_exception(errors.Unavailable("the client is closed"))
+                return
+            if self._send_now(out, fut, deadline, client):
+                if deadline is None or (self.wait_until is not None and deadline >= self.wait_until):
+                    return  # the loop's poll wakes for an earlier deadline anyway
+            else:
+                self.outbox.append((out, fut, deadline, client))
+            self.wakes += 1
+        os.write(self.wake_w, b"x")
+
+    def _send_now(self, out: _wire.Outgoing, fut, deadline: float | None, client: Client) -> bool:
+        """Another thread's request onto the lane, under ``send_lock``: False leaves it to the loop (no
+        lane yet, requests queued before it, or a send that failed, which the loop then handles)."""
+        lane = self.lane
+        if lane is None or self.outbox or self.stopping:
+            return False
+        self.pending[out.req_id] = (out, fut, deadline, client, True)
+        try:
+            lane.send(out.frames, None)
+            return True
+        except (OSError, _lane.LaneError):
+            del self.pending[out.req_id]
+            return False
 
     def stop(self) -> None:
         self.stopping = True
@@ -336,10 +370,12 @@ class _IoThread(threading.Thread):
                 self._flush(sock, poller)
                 if sock in events:
                     self._receive(sock, poller)
-                if self.lane is not None and self.lane.sock.fileno() in events:
+                if self.lane is not None and self.lane_fd in events:
                     self._receive_lane(sock, poller)
                 self._expire()
         finally:
+            with self.send_lock:
+                self.ended = True
             for out, fut, _, client, _ in list(self.pending.values()):
                 client._release(out)
                 fut.set_exception(errors.Unavailable("the client was closed before the reply arrived"))
@@ -352,30 +388,35 @@ class _IoThread(threading.Thread):
                 self.lane.close()
 
     def _flush(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
-        if self.outbox and self.lane is None:
-            self._connect_lane(poller)
-        while self.outbox:
-            out, fut, deadline, client = self.outbox.popleft()
-            self.pending[out.req_id] = (out, fut, deadline, client, self.lane is not None)
-            if self.lane is not None:
-                try:
-                    self.lane.send(out.frames, None)
-                    continue
-                except OSError as exc:  # the pool behind it is gone and never saw this one
-                    self._lose_lane(poller, exc)
-                    self.pending[out.req_id] = (out, fut, deadline, client, False)
-                except _lane.LaneError:  # more parts than a lane frames: nothing went
-                    self.pending[out.req_id] = (out, fut, deadline, client, False)
-            zmqio.send_parts(sock, out.frames)
+        if not self.outbox:
+            return
+        with self.send_lock:
+            if self.lane is None:
+                self._connect_lane(poller)
+            while self.outbox:
+                out, fut, deadline, client = self.outbox.popleft()
+                self.pending[out.req_id] = (out, fut, deadline, client, self.lane is not None)
+                if self.lane is not None:
+                    try:
+                        self.lane.send(out.frames, None)
+                        continue
+                    except OSError as exc:  # the pool behind it is gone and never saw this one
+                        self._lose_lane(poller, exc)
+                        self.pending[out.req_id] = (out, fut, deadline, client, False)
+                    except _lane.LaneError:  # more parts than a lane frames: nothing went
+                        self.pending[out.req_id] = (out, fut, deadline, client, False)
+                zmqio.send_parts(sock, out.frames)
 
     def _connect_lane(self, poller: zmq.Poller) -> None:
         self.lane = self.dialer.connect()
         if self.lane is not None:
-            poller.register(self.lane.sock.fileno(), zmq.POLLIN)
+            self.lane_fd = self.lane.sock.fileno()  # kept: a send cut short closes the socket (fileno -1)
+            poller.register(self.lane_fd, zmq.POLLIN)
 
     def _lose_lane(self, poller: zmq.Poller, exc: BaseException) -> None:
-        """Requests that went over the lane will hear nothing more: they fail now, not at their deadline."""
-        poller.unregister(self.lane.sock.fileno())
+        """Requests that went over the lane will hear nothing more: they fail now, not at their deadline.
+        Called holding ``send_lock``."""
+        poller.unregister(self.lane_fd)
         self.lane.close()
         self.lane = None
         self.dialer.failed()
@@ -395,7 +436,8 @@ class _IoThread(threading.Thread):
             except BlockingIOError:
                 return
             except (EOFError, OSError, _lane.LaneError) as exc:
-                self._lose_lane(poller, exc)
+                with self.send_lock:
+                    self._lose_lane(poller, exc)
                 return
             if parts is not None:
                 self._deliver(parts)
@@ -426,10 +468,12 @@ class _IoThread(threading.Thread):
             client._release(out)
 
     def _wait_ms(self) -> int:
-        deadlines = [entry[2] for entry in self.pending.values() if entry[2] is not None]
-        if not deadlines:
+        with self.send_lock:  # a straight send then either is in pending here or sees what this waits for
+            deadlines = [entry[2] for entry in self.pending.values() if entry[2] is not None]
+            self.wait_until = min(deadlines) if deadlines else None
+        if self.wait_until is None:
             return -1
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+        return max(0, int((self.wait_until - time.monotonic()) * 1000) + 1)
 
     def _expire(self) -> None:
         now = time.monotonic()

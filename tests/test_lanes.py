@@ -243,6 +243,69 @@ def test_futures_go_over_the_io_threads_lane(pool, client):
         assert wait_until(lambda: plain.status()["lanes"] <= before)
 
 
+def test_futures_from_many_threads_and_callbacks_share_the_io_threads_lane(pool, client):
+    """Other threads send their requests straight onto the I/O thread's lane while the I/O thread sends
+    the ones its callbacks start: 128 KiB requests take three records each, and a message whose
+    records interleaved with another's would come back wrong or break the lane."""
+    inputs = [np.random.default_rng(i).standard_normal((32, 1024)).astype(np.float32) for i in range(4)]
+    want = [client.infer("mlp", {"INPUT": x})["LOGITS"] for x in inputs]
+    results, errors_seen = [], []
+    with Client(pool.endpoint) as shared:
+        def chain(fut, i: int, left: int) -> None:  # runs on the I/O thread
+            results.append((i, fut))
+            if left:
+                shared.infer_async("mlp", {"INPUT": inputs[i]}).add_done_callback(
+                    lambda f: chain(f, i, left - 1))
+
+        def caller(t: int) -> None:
+            try:
+                for k in range(12):
+                    i = (t + k) % len(inputs)
+                    fut = shared.infer_async("mlp", {"INPUT": inputs[i]})
+                    if k % 4 == 0:
+                        fut.add_done_callback(lambda f, i=i: chain(f, i, 2))
+                    else:
+                        results.append((i, fut))
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                errors_seen.append(exc)
+
+        threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors_seen
+        expected = 4 * (12 + 3 * 2)  # 12 each, and 3 of them start a chain of 2 more
+        assert wait_until(lambda: len(results) == expected, 60), len(results)
+        for i, fut in results:
+            np.testing.assert_array_equal(fut.result(timeout=60)["LOGITS"], want[i])
+
+
+def test_a_future_sent_straight_does_not_wake_the_io_thread(pool, client, gate_file):
+    """While the I/O thread waits on an earlier request, another thread's request goes onto the lane
+    without waking it; a request due before anything it waits for still wakes it, so its timeout fires
+    (the gated recorder holds it)."""
+    x = np.ones((1, 16), np.float32)
+    with Client(pool.endpoint) as c:
+        c.infer_async("tiny", {"INPUT0": x}).result(timeout=60)  # the I/O thread and its lane are up
+        batches = c.stats()["recorder"]["batches"]
+        open(gate_file, "w").close()
+        try:
+            held = c.infer_async("recorder", {"INPUT": np.full((8, 4), -1, np.float32)}, timeout=60)
+            assert wait_until(lambda: c.stats()["recorder"]["batches"] == batches + 1)
+            wakes = c._io.wakes
+            futures = [c.infer_async("tiny", {"INPUT0": x + i}) for i in range(20)]
+            for i, fut in enumerate(futures):
+                np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT0"], 2 * (x + i) + 1)
+            assert c._io.wakes == wakes, "requests sent straight still woke the I/O thread"
+            late = c.infer_async("recorder", {"INPUT": np.full((1, 4), 5, np.float32)}, timeout=0.5)
+            with pytest.raises(errors.PoolUnavailable, match="in time"):
+                late.result(timeout=30)
+        finally:
+            os.unlink(gate_file)
+        assert held.result(timeout=60)["BATCH"][0, 0] == 8
+
+
 def test_the_asyncio_client_uses_a_lane_too(pool, client):
     import asyncio
 
