@@ -8,7 +8,6 @@ postprocess  python backend: softmax and arg-max over 1000 logits
 """
 
 import os
-import sys
 import textwrap
 
 import numpy as np
@@ -132,5 +131,10 @@ def make_all(repo: str) -> str:
 
 
 if __name__ == "__main__":
-    out = make_all(sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "models"))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", nargs="?", default=os.path.join(HERE, "models"),
+                        help="where to write the repository (default: examples/models)")
+    out = make_all(parser.parse_args().out_dir)
     print(f"wrote the example repository to {out}")
