@@ -352,6 +352,7 @@ def plot(report: dict, path: str) -> None:
 
 DEFAULT_DELAYS_US = (0, 500, 2000, 8000)
 DEFAULT_COUNTS = (1, 2)
+TIE_SHARE = 0.02
 
 
 def _variant(repository: str, model: str, delay_us: int, count: int, into: str) -> None:
@@ -379,47 +380,69 @@ def _variant(repository: str, model: str, delay_us: int, count: int, into: str) 
         f.write(text_format.MessageToString(cfg))
 
 
-def sweep(repository: str, model: str, concurrency: list[int], seconds: float, p99_target_ms: float,
-          delays_us=DEFAULT_DELAYS_US, counts=DEFAULT_COUNTS, batch_size: int = 1) -> dict:
+def sweep(repository: str, model: str, concurrency: list[int] | None, seconds: float, p99_target_ms: float,
+          delays_us=DEFAULT_DELAYS_US, counts=DEFAULT_COUNTS, batch_size: int = 1,
+          rates: list[float] | None = None) -> dict:
     """Model Analyzer's question in minutes: for each (max_queue_delay, instance count) on a private pool,
-    the best throughput whose p99 meets the target. Returns every trial and the best setting."""
+    the best throughput whose p99 meets the target, over closed-loop ``concurrency`` levels and Poisson
+    ``rates`` (where a batching delay shows in the tail). Returns every trial and the best setting."""
     import tempfile
 
     from gepool.pool import Pool
 
+    if not concurrency and not rates:
+        raise errors.InvalidArgument("a sweep needs at least one concurrency level or rate to measure")
     trials = []
     for delay in delays_us:
         for count in counts:
             with tempfile.TemporaryDirectory(prefix="gepool-sweep-") as repo:
                 _variant(repository, model, delay, count, repo)
                 with Pool(repo) as pool:
-                    report = bench(pool.client(), model, concurrency, None, seconds, batch_size)
+                    report = bench(pool.client(), model, concurrency, rates, seconds, batch_size)
             ok = [lv for lv in report["levels"] if lv["latency_ms"] and lv["latency_ms"]["p99"] <= p99_target_ms
                   and not lv["errors"]]
             best = max(ok, key=lambda lv: lv["throughput_rps"], default=None)
             trials.append({"max_queue_delay_us": delay, "instances": count, "levels": report["levels"],
-                           "best_concurrency": best["level"] if best else None,
+                           "best_mode": best["mode"] if best else None,
+                           "best_level": best["level"] if best else None,
+                           "best_concurrency": best["level"] if best and best["mode"] == "concurrency" else None,
                            "best_rps": best["throughput_rps"] if best else 0.0,
                            "best_p99_ms": best["latency_ms"]["p99"] if best else None})
-    winner = max(trials, key=lambda t: t["best_rps"])
     return {"model": model, "p99_target_ms": p99_target_ms, "seconds": seconds, "trials": trials,
-            "best": {k: winner[k] for k in ("max_queue_delay_us", "instances", "best_concurrency", "best_rps",
-                                            "best_p99_ms")} if winner["best_rps"] > 0 else None}
+            "best": best_trial(trials)}
+
+
+def best_trial(trials: list[dict]) -> dict | None:
+    """The setting to recommend: the highest throughput that met the target, where throughputs within
+    TIE_SHARE of it tie (an open-loop level runs at its offered rate whatever the setting, so picking
+    the larger of two such figures picks noise) and the lowest p99 among them wins. None if none met it."""
+    top = max((t["best_rps"] for t in trials), default=0.0)
+    if top <= 0:
+        return None
+    winner = min((t for t in trials if t["best_rps"] >= (1 - TIE_SHARE) * top), key=lambda t: t["best_p99_ms"])
+    return {k: winner[k] for k in ("max_queue_delay_us", "instances", "best_mode", "best_level",
+                                   "best_concurrency", "best_rps", "best_p99_ms")}
+
+
+def _level_name(mode: str | None, level: float | None) -> str:
+    if mode is None:
+        return "-"
+    return f"{'conc' if mode == 'concurrency' else 'rate'} {level:g}"
 
 
 def format_sweep(result: dict) -> str:
     lines = [f"sweep of {result['model']} for p99 <= {result['p99_target_ms']} ms",
-             f"{'delay us':>9s} {'instances':>9s} {'best req/s':>11s} {'at conc':>8s} {'p99 ms':>8s}"]
+             f"{'delay us':>9s} {'instances':>9s} {'best req/s':>11s} {'at level':>10s} {'p99 ms':>8s}"]
     for t in result["trials"]:
         p99 = f"{t['best_p99_ms']:8.2f}" if t["best_p99_ms"] is not None else f"{'-':>8s}"
         lines.append(f"{t['max_queue_delay_us']:9d} {t['instances']:9d} {t['best_rps']:11.1f} "
-                     f"{str(t['best_concurrency'] or '-'):>8s} {p99}")
+                     f"{_level_name(t['best_mode'], t['best_level']):>10s} {p99}")
     b = result["best"]
     if b is None:
         lines.append("best: no setting met the target")
     else:
         lines.append(f"best: max_queue_delay_microseconds: {b['max_queue_delay_us']}, instance count "
-                     f"{b['instances']} ({b['best_rps']:.1f} req/s at concurrency {b['best_concurrency']:g}, "
+                     f"{b['instances']} ({b['best_rps']:.1f} req/s at {_level_name(b['best_mode'], b['best_level'])}, "
                      f"p99 {b['best_p99_ms']:.2f} ms)")
     return "\n".join(lines)
 

@@ -184,7 +184,7 @@ def _cmd_bench(args) -> int:
         if not args.model_repository:
             raise errors.InvalidArgument("--sweep needs --model-repository (it starts its own pools)")
         result = sweep(args.model_repository, args.model, concurrency, args.duration, args.p99_target_ms,
-                       batch_size=args.batch_size)
+                       batch_size=args.batch_size, rates=rates)
         print(format_sweep(result))
         if args.output:
             with open(args.output, "w") as f:

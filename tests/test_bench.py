@@ -5,7 +5,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
+from gepool import errors
 from gepool.bench import bench, format_report, percentiles, poisson_arrivals, server_window
 
 
@@ -82,6 +84,33 @@ def test_sweep_tries_the_grid_and_picks_a_setting_that_meets_the_target(model_re
     assert "best: max_queue_delay_microseconds" in format_sweep(result)
     impossible = sweep(model_repo, "tiny", [1], 0.3, p99_target_ms=0.0001, delays_us=(0,), counts=(1,))
     assert impossible["best"] is None and "no setting met the target" in format_sweep(impossible)
+
+
+def test_sweep_measures_open_loop_rates_too(model_repo):
+    from gepool.bench import format_sweep, sweep
+
+    result = sweep(model_repo, "tiny", None, 0.5, p99_target_ms=1000.0, delays_us=(0,), counts=(1,), rates=[50.0])
+    (trial,) = result["trials"]
+    assert [(lv["mode"], lv["level"]) for lv in trial["levels"]] == [("rate", 50.0)]
+    assert trial["levels"][0]["ok"] > 0
+    assert result["best"]["best_mode"] == "rate" and result["best"]["best_level"] == 50.0
+    assert result["best"]["best_concurrency"] is None
+    assert "at rate 50" in format_sweep(result)
+    with pytest.raises(errors.InvalidArgument, match="at least one"):
+        sweep(model_repo, "tiny", [], 0.5, p99_target_ms=1000.0, rates=[])
+
+
+def test_the_sweep_recommends_the_lowest_p99_among_equal_throughputs():
+    from gepool.bench import best_trial
+
+    def trial(delay: int, rps: float, p99: float | None) -> dict:
+        return {"max_queue_delay_us": delay, "instances": 1, "best_mode": "rate" if p99 else None,
+                "best_level": 1000.0 if p99 else None, "best_concurrency": None, "best_rps": rps,
+                "best_p99_ms": p99}
+
+    trials = [trial(0, 990.0, 30.0), trial(500, 985.0, 12.0), trial(2000, 900.0, 5.0), trial(8000, 0.0, None)]
+    assert best_trial(trials)["max_queue_delay_us"] == 500  # 985 ties 990 (within 2%); 900 does not
+    assert best_trial([trial(0, 0.0, None)]) is None and best_trial([]) is None
 
 
 def test_levels_split_across_client_processes(client):
