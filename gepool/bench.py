@@ -382,7 +382,7 @@ def _variant(repository: str, model: str, delay_us: int, count: int, into: str) 
 
 def sweep(repository: str, model: str, concurrency: list[int] | None, seconds: float, p99_target_ms: float,
           delays_us=DEFAULT_DELAYS_US, counts=DEFAULT_COUNTS, batch_size: int = 1,
-          rates: list[float] | None = None) -> dict:
+          rates: list[float] | None = None, given: dict | None = None) -> dict:
     """Model Analyzer's question in minutes: for each (max_queue_delay, instance count) on a private pool,
     the best throughput whose p99 meets the target, over closed-loop ``concurrency`` levels and Poisson
     ``rates`` (where a batching delay shows in the tail). Returns every trial and the best setting."""
@@ -398,7 +398,7 @@ def sweep(repository: str, model: str, concurrency: list[int] | None, seconds: f
             with tempfile.TemporaryDirectory(prefix="gepool-sweep-") as repo:
                 _variant(repository, model, delay, count, repo)
                 with Pool(repo) as pool:
-                    report = bench(pool.client(), model, concurrency, rates, seconds, batch_size)
+                    report = bench(pool.client(), model, concurrency, rates, seconds, batch_size, given=given)
             ok = [lv for lv in report["levels"] if lv["latency_ms"] and lv["latency_ms"]["p99"] <= p99_target_ms
                   and not lv["errors"]]
             best = max(ok, key=lambda lv: lv["throughput_rps"], default=None)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from gepool.bench import Level, make_inputs, percentiles, poisson_arrivals
+from gepool.bench import SATURATION_CPU, SATURATION_LAG, Level, make_inputs, percentiles, poisson_arrivals
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -64,7 +64,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
 
     async with session.get(f"{url}/v2/models/{model}/stats") as resp:
         before = await resp.json()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if mode == "concurrency":
         async def loop() -> None:
             while time.perf_counter() - start < seconds:
@@ -81,8 +81,11 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
                 lag = max(lag, -wait)
             tasks.append(asyncio.ensure_future(one()))
         await asyncio.gather(*tasks)
-        level.send_lag_s, level.client_saturated = float(lag), bool(lag > 0.1 * seconds)
+        level.send_lag_s, level.client_saturated = float(lag), bool(lag > SATURATION_LAG * seconds)
     level.seconds = time.perf_counter() - start
+    level.client_cpu = (time.process_time() - cpu) / level.seconds
+    if mode == "concurrency":  # one asyncio loop on one core: as the library client's rule
+        level.client_saturated = level.client_cpu >= SATURATION_CPU
     level.latency_ms = percentiles(latencies)
     level.throughput_rps = level.ok / level.seconds
     level.rows_per_s = level.rows / level.seconds
@@ -91,7 +94,8 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     return level
 
 
-async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch_size: int) -> dict:
+async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch_size: int,
+                 given: dict | None) -> dict:
     import aiohttp
 
     url = url.rstrip("/") if "://" in url else f"http://{url.rstrip('/')}"
@@ -101,9 +105,10 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
             meta = await resp.json()
         async with session.get(f"{url}/v2/models/{model}/config") as resp:
             meta["max_batch_size"] = (await resp.json()).get("max_batch_size", 0)
-        inputs = make_inputs(meta, batch_size)
+        inputs = dict(make_inputs(meta, batch_size), **(given or {}))
         body, headers = _body(inputs)
-        rows = batch_size if meta["max_batch_size"] > 0 else 1
+        first = next(iter(inputs.values()))
+        rows = (first.shape[0] if first.ndim else 1) if meta["max_batch_size"] > 0 else 1
         plan = [("concurrency", c) for c in concurrency or []] + [("rate", r) for r in rates or []]
         levels = [await _level(session, url, model, body, headers, m, v, seconds, rows) for m, v in plan]
     return {"model": model, "batch_size": batch_size, "seconds": seconds, "http": url,
@@ -112,5 +117,6 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
 
 
 def bench_http(url: str, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
-               seconds: float = 5.0, batch_size: int = 1) -> dict:
-    return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size))
+               seconds: float = 5.0, batch_size: int = 1, given: dict | None = None) -> dict:
+    """``given`` replaces generated inputs by name, as ``bench``'s does."""
+    return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size, given))

@@ -178,13 +178,23 @@ def _cmd_bench(args) -> int:
     rates = [float(x) for x in args.rate.split(",") if x]
     if not concurrency and not rates:
         concurrency = [1, 2, 4, 8, 16]
+    given = _given(args.input)
+    if args.http or args.sweep:  # these load with one client process of their own: say so, not ignore
+        if args.shared_memory:
+            raise errors.InvalidArgument("--shared-memory is the library client's carrier: it does not go with "
+                                         f"{'--http' if args.http else '--sweep'}")
+        if args.processes not in ("auto", 1):
+            raise errors.InvalidArgument("--processes splits the library client's load: it does not go with "
+                                         f"{'--http' if args.http else '--sweep'}")
     if args.sweep:
         from gepool.bench import format_sweep, sweep
 
+        if args.http or args.endpoint:
+            raise errors.InvalidArgument("--sweep starts its own pools: it does not take --http or --endpoint")
         if not args.model_repository:
             raise errors.InvalidArgument("--sweep needs --model-repository (it starts its own pools)")
         result = sweep(args.model_repository, args.model, concurrency, args.duration, args.p99_target_ms,
-                       batch_size=args.batch_size, rates=rates)
+                       batch_size=args.batch_size, rates=rates, given=given)
         print(format_sweep(result))
         if args.output:
             with open(args.output, "w") as f:
@@ -193,10 +203,9 @@ def _cmd_bench(args) -> int:
     if args.http:
         from gepool.bench_http import bench_http
 
-        report = bench_http(args.http, args.model, concurrency, rates, args.duration, args.batch_size)
+        report = bench_http(args.http, args.model, concurrency, rates, args.duration, args.batch_size, given)
     else:
         with Client(args.endpoint, shared_memory=args.shared_memory) as c:
-            given = {name: np.load(path) for name, path in (item.split("=", 1) for item in args.input)}
             report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size, args.processes,
                            given)
     print(format_report(report))
@@ -209,6 +218,20 @@ def _cmd_bench(args) -> int:
         plot(report, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _given(items: list[str]) -> dict[str, np.ndarray]:
+    """--input NAME=FILE.npy, each loaded now, so that a typo is an error before any load runs."""
+    given = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise errors.InvalidArgument(f"--input takes NAME=FILE.npy, not '{item}'")
+        try:
+            given[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise errors.InvalidArgument(f"--input {name}: cannot load '{path}': {exc}") from None
+    return given
 
 
 def _cmd_cleanup(args) -> int:

@@ -72,6 +72,23 @@ def test_cli_writes_the_report(pool, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["--http", "127.0.0.1:1", "--shared-memory"], "--shared-memory is the library client's carrier"),
+    (["--http", "127.0.0.1:1", "--processes", "2"], "--processes splits the library client's load"),
+    (["--sweep", "--model-repository", ".", "--http", "127.0.0.1:1"], "does not take --http"),
+    (["--sweep", "--model-repository", ".", "--shared-memory"], "does not go with --sweep"),
+    (["--input", "INPUT0"], "--input takes NAME=FILE.npy, not 'INPUT0'"),
+    (["--input", "INPUT0=/nonexistent/x.npy"], "--input INPUT0: cannot load '/nonexistent/x.npy'"),
+])
+def test_the_cli_refuses_options_it_would_ignore(argv, why, capsys):
+    """Each of these used to be dropped without a word (or, for --input, to end in a traceback); they
+    are refused before anything is loaded."""
+    from gepool.cli import main
+
+    assert main(["bench", "tiny", "--concurrency", "1", *argv]) == 1
+    assert why in capsys.readouterr().err
+
+
 def test_sweep_tries_the_grid_and_picks_a_setting_that_meets_the_target(model_repo):
     from gepool.bench import format_sweep, sweep
 

@@ -255,14 +255,19 @@ def test_repository_index_and_control_mode(http_pool, triton):
 def test_bench_over_http(http_pool):
     from gepool.bench_http import bench_http
 
-    report = bench_http(f"127.0.0.1:{http_pool.http_port}", "tiny", concurrency=[2], rates=[50.0], seconds=1.0,
-                        batch_size=2)
+    url = f"127.0.0.1:{http_pool.http_port}"
+    report = bench_http(url, "tiny", concurrency=[2], rates=[50.0], seconds=1.0, batch_size=2)
     for lv in report["levels"]:
         assert lv["ok"] == lv["sent"] > 0 and lv["errors"] == {}
         assert lv["rows"] == 2 * lv["ok"]
         assert lv["server"]["requests"] == lv["ok"]  # from /v2/models/tiny/stats, before and after
         assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
+        assert lv["client_cpu"] > 0
     assert 25 <= report["levels"][1]["sent"] <= 80
+    given = bench_http(url, "tiny", concurrency=[1], seconds=0.5, given={"INPUT0": np.ones((3, 16), np.float32)})
+    assert given["inputs"] == {"INPUT0": [3, 16]}
+    (lv,) = given["levels"]
+    assert lv["ok"] > 0 and lv["rows"] == 3 * lv["ok"] and lv["server"]["avg_batch_size"] >= 3
 
 
 def test_the_sidecar_reaches_the_front_over_a_lane(http_pool, triton):
