@@ -46,6 +46,133 @@ class Level:
     server: dict = field(default_factory=dict)
 
 
+PROGRESS_EVERY_S = 0.5  # how often a running level reports to a live display
+
+
+@dataclass
+class Progress:
+    """A running level so far, for a live display."""
+    mode: str
+    level: float
+    seconds: float  # the level's length
+    elapsed: float
+    sent: int | None  # None with several client processes: ``ok`` and ``errors`` are then the server's counts
+    ok: int
+    errors: int
+    rps: float  # answers per second since the previous report
+    p50_ms: float | None = None  # over the latest answers (this process's)
+    p99_ms: float | None = None
+    processes: int = 1
+
+
+class Display:
+    """What ``bench`` tells as it runs (the CLI prints it; the default says nothing)."""
+
+    def tick(self, progress: Progress) -> None:
+        pass
+
+    def finished(self, level: Level, again_with: int = 0) -> None:
+        """A level ended; ``again_with``: its client side was saturated and it runs again with this
+        many client processes."""
+
+    def note(self, text: str) -> None:
+        """A line about what comes next (a sweep's setting)."""
+
+
+class TerminalDisplay(Display):
+    """Progress for a person: on a terminal, one line rewritten in place while a level runs; then, on a
+    terminal or not (a log, a pipe), one line per level that stays."""
+
+    def __init__(self, stream, live: bool | None = None) -> None:
+        self.stream = stream
+        self.live = stream.isatty() if live is None else live
+        self.width = 0  # of the line being rewritten
+        self.lock = threading.Lock()
+
+    def tick(self, progress: Progress) -> None:
+        if not self.live:
+            return
+        text = format_progress(progress)
+        with self.lock:
+            self.stream.write("\r" + text.ljust(self.width))
+            self.stream.flush()
+            self.width = max(self.width, len(text))
+
+    def finished(self, level: Level, again_with: int = 0) -> None:
+        label = f"{'conc' if level.mode == 'concurrency' else 'rate'} {level.level:g}"
+        lat = level.latency_ms
+        text = (f"{label:>10s}  {level.throughput_rps:.1f} req/s, p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"
+                if lat else f"{label:>10s}  no answer")
+        failed = sum(level.errors.values())
+        if failed:
+            text += f", {failed} failed"
+        if again_with:
+            text += f"; the client side was saturated: again with {again_with} client processes"
+        elif level.client_saturated:
+            text += "; the client side was saturated"
+        self.note(text)
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            if self.width:
+                self.stream.write("\r" + " " * self.width + "\r")
+                self.width = 0
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+
+class _Ticker:
+    """Reports a running level to a Display every PROGRESS_EVERY_S, from a thread of its own, out of
+    ``counts()``: (sent or None, answered, failed, latest latencies in seconds or None)."""
+
+    def __init__(self, display: Display | None, mode: str, value: float, seconds: float, processes: int,
+                 counts) -> None:
+        self.display, self.counts = display, counts
+        self.mode, self.value, self.seconds, self.processes = mode, value, seconds, processes
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="gepool-bench-progress", daemon=True)
+
+    def __enter__(self) -> "_Ticker":
+        self.start = self.last_t = time.perf_counter()
+        self.last_ok = 0
+        if self.display is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(PROGRESS_EVERY_S):
+            self.display.tick(self.snapshot())
+
+    def snapshot(self) -> Progress:
+        sent, ok, failed, latest = self.counts()
+        now = time.perf_counter()
+        rps = (ok - self.last_ok) / max(now - self.last_t, 1e-9)
+        self.last_ok, self.last_t = ok, now
+        p50 = p99 = None
+        if latest:
+            arr = np.asarray(latest) * 1000
+            p50, p99 = float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+        return Progress(self.mode, self.value, self.seconds, now - self.start, sent, ok, failed, rps, p50, p99,
+                        self.processes)
+
+
+def format_progress(p: Progress) -> str:
+    label = f"{'conc' if p.mode == 'concurrency' else 'rate'} {p.level:g}"
+    counts = (f"sent {p.sent}  ok {p.ok}  failed {p.errors}" if p.sent is not None
+              else f"server answered {p.ok}  failed {p.errors}")
+    lat = f"  p50 {p.p50_ms:.2f} ms  p99 {p.p99_ms:.2f} ms" if p.p50_ms is not None else ""
+    procs = f"  [{p.processes} client processes]" if p.processes > 1 else ""
+    return f"{label:>10s}  {min(p.elapsed, p.seconds):5.1f}/{p.seconds:g}s  {counts}  {p.rps:8.0f} req/s{lat}{procs}"
+
+
+LATEST = 2000  # answers the live percentiles look at
+
+
 def percentiles(latencies_s: list[float]) -> dict:
     if not latencies_s:
         return {}
@@ -140,33 +267,39 @@ class _Run:
                 self.idle.set()
 
 
-def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds: float, rows: int) -> Level:
+def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds: float, rows: int,
+              display: Display | None = None) -> Level:
     level = Level(mode, value)
     run = _Run(client, model, inputs, rows, level)
     before = client.stats()[model]
-    start, cpu = time.perf_counter(), time.process_time()
-    stop_at = start + seconds
-    if mode == "concurrency":
-        def again() -> None:
-            if time.perf_counter() < stop_at:
-                run.send(again)
 
-        for _ in range(int(value)):
-            run.send(again)
-        time.sleep(max(0.0, stop_at - time.perf_counter()))
-    else:
-        lag = 0.0
-        for t in poisson_arrivals(value, seconds).tolist():
-            wait = start + t - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            else:
-                lag = max(lag, -wait)
-            run.send()
-        level.send_lag_s = float(lag)
-        level.client_saturated = bool(lag > SATURATION_LAG * seconds)
-    run.close()
-    run.idle.wait(seconds + 120)
+    def counts() -> tuple:
+        return level.sent, level.ok, sum(level.errors.values()), run.latencies[-LATEST:]
+
+    with _Ticker(display, mode, value, seconds, 1, counts):
+        start, cpu = time.perf_counter(), time.process_time()
+        stop_at = start + seconds
+        if mode == "concurrency":
+            def again() -> None:
+                if time.perf_counter() < stop_at:
+                    run.send(again)
+
+            for _ in range(int(value)):
+                run.send(again)
+            time.sleep(max(0.0, stop_at - time.perf_counter()))
+        else:
+            lag = 0.0
+            for t in poisson_arrivals(value, seconds).tolist():
+                wait = start + t - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                else:
+                    lag = max(lag, -wait)
+                run.send()
+            level.send_lag_s = float(lag)
+            level.client_saturated = bool(lag > SATURATION_LAG * seconds)
+        run.close()
+        run.idle.wait(seconds + 120)
     level.seconds = time.perf_counter() - start
     level.client_cpu = (time.process_time() - cpu) / level.seconds
     if mode == "concurrency":
@@ -181,7 +314,7 @@ def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds
 
 def run_level_processes(client, endpoint: str, model: str, mode: str, value: float, seconds: float,
                         batch_size: int, processes: int, shared_memory: bool,
-                        input_files: dict[str, str] | None = None) -> Level:
+                        input_files: dict[str, str] | None = None, display: Display | None = None) -> Level:
     """One level split across several client processes (when one Python process cannot produce the
     load): each runs its share, the parent merges their counts and latencies and reads the server once."""
     import subprocess
@@ -200,11 +333,19 @@ def run_level_processes(client, endpoint: str, model: str, mode: str, value: flo
                                       stdout=subprocess.PIPE, text=True))
     level = Level(mode, value, processes=processes)
     latencies: list[float] = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=seconds + 300)
-        if proc.returncode != 0:
-            raise errors.Internal(f"a bench client process failed (exit code {proc.returncode})")
-        part = json.loads(out)
+
+    def counts() -> tuple:  # the children report at their end: meanwhile, what the server has answered
+        now = client.stats()[model]
+        return None, now["requests"] - before["requests"], now["failures"] - before["failures"], None
+
+    parts = []
+    with _Ticker(display, mode, value, seconds, processes, counts):
+        for proc in procs:
+            out, _ = proc.communicate(timeout=seconds + 300)
+            if proc.returncode != 0:
+                raise errors.Internal(f"a bench client process failed (exit code {proc.returncode})")
+            parts.append(json.loads(out))
+    for part in parts:
         for key in ("sent", "ok", "rows"):
             setattr(level, key, getattr(level, key) + part[key])
         for kind, n in part["errors"].items():
@@ -240,10 +381,12 @@ def _child(argv: list[str]) -> int:
 
 
 def bench(client, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
-          seconds: float = 5.0, batch_size: int = 1, processes: int | str = 1, given: dict | None = None) -> dict:
+          seconds: float = 5.0, batch_size: int = 1, processes: int | str = 1, given: dict | None = None,
+          display: Display | None = None) -> dict:
     """Every level in this process, or split across ``processes`` client processes; ``"auto"`` starts
     with one and doubles while the client side is saturated (up to the host's cores).
-    ``given`` replaces generated inputs by name (arrays, e.g. loaded from .npy files)."""
+    ``given`` replaces generated inputs by name (arrays, e.g. loaded from .npy files); ``display``
+    hears each level's progress as it runs, and its end."""
     meta = client.model_metadata(model)
     inputs = dict(make_inputs(meta, batch_size), **(given or {}))
     first = next(iter(inputs.values()))
@@ -260,9 +403,9 @@ def bench(client, model: str, concurrency: list[int] | None = None, rates: list[
 
         def run(mode: str, value: float, n: int) -> Level:
             if n == 1:
-                return run_level(client, model, inputs, mode, value, seconds, rows)
+                return run_level(client, model, inputs, mode, value, seconds, rows, display)
             return run_level_processes(client, client.endpoint, model, mode, value, seconds, batch_size, n,
-                                       shm, files)
+                                       shm, files, display)
 
         levels = []
         for mode, value in plan:
@@ -270,7 +413,11 @@ def bench(client, model: str, concurrency: list[int] | None = None, rates: list[
             level = run(mode, value, n)
             while auto and level.client_saturated and 2 * n <= most and (mode == "rate" or value >= 2 * n):
                 n *= 2
+                if display is not None:
+                    display.finished(level, again_with=n)
                 level = run(mode, value, n)
+            if display is not None:
+                display.finished(level)
             levels.append(level)
     return {"model": model, "batch_size": batch_size, "seconds": seconds,
             "inputs": {k: list(v.shape) for k, v in inputs.items()}, "processes": processes,
@@ -382,7 +529,7 @@ def _variant(repository: str, model: str, delay_us: int, count: int, into: str) 
 
 def sweep(repository: str, model: str, concurrency: list[int] | None, seconds: float, p99_target_ms: float,
           delays_us=DEFAULT_DELAYS_US, counts=DEFAULT_COUNTS, batch_size: int = 1,
-          rates: list[float] | None = None, given: dict | None = None) -> dict:
+          rates: list[float] | None = None, given: dict | None = None, display: Display | None = None) -> dict:
     """Model Analyzer's question in minutes: for each (max_queue_delay, instance count) on a private pool,
     the best throughput whose p99 meets the target, over closed-loop ``concurrency`` levels and Poisson
     ``rates`` (where a batching delay shows in the tail). Returns every trial and the best setting."""
@@ -395,10 +542,13 @@ def sweep(repository: str, model: str, concurrency: list[int] | None, seconds: f
     trials = []
     for delay in delays_us:
         for count in counts:
+            if display is not None:
+                display.note(f"max_queue_delay_microseconds {delay}, {count} instance(s):")
             with tempfile.TemporaryDirectory(prefix="gepool-sweep-") as repo:
                 _variant(repository, model, delay, count, repo)
                 with Pool(repo) as pool:
-                    report = bench(pool.client(), model, concurrency, rates, seconds, batch_size, given=given)
+                    report = bench(pool.client(), model, concurrency, rates, seconds, batch_size, given=given,
+                                   display=display)
             ok = [lv for lv in report["levels"] if lv["latency_ms"] and lv["latency_ms"]["p99"] <= p99_target_ms
                   and not lv["errors"]]
             best = max(ok, key=lambda lv: lv["throughput_rps"], default=None)

@@ -8,7 +8,17 @@ from dataclasses import asdict
 
 import numpy as np
 
-from gepool.bench import SATURATION_CPU, SATURATION_LAG, Level, make_inputs, percentiles, poisson_arrivals
+from gepool.bench import (
+    LATEST,
+    SATURATION_CPU,
+    SATURATION_LAG,
+    Display,
+    Level,
+    _Ticker,
+    make_inputs,
+    percentiles,
+    poisson_arrivals,
+)
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -43,8 +53,11 @@ def _window(before: dict, after: dict) -> dict:
 
 
 async def _level(session, url: str, model: str, body: bytes, headers: dict, mode: str, value: float,
-                 seconds: float, rows: int) -> Level:
+                 seconds: float, rows: int, display: Display | None) -> Level:
     level, latencies = Level(mode, value), []
+
+    def counts() -> tuple:  # read by the ticker's thread: plain ints and a list slice
+        return level.sent, level.ok, sum(level.errors.values()), latencies[-LATEST:]
 
     async def one() -> None:
         start = time.perf_counter()
@@ -65,23 +78,24 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     async with session.get(f"{url}/v2/models/{model}/stats") as resp:
         before = await resp.json()
     start, cpu = time.perf_counter(), time.process_time()
-    if mode == "concurrency":
-        async def loop() -> None:
-            while time.perf_counter() - start < seconds:
-                await one()
+    with _Ticker(display, mode, value, seconds, 1, counts):
+        if mode == "concurrency":
+            async def loop() -> None:
+                while time.perf_counter() - start < seconds:
+                    await one()
 
-        await asyncio.gather(*(loop() for _ in range(int(value))))
-    else:
-        tasks, lag = [], 0.0
-        for t in poisson_arrivals(value, seconds).tolist():
-            wait = start + t - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            else:
-                lag = max(lag, -wait)
-            tasks.append(asyncio.ensure_future(one()))
-        await asyncio.gather(*tasks)
-        level.send_lag_s, level.client_saturated = float(lag), bool(lag > SATURATION_LAG * seconds)
+            await asyncio.gather(*(loop() for _ in range(int(value))))
+        else:
+            tasks, lag = [], 0.0
+            for t in poisson_arrivals(value, seconds).tolist():
+                wait = start + t - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                else:
+                    lag = max(lag, -wait)
+                tasks.append(asyncio.ensure_future(one()))
+            await asyncio.gather(*tasks)
+            level.send_lag_s, level.client_saturated = float(lag), bool(lag > SATURATION_LAG * seconds)
     level.seconds = time.perf_counter() - start
     level.client_cpu = (time.process_time() - cpu) / level.seconds
     if mode == "concurrency":  # one asyncio loop on one core: as the library client's rule
@@ -95,7 +109,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
 
 
 async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch_size: int,
-                 given: dict | None) -> dict:
+                 given: dict | None, display: Display | None) -> dict:
     import aiohttp
 
     url = url.rstrip("/") if "://" in url else f"http://{url.rstrip('/')}"
@@ -110,13 +124,18 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
         first = next(iter(inputs.values()))
         rows = (first.shape[0] if first.ndim else 1) if meta["max_batch_size"] > 0 else 1
         plan = [("concurrency", c) for c in concurrency or []] + [("rate", r) for r in rates or []]
-        levels = [await _level(session, url, model, body, headers, m, v, seconds, rows) for m, v in plan]
+        levels = []
+        for m, v in plan:
+            levels.append(await _level(session, url, model, body, headers, m, v, seconds, rows, display))
+            if display is not None:
+                display.finished(levels[-1])
     return {"model": model, "batch_size": batch_size, "seconds": seconds, "http": url,
             "inputs": {k: list(v.shape) for k, v in inputs.items()}, "processes": 1,
             "levels": [asdict(x) for x in levels]}
 
 
 def bench_http(url: str, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
-               seconds: float = 5.0, batch_size: int = 1, given: dict | None = None) -> dict:
-    """``given`` replaces generated inputs by name, as ``bench``'s does."""
-    return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size, given))
+               seconds: float = 5.0, batch_size: int = 1, given: dict | None = None,
+               display: Display | None = None) -> dict:
+    """``given`` and ``display`` as ``bench``'s."""
+    return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size, given, display))

@@ -171,8 +171,10 @@ def _cmd_unload(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from gepool.bench import bench, format_report
+    from gepool.bench import TerminalDisplay, bench, format_report
     from gepool.client import Client
+
+    display = TerminalDisplay(sys.stderr)  # progress on stderr: stdout keeps the report
 
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
     rates = [float(x) for x in args.rate.split(",") if x]
@@ -194,7 +196,7 @@ def _cmd_bench(args) -> int:
         if not args.model_repository:
             raise errors.InvalidArgument("--sweep needs --model-repository (it starts its own pools)")
         result = sweep(args.model_repository, args.model, concurrency, args.duration, args.p99_target_ms,
-                       batch_size=args.batch_size, rates=rates, given=given)
+                       batch_size=args.batch_size, rates=rates, given=given, display=display)
         print(format_sweep(result))
         if args.output:
             with open(args.output, "w") as f:
@@ -203,11 +205,12 @@ def _cmd_bench(args) -> int:
     if args.http:
         from gepool.bench_http import bench_http
 
-        report = bench_http(args.http, args.model, concurrency, rates, args.duration, args.batch_size, given)
+        report = bench_http(args.http, args.model, concurrency, rates, args.duration, args.batch_size, given,
+                            display)
     else:
         with Client(args.endpoint, shared_memory=args.shared_memory) as c:
             report = bench(c, args.model, concurrency, rates, args.duration, args.batch_size, args.processes,
-                           given)
+                           given, display)
     print(format_report(report))
     if args.output:
         with open(args.output, "w") as f:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gepool import errors
-from gepool.bench import bench, format_report, percentiles, poisson_arrivals, server_window
+from gepool.bench import Display, bench, format_report, percentiles, poisson_arrivals, server_window
 
 
 def test_percentiles_of_known_latencies():
@@ -130,8 +130,69 @@ def test_the_sweep_recommends_the_lowest_p99_among_equal_throughputs():
     assert best_trial([trial(0, 0.0, None)]) is None and best_trial([]) is None
 
 
-def test_levels_split_across_client_processes(client):
-    report = bench(client, "tiny", concurrency=[4], rates=[100.0], seconds=1.0, processes=2)
+class Recorder(Display):
+    def __init__(self) -> None:
+        self.ticks, self.ends = [], []
+
+    def tick(self, progress) -> None:
+        self.ticks.append(progress)
+
+    def finished(self, level, again_with: int = 0) -> None:
+        self.ends.append((level, again_with))
+
+
+def test_a_display_hears_each_level_as_it_runs(client, monkeypatch):
+    import gepool.bench as b
+
+    monkeypatch.setattr(b, "PROGRESS_EVERY_S", 0.05)
+    seen = Recorder()
+    report = bench(client, "tiny", concurrency=[2], rates=[200.0], seconds=0.6, display=seen)
+    assert [(lv.mode, lv.level, again) for lv, again in seen.ends] == [("concurrency", 2, 0), ("rate", 200.0, 0)]
+    assert [lv.ok for lv, _ in seen.ends] == [lv["ok"] for lv in report["levels"]]
+    for mode, level in (("concurrency", 2), ("rate", 200.0)):
+        ticks = [t for t in seen.ticks if (t.mode, t.level) == (mode, level)]
+        assert ticks, f"no progress for {mode} {level}"
+        assert all(t.sent >= t.ok >= 0 and t.errors == 0 and t.processes == 1 for t in ticks)
+        assert [t.ok for t in ticks] == sorted(t.ok for t in ticks)  # counts only grow
+        assert [t.elapsed for t in ticks] == sorted(t.elapsed for t in ticks)
+        answered = [t for t in ticks if t.ok]
+        assert answered and all(0 < t.p50_ms <= t.p99_ms for t in answered)
+
+
+def test_the_terminal_display_rewrites_one_line_then_keeps_a_line_per_level():
+    import io
+
+    from gepool.bench import Level, Progress, TerminalDisplay
+
+    done = Level("rate", 100.0, ok=300, errors={"TIMEOUT": 2}, throughput_rps=99.5,
+                 latency_ms={"p50": 1.5, "p99": 4.25}, client_saturated=True)
+    for live in (True, False):
+        out = io.StringIO()
+        d = TerminalDisplay(out, live=live)
+        d.tick(Progress("rate", 100.0, 3.0, 1.0, 100, 98, 0, 97.0, 1.5, 4.0))
+        d.tick(Progress("rate", 100.0, 3.0, 1.5, 150, 149, 1, 101.0, None, None))
+        d.finished(done)
+        text = out.getvalue()
+        last = "  rate 100  99.5 req/s, p50 1.50 ms, p99 4.25 ms, 2 failed; the client side was saturated\n"
+        assert text.endswith(last)
+        if live:
+            first = text.split("\r")[1]
+            assert "1.0/3s" in first and "sent 100  ok 98  failed 0" in first and "p99 4.00 ms" in first
+            assert text.count("\r") == 4  # two rewrites, then the live line is blanked out
+        else:
+            assert text == last.lstrip("\n")
+    many = TerminalDisplay(io.StringIO(), live=True)
+    many.tick(Progress("concurrency", 8, 3.0, 0.5, None, 40, 0, 80.0, processes=2))
+    assert "server answered 40" in many.stream.getvalue() and "[2 client processes]" in many.stream.getvalue()
+
+
+def test_levels_split_across_client_processes(client, monkeypatch):
+    import gepool.bench as b
+
+    monkeypatch.setattr(b, "PROGRESS_EVERY_S", 0.05)
+    seen = Recorder()
+    report = bench(client, "tiny", concurrency=[4], rates=[100.0], seconds=1.0, processes=2, display=seen)
+    assert seen.ticks and all(t.sent is None and t.processes == 2 for t in seen.ticks)  # the server's counts
     assert report["processes"] == 2
     for lv in report["levels"]:
         assert lv["ok"] == lv["sent"] > 0 and lv["errors"] == {}
@@ -156,6 +217,8 @@ def test_auto_adds_client_processes_only_while_the_client_is_saturated(client, m
     (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto")["levels"]
     assert lv["processes"] == 1 and not lv["client_saturated"]
     monkeypatch.setattr(b, "SATURATION_CPU", 0.0)  # this process always counts as saturated
-    (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto")["levels"]
+    seen = Recorder()
+    (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto", display=seen)["levels"]
     assert lv["processes"] in (2, 4) and lv["ok"] > 0  # the children judge their own saturation
+    assert [again for _, again in seen.ends][:2] == [2, lv["processes"] if lv["processes"] == 4 else 0]
     assert format_report({"model": "tiny", "batch_size": 1, "seconds": 0.3, "levels": [lv]}).count("client processes")

@@ -252,11 +252,26 @@ def test_repository_index_and_control_mode(http_pool, triton):
         triton.load_model("tiny")
 
 
-def test_bench_over_http(http_pool):
+def test_bench_over_http(http_pool, monkeypatch):
+    import gepool.bench as b
     from gepool.bench_http import bench_http
 
+    class Seen(b.Display):
+        ticks, ends = [], []
+
+        def tick(self, progress) -> None:
+            self.ticks.append(progress)
+
+        def finished(self, level, again_with: int = 0) -> None:
+            self.ends.append(level)
+
+    monkeypatch.setattr(b, "PROGRESS_EVERY_S", 0.05)
     url = f"127.0.0.1:{http_pool.http_port}"
-    report = bench_http(url, "tiny", concurrency=[2], rates=[50.0], seconds=1.0, batch_size=2)
+    seen = Seen()
+    report = bench_http(url, "tiny", concurrency=[2], rates=[50.0], seconds=1.0, batch_size=2, display=seen)
+    assert [(lv.mode, lv.level) for lv in seen.ends] == [("concurrency", 2), ("rate", 50.0)]
+    assert {t.mode for t in seen.ticks} == {"concurrency", "rate"}
+    assert all(t.sent >= t.ok for t in seen.ticks)
     for lv in report["levels"]:
         assert lv["ok"] == lv["sent"] > 0 and lv["errors"] == {}
         assert lv["rows"] == 2 * lv["ok"]
