@@ -47,6 +47,14 @@ class Level:
 
 
 PROGRESS_EVERY_S = 0.5  # how often a running level reports to a live display
+LATEST = 2000  # answers the live percentiles look at
+
+
+def level_label(mode: str | None, value: float | None) -> str:
+    """'conc 16' or 'rate 1000', as the report, the live display and the sweep name a level."""
+    if mode is None:
+        return "-"
+    return f"{'conc' if mode == 'concurrency' else 'rate'} {value:g}"
 
 
 @dataclass
@@ -99,7 +107,7 @@ class TerminalDisplay(Display):
             self.width = max(self.width, len(text))
 
     def finished(self, level: Level, again_with: int = 0) -> None:
-        label = f"{'conc' if level.mode == 'concurrency' else 'rate'} {level.level:g}"
+        label = level_label(level.mode, level.level)
         lat = level.latency_ms
         text = (f"{label:>10s}  {level.throughput_rps:.1f} req/s, p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"
                 if lat else f"{label:>10s}  no answer")
@@ -146,7 +154,11 @@ class _Ticker:
 
     def _loop(self) -> None:
         while not self.stop.wait(PROGRESS_EVERY_S):
-            self.display.tick(self.snapshot())
+            try:
+                progress = self.snapshot()
+            except errors.GepoolError:  # the server's counts, from a pool that stopped answering: the
+                continue  # level itself reports that
+            self.display.tick(progress)
 
     def snapshot(self) -> Progress:
         sent, ok, failed, latest = self.counts()
@@ -162,15 +174,12 @@ class _Ticker:
 
 
 def format_progress(p: Progress) -> str:
-    label = f"{'conc' if p.mode == 'concurrency' else 'rate'} {p.level:g}"
+    label = level_label(p.mode, p.level)
     counts = (f"sent {p.sent}  ok {p.ok}  failed {p.errors}" if p.sent is not None
               else f"server answered {p.ok}  failed {p.errors}")
     lat = f"  p50 {p.p50_ms:.2f} ms  p99 {p.p99_ms:.2f} ms" if p.p50_ms is not None else ""
     procs = f"  [{p.processes} client processes]" if p.processes > 1 else ""
     return f"{label:>10s}  {min(p.elapsed, p.seconds):5.1f}/{p.seconds:g}s  {counts}  {p.rps:8.0f} req/s{lat}{procs}"
-
-
-LATEST = 2000  # answers the live percentiles look at
 
 
 def percentiles(latencies_s: list[float]) -> dict:
@@ -442,7 +451,7 @@ def format_report(report: dict) -> str:
              f"{'max':>8s}  {'server batch':>12s} {'queue ms':>8s} {'compute ms':>10s}  errors"]
     for lv in report["levels"]:
         lat = lv["latency_ms"] or dict.fromkeys(("p50", "p90", "p95", "p99", "max"), math.nan)
-        label = f"{'conc' if lv['mode'] == 'concurrency' else 'rate'} {lv['level']:g}"
+        label = level_label(lv["mode"], lv["level"])
         s = lv["server"]
         lines.append(f"{label:>14s} {lv['throughput_rps']:9.1f} {lv['rows_per_s']:9.1f} "
                      + " ".join(f"{lat[k]:8.2f}" for k in ("p50", "p90", "p95", "p99", "max"))
@@ -485,7 +494,7 @@ def plot(report: dict, path: str) -> None:
         total = sum(lv["server"]["batch_sizes"].values()) or 1
         shares = [lv["server"]["batch_sizes"].get(s, lv["server"]["batch_sizes"].get(str(s), 0)) / total
                   for s in sizes]
-        label = f"{'conc' if lv['mode'] == 'concurrency' else 'rate'} {lv['level']:g}"
+        label = level_label(lv["mode"], lv["level"])
         right.bar([j + i * width for j in range(len(sizes))], shares, width, label=label)
     right.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(s) for s in sizes])
     right.set_xlabel("batch size (rows) the server ran")
@@ -574,25 +583,19 @@ def best_trial(trials: list[dict]) -> dict | None:
                                    "best_concurrency", "best_rps", "best_p99_ms")}
 
 
-def _level_name(mode: str | None, level: float | None) -> str:
-    if mode is None:
-        return "-"
-    return f"{'conc' if mode == 'concurrency' else 'rate'} {level:g}"
-
-
 def format_sweep(result: dict) -> str:
     lines = [f"sweep of {result['model']} for p99 <= {result['p99_target_ms']} ms",
              f"{'delay us':>9s} {'instances':>9s} {'best req/s':>11s} {'at level':>10s} {'p99 ms':>8s}"]
     for t in result["trials"]:
         p99 = f"{t['best_p99_ms']:8.2f}" if t["best_p99_ms"] is not None else f"{'-':>8s}"
         lines.append(f"{t['max_queue_delay_us']:9d} {t['instances']:9d} {t['best_rps']:11.1f} "
-                     f"{_level_name(t['best_mode'], t['best_level']):>10s} {p99}")
+                     f"{level_label(t['best_mode'], t['best_level']):>10s} {p99}")
     b = result["best"]
     if b is None:
         lines.append("best: no setting met the target")
     else:
         lines.append(f"best: max_queue_delay_microseconds: {b['max_queue_delay_us']}, instance count "
-                     f"{b['instances']} ({b['best_rps']:.1f} req/s at {_level_name(b['best_mode'], b['best_level'])}, "
+                     f"{b['instances']} ({b['best_rps']:.1f} req/s at {level_label(b['best_mode'], b['best_level'])}, "
                      f"p99 {b['best_p99_ms']:.2f} ms)")
     return "\n".join(lines)
 
