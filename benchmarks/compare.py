@@ -87,25 +87,20 @@ def versus_floor(label: str, p50_s: float, floors: list[float]) -> tuple[str, st
     return label, f"p50 {p50_s * 1e6:.0f} us", f"{p50_s / floor:.2f}x floor ({floor * 1e6:.0f} us right after)"
 
 
-def cpu_budget_row(cpu: dict[str, float], n_rows: float, limit: tuple[float, float],
-                   model_path: str) -> tuple[str, str, str]:
-    """What 0.85x the limit leaves for serving on this host's cores, beside what gepool spends. The limit
-    keeps every core busy in onnxruntime; whatever a server spends beside it (front, client, the
-    worker's own work) comes out of the same cores. ``limit``: the best in-process rows/s and
-    onnxruntime's CPU per row at batch 16, measured together at the start (what the budget comes
-    from); the worker's own share subtracts onnxruntime's CPU per row measured again right after the
-    row, since this host's speed drifts by a fifth within a run."""
-    import core
-
+def cpu_budget_row(cpu: dict[str, float], n_rows: float, limit: tuple[float, float]) -> tuple[str, str, str]:
+    """What 0.85x the limit leaves for serving on this host's cores, beside what gepool's front and
+    client spend. The limit keeps every core busy in onnxruntime; whatever a server spends beside it
+    comes out of the same cores. ``limit``: the best in-process rows/s and onnxruntime's CPU per row
+    at batch 16, measured together at the start. (The worker's own share beside onnxruntime is left
+    out: it is the difference of two CPU figures taken at different moments, and this host's speed
+    drifts by a fifth within a run, so it read anywhere from -112 to +171 us.)"""
     cores = len(os.sched_getaffinity(0))
-    best_rate, ort_then = limit
-    ort_now = core.ort_rates(model_path, cores, 1.0, sizes=(16,), rounds=1)[16][1]
-    budget = cores / (0.85 * best_rate) - ort_then  # per row, beside onnxruntime's own at batch 16
+    best_rate, ort_cpu = limit
+    budget = cores / (0.85 * best_rate) - ort_cpu  # per row, beside onnxruntime's own at batch 16
     front, client = cpu["front"] / n_rows, cpu["client"] / n_rows
-    worker = cpu["workers"] / n_rows - ort_now
-    return ("  CPU per row beside onnxruntime's", f"{(front + client + worker) * 1e6:.0f} us",
-            f"front {front * 1e6:.0f}, client {client * 1e6:.0f}, worker {worker * 1e6:.0f} (onnxruntime "
-            f"{ort_now * 1e6:.0f} right after); 0.85x limit on {cores} cores leaves {budget * 1e6:.0f}")
+    return ("  CPU per row, front and client", f"{(front + client) * 1e6:.0f} us",
+            f"front {front * 1e6:.0f}, client {client * 1e6:.0f}; 0.85x limit on {cores} cores leaves "
+            f"{budget * 1e6:.0f} beside onnxruntime's {ort_cpu * 1e6:.0f}")
 
 
 def timed(fn, seconds: float) -> tuple[int, float]:
@@ -146,12 +141,11 @@ def main() -> None:
         for name, client in (("frames", frames), ("shared memory", shm)):
             rows.append(versus_floor(f"gepool tiny c=1, {name}", np.median(core.tiny_latency(client, 2000)), floors))
             t0 = time.perf_counter()
-            rate, cpu = core.serving_cpu(pool, client, lambda c=client: core.mlp_throughput(c, 16, args.seconds))
+            rate, cpu = core.serving_cpu(pool, lambda c=client: core.mlp_throughput(c, 16, args.seconds))
             capacity = max(capacity, rate)
             rows.append((f"gepool MLP c=16, {name}", f"{rate:.0f} rows/s",
                          f"{rate / best_rate:.2f}x limit, {rate / bound:.2f}x c=16 bound"))
-            rows.append(cpu_budget_row(cpu, rate * (time.perf_counter() - t0), (best_rate, ort_rates[16][1]),
-                                       f"{repo}/mlp/1/model.onnx"))
+            rows.append(cpu_budget_row(cpu, rate * (time.perf_counter() - t0), (best_rate, ort_rates[16][1])))
         with pool.client(lane=False) as over_zmq:
             rows.append(versus_floor("gepool tiny c=1, frames, ZMQ instead of a lane",
                                      np.median(core.tiny_latency(over_zmq, 2000)), floors))

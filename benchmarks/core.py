@@ -108,17 +108,12 @@ def ort_limit(model_path: str, threads: int, seconds: float) -> tuple[int, float
     return best, rates[best][0], rates
 
 
-def serving_cpu(pool, client, run) -> tuple[object, dict[str, float]]:
-    """``run()``'s result, and the CPU seconds the front, the workers and this (client) process spent
-    while it ran: on a host whose cores onnxruntime fills, every one of them is taken from compute."""
-    workers = [p for m in client.status()["models"].values() for p in m.get("worker_pids", [])]
-    pids = {"front": [pool.process.pid], "workers": workers}
-    before = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
-    mine = cpu_seconds(os.getpid())
+def serving_cpu(pool, run) -> tuple[object, dict[str, float]]:
+    """``run()``'s result, and the CPU seconds the front and this (client) process spent while it ran:
+    on a host whose cores onnxruntime fills, every one of them is taken from compute."""
+    front, mine = cpu_seconds(pool.process.pid), cpu_seconds(os.getpid())
     result = run()
-    spent = {k: sum(cpu_seconds(p) for p in v) - before[k] for k, v in pids.items()}
-    spent["client"] = cpu_seconds(os.getpid()) - mine
-    return result, spent
+    return result, {"front": cpu_seconds(pool.process.pid) - front, "client": cpu_seconds(os.getpid()) - mine}
 
 
 def tiny_latency(client, n: int) -> np.ndarray:
