@@ -88,10 +88,14 @@ def test_killed_front_workers_exit_clients_fail_fast_and_reconnect(repo, tmp_pat
         shm = Client(endpoint, shared_memory=True, timeout=3, arena_min_bytes=0)
         fut = plain.infer_async("pair", {"INPUT": np.full((8, 4), -1, np.float32)})
         assert wait_until(lambda: plain.stats()["pair"]["batches"] == 1)
+        # the I/O thread's lane is up: this one goes straight onto it from this thread, and waits
+        queued = plain.infer_async("pair", {"INPUT": np.full((8, 4), 2, np.float32)})
         pool.process.kill()
         pool.process.wait()
-        with pytest.raises(errors.PoolUnavailable):
-            fut.result(timeout=30)
+        late = plain.infer_async("tiny", {"INPUT0": np.ones((1, 16), np.float32)})  # onto a dead lane
+        for f in (fut, queued, late):
+            with pytest.raises(errors.PoolUnavailable):
+                f.result(timeout=30)
         assert wait_until(lambda: not any(running(p) for p in workers), 15), "workers outlived the front"
         with pytest.raises(errors.PoolUnavailable):
             plain.infer("tiny", {"INPUT0": np.ones((1, 16), np.float32)})
