@@ -215,6 +215,12 @@ def make_inputs(meta: dict, batch_size: int, seed: int = 0) -> dict[str, np.ndar
     return out
 
 
+def request_rows(inputs: dict[str, np.ndarray], batched: bool) -> int:
+    """Rows one request carries: the first input's batch dimension for a batching model, else 1."""
+    first = next(iter(inputs.values()))
+    return (first.shape[0] if first.ndim else 1) if batched else 1
+
+
 def server_window(before: dict, after: dict) -> dict:
     """What the pool saw between two stats snapshots of one model."""
     batches = after["batches"] - before["batches"]
@@ -380,8 +386,7 @@ def _child(argv: list[str]) -> int:
         meta = c.model_metadata(a["model"])
         inputs = dict(make_inputs(meta, a["batch_size"], a.get("seed", 0)),
                       **{name: np.load(path) for name, path in a.get("inputs", {}).items()})
-        first = next(iter(inputs.values()))
-        rows = (first.shape[0] if first.ndim else 1) if meta.get("max_batch_size", 0) > 0 else 1
+        rows = request_rows(inputs, meta.get("max_batch_size", 0) > 0)
         level = run_level(c, a["model"], inputs, a["mode"], a["value"], a["seconds"], rows)
     out = asdict(level)
     out["raw_latencies"] = level.raw_latencies
@@ -398,8 +403,7 @@ def bench(client, model: str, concurrency: list[int] | None = None, rates: list[
     hears each level's progress as it runs, and its end."""
     meta = client.model_metadata(model)
     inputs = dict(make_inputs(meta, batch_size), **(given or {}))
-    first = next(iter(inputs.values()))
-    rows = (first.shape[0] if first.ndim else 1) if meta.get("max_batch_size", 0) > 0 else 1
+    rows = request_rows(inputs, meta.get("max_batch_size", 0) > 0)
     plan = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
     auto = processes == "auto"
     most = max(1, os.cpu_count() or 1) if auto else int(processes)

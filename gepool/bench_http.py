@@ -18,6 +18,7 @@ from gepool.bench import (
     make_inputs,
     percentiles,
     poisson_arrivals,
+    request_rows,
 )
 from gepool.ipc import dtypes
 
@@ -121,8 +122,7 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
             meta["max_batch_size"] = (await resp.json()).get("max_batch_size", 0)
         inputs = dict(make_inputs(meta, batch_size), **(given or {}))
         body, headers = _body(inputs)
-        first = next(iter(inputs.values()))
-        rows = (first.shape[0] if first.ndim else 1) if meta["max_batch_size"] > 0 else 1
+        rows = request_rows(inputs, meta["max_batch_size"] > 0)
         plan = [("concurrency", c) for c in concurrency or []] + [("rate", r) for r in rates or []]
         levels = []
         for m, v in plan:

@@ -188,11 +188,14 @@ def _cmd_bench(args) -> int:
         if args.processes not in ("auto", 1):
             raise errors.InvalidArgument("--processes splits the library client's load: it does not go with "
                                          f"{'--http' if args.http else '--sweep'}")
+    if args.http and args.endpoint:
+        raise errors.InvalidArgument("--http loads the HTTP endpoint: it does not take --endpoint as well")
     if args.sweep:
         from gepool.bench import format_sweep, sweep
 
-        if args.http or args.endpoint:
-            raise errors.InvalidArgument("--sweep starts its own pools: it does not take --http or --endpoint")
+        if args.http or args.endpoint or args.plot:
+            raise errors.InvalidArgument("--sweep starts its own pools and prints a table: it does not take "
+                                         "--http, --endpoint or --plot")
         if not args.model_repository:
             raise errors.InvalidArgument("--sweep needs --model-repository (it starts its own pools)")
         result = sweep(args.model_repository, args.model, concurrency, args.duration, args.p99_target_ms,

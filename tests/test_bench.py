@@ -76,6 +76,8 @@ def test_cli_writes_the_report(pool, tmp_path):
     (["--http", "127.0.0.1:1", "--shared-memory"], "--shared-memory is the library client's carrier"),
     (["--http", "127.0.0.1:1", "--processes", "2"], "--processes splits the library client's load"),
     (["--sweep", "--model-repository", ".", "--http", "127.0.0.1:1"], "does not take --http"),
+    (["--sweep", "--model-repository", ".", "--plot", "x.png"], "does not take --http, --endpoint or --plot"),
+    (["--http", "127.0.0.1:1", "--endpoint", "ipc:///tmp/x"], "does not take --endpoint as well"),
     (["--sweep", "--model-repository", ".", "--shared-memory"], "does not go with --sweep"),
     (["--input", "INPUT0"], "--input takes NAME=FILE.npy, not 'INPUT0'"),
     (["--input", "INPUT0=/nonexistent/x.npy"], "--input INPUT0: cannot load '/nonexistent/x.npy'"),
