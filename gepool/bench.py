@@ -463,7 +463,26 @@ def format_report(report: dict) -> str:
                      + (json.dumps(lv["errors"]) if lv["errors"] else "-")
                      + (f"  ({lv.get('processes', 1)} client processes)" if lv.get("processes", 1) > 1 else "")
                      + ("  (client saturated)" if lv["client_saturated"] else ""))
+    shares = [(lv, batch_shares(lv["server"].get("batch_sizes", {}))) for lv in report["levels"]]
+    if any(s for _, s in shares):
+        lines.append("batch sizes the server ran (rows: share of batches)")
+        for lv, s in shares:
+            top = ", ".join(f"{size}: {share:.0%}" if share >= 0.01 else f"{size}: <1%"
+                            for size, share in s[:BATCH_SIZES_SHOWN])
+            more = f" and {len(s) - BATCH_SIZES_SHOWN} more" if len(s) > BATCH_SIZES_SHOWN else ""
+            lines.append(f"{level_label(lv['mode'], lv['level']):>14s}  {top or '-'}{more}")
     return "\n".join(lines)
+
+
+BATCH_SIZES_SHOWN = 4
+
+
+def batch_shares(sizes: dict) -> list[tuple[int, float]]:
+    """(batch size, share of batches), the most frequent first; keys may be str (from JSON) or int."""
+    total = sum(sizes.values())
+    if not total:
+        return []
+    return sorted(((int(k), v / total) for k, v in sizes.items() if v), key=lambda kv: (-kv[1], kv[0]))
 
 
 def plot(report: dict, path: str) -> None:

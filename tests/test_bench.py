@@ -18,6 +18,22 @@ def test_percentiles_of_known_latencies():
     assert percentiles([]) == {}
 
 
+def test_the_report_lists_the_batch_sizes_each_level_ran():
+    from gepool.bench import batch_shares
+
+    assert batch_shares({"16": 6, "8": 2, "1": 2, "3": 0}) == [(16, 0.6), (1, 0.2), (8, 0.2)]
+    assert batch_shares({}) == []
+    level = {"mode": "rate", "level": 100.0, "throughput_rps": 99.0, "rows_per_s": 99.0, "errors": {},
+             "client_saturated": False, "latency_ms": {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0, "max": 5.0},
+             "server": {"avg_batch_size": 4.9, "queue_ms_avg": 0.5, "compute_ms_avg": 2.0,
+                        "batch_sizes": {1: 1, 2: 1, 4: 2, 8: 4, 16: 2}}}
+    text = format_report({"model": "m", "batch_size": 1, "seconds": 1, "levels": [level]})
+    assert text.splitlines()[-1] == "      rate 100  8: 40%, 4: 20%, 16: 20%, 1: 10% and 1 more"
+    level["server"]["batch_sizes"] = {16: 998, 3: 2}
+    text = format_report({"model": "m", "batch_size": 1, "seconds": 1, "levels": [level]})
+    assert text.splitlines()[-1] == "      rate 100  16: 100%, 3: <1%"
+
+
 def test_poisson_arrivals_follow_the_rate():
     t = poisson_arrivals(200.0, 100.0, seed=3)
     assert abs(len(t) - 20_000) < 600  # 3% over 20,000 expected arrivals
