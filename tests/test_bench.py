@@ -108,14 +108,17 @@ def test_the_cli_refuses_options_it_would_ignore(argv, why, capsys):
 
 
 def test_sweep_tries_the_grid_and_picks_a_setting_that_meets_the_target(model_repo):
-    from gepool.bench import format_sweep, sweep
+    from gepool.bench import TIE_SHARE, format_sweep, sweep
 
     result = sweep(model_repo, "tiny", [1, 4], 0.5, p99_target_ms=1000.0, delays_us=(0, 2000), counts=(1, 2))
     assert [(t["max_queue_delay_us"], t["instances"]) for t in result["trials"]] == [(0, 1), (0, 2), (2000, 1),
                                                                                       (2000, 2)]
     best = result["best"]
     assert best is not None and best["best_p99_ms"] <= 1000.0
-    assert best["best_rps"] == max(t["best_rps"] for t in result["trials"])
+    top = max(t["best_rps"] for t in result["trials"])
+    ties = [t for t in result["trials"] if t["best_rps"] >= (1 - TIE_SHARE) * top]  # within 2% of the most
+    assert best["best_rps"] >= (1 - TIE_SHARE) * top
+    assert best["best_p99_ms"] == min(t["best_p99_ms"] for t in ties)
     assert "best: max_queue_delay_microseconds" in format_sweep(result)
     impossible = sweep(model_repo, "tiny", [1], 0.3, p99_target_ms=0.0001, delays_us=(0,), counts=(1,))
     assert impossible["best"] is None and "no setting met the target" in format_sweep(impossible)
