@@ -129,6 +129,15 @@ class TerminalDisplay(Display):
             self.stream.flush()
 
 
+def _counts_in_order(level: Level, latencies: list[float]) -> tuple:
+    """(sent, answered, failed, latest latencies) of a level another thread is running, read answered
+    first and latencies last: counts only grow and a latency is recorded before its answer is counted,
+    so what this returns never has more answered than sent, nor answers without a latency."""
+    ok = level.ok
+    failed = sum(level.errors.values())
+    return level.sent, ok, failed, latencies[-LATEST:]
+
+
 class _Ticker:
     """Reports a running level to a Display every PROGRESS_EVERY_S, from a thread of its own, out of
     ``counts()``: (sent or None, answered, failed, latest latencies in seconds or None)."""
@@ -262,10 +271,10 @@ class _Run:
         except errors.GepoolError as exc:
             ok, kind = False, exc.code
         with self.lock:
-            if ok:
+            if ok:  # the latency before the count: a progress reader that sees the count sees it
+                self.latencies.append(elapsed)
                 self.level.ok += 1
                 self.level.rows += self.rows
-                self.latencies.append(elapsed)
             else:
                 self.level.errors[kind] = self.level.errors.get(kind, 0) + 1
         if then is not None:
@@ -289,7 +298,7 @@ def run_level(client, model: str, inputs: dict, mode: str, value: float, seconds
     before = client.stats()[model]
 
     def counts() -> tuple:
-        return level.sent, level.ok, sum(level.errors.values()), run.latencies[-LATEST:]
+        return _counts_in_order(level, run.latencies)
 
     with _Ticker(display, mode, value, seconds, 1, counts):
         start, cpu = time.perf_counter(), time.process_time()

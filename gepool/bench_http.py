@@ -9,11 +9,11 @@ from dataclasses import asdict
 import numpy as np
 
 from gepool.bench import (
-    LATEST,
     SATURATION_CPU,
     SATURATION_LAG,
     Display,
     Level,
+    _counts_in_order,
     _Ticker,
     make_inputs,
     percentiles,
@@ -57,8 +57,8 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
                  seconds: float, rows: int, display: Display | None) -> Level:
     level, latencies = Level(mode, value), []
 
-    def counts() -> tuple:  # read by the ticker's thread: plain ints and a list slice
-        return level.sent, level.ok, sum(level.errors.values()), latencies[-LATEST:]
+    def counts() -> tuple:  # read by the ticker's thread
+        return _counts_in_order(level, latencies)
 
     async def one() -> None:
         start = time.perf_counter()
@@ -69,10 +69,10 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
                 ok, kind = resp.status == 200, f"HTTP_{resp.status}"
         except Exception as exc:  # connection refused, reset...: counted, never lost
             ok, kind = False, type(exc).__name__
-        if ok:
+        if ok:  # the latency before the count, as bench's _Run records them
+            latencies.append(time.perf_counter() - start)
             level.ok += 1
             level.rows += rows
-            latencies.append(time.perf_counter() - start)
         else:
             level.errors[kind] = level.errors.get(kind, 0) + 1
 
