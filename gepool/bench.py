@@ -523,9 +523,8 @@ def plot(report: dict, path: str) -> None:
     sizes = sorted({int(k) for lv in levels for k in lv["server"]["batch_sizes"]})
     width = 0.8 / max(1, len(levels))
     for i, lv in enumerate(levels):
-        total = sum(lv["server"]["batch_sizes"].values()) or 1
-        shares = [lv["server"]["batch_sizes"].get(s, lv["server"]["batch_sizes"].get(str(s), 0)) / total
-                  for s in sizes]
+        share_of = dict(batch_shares(lv["server"]["batch_sizes"]))
+        shares = [share_of.get(s, 0.0) for s in sizes]
         label = level_label(lv["mode"], lv["level"])
         right.bar([j + i * width for j in range(len(sizes))], shares, width, label=label)
     right.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(s) for s in sizes])
