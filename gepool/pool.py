@@ -72,7 +72,7 @@ def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, 
     """The HTTP sidecar; returns once it listens (it reaches the front on its own, lazily)."""
     read_fd, write_fd = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "gepool.http.server", "--endpoint", endpoint,
+        proc = subprocess.Popen([sys.executable, "-c", _GATEWAY_BOOT, "--endpoint", endpoint,
                                  "--http-host", host, "--http-port", str(http_port), "--metrics-port",
                                  str(metrics_port), "--ready-fd", str(write_fd),
                                  "--log-level", logging.getLevelName(log_level),
@@ -85,9 +85,31 @@ def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, 
         line = reader.readline() if ready else ""
     if line.strip() != "ready":
         _stop(proc)
-        raise errors.Unavailable(f"the HTTP sidecar did not start on {host}:{http_port}/{metrics_port} "
-                                 f"(exit code {proc.returncode}; is the port in use?)")
+        why = line.strip().removeprefix("failed ") or f"it exited with code {proc.returncode} and said nothing"
+        raise errors.Unavailable(f"the HTTP sidecar did not start on {host} (http port {http_port}, metrics port "
+                                 f"{metrics_port}): {why}")
     return proc
+
+
+# The sidecar's entry, run with `python -c`: an import that fails (a wheel missing gepool.http, a missing
+# dependency) is reported on the ready pipe like any other start failure, not lost in a bare exit code.
+_GATEWAY_BOOT = "import sys; from gepool.pool import _gateway_main; sys.exit(_gateway_main(sys.argv[1:]))"
+
+
+def _gateway_main(argv: list[str]) -> int:
+    fd = int(argv[argv.index("--ready-fd") + 1])
+    try:
+        from gepool.http.server import main
+
+        return main(argv)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        try:
+            os.write(fd, f"failed {type(exc).__name__}: {exc}\n".encode())
+        except OSError:
+            pass  # it had already reported ready, and the pipe is closed
+        raise
 
 
 def _stop(proc: subprocess.Popen) -> int | None:

@@ -291,7 +291,7 @@ def test_the_sidecar_reaches_the_front_over_a_lane(http_pool, triton):
 
     assert triton.is_model_ready("tiny")
     sidecar = [pid for pid in _descendants(http_pool.process.pid)
-               if b"gepool.http.server" in open(f"/proc/{pid}/cmdline", "rb").read()]
+               if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
     assert len(sidecar) == 1
     with Client(http_pool.endpoint, lane=False) as c:
         assert sidecar[0] in c.status()["lane_pids"]

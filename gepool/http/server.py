@@ -305,8 +305,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         await web.TCPSite(runner, host, port, reuse_address=True).start()
         runners.append(runner)
     if ready_fd is not None:
-        os.write(ready_fd, b"ready\n")
-        os.close(ready_fd)
+        os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
     parent = os.getppid()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
