@@ -43,7 +43,8 @@ def main() -> None:
 
     import make_models
 
-    from gepool import Pool, errors
+    from gepool import Pool
+    from gepool.common import errors
     from gepool.ipc import naming
     from tests import repo as test_repo
 

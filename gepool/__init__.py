@@ -1,13 +1,29 @@
 """gepool: a shared-memory, dynamically batching serving pool for Ascend NPU, CPU and GPU models."""
 
-from gepool.errors import GepoolError
+from gepool.common.errors import (
+    ConfigError,
+    GepoolError,
+    Internal,
+    InvalidArgument,
+    ModelError,
+    ModelNotFound,
+    ModelNotReady,
+    PoolUnavailable,
+    ProtocolMismatch,
+    RequestTooLarge,
+    Timeout,
+    Unavailable,
+    WorkerDied,
+)
 
 __version__ = "0.1.0"
-__all__ = ["AsyncClient", "Client", "GepoolError", "Pool"]
+__all__ = ["AsyncClient", "Client", "ConfigError", "GepoolError", "Internal", "InvalidArgument", "ModelError",
+           "ModelNotFound", "ModelNotReady", "Pool", "PoolUnavailable", "ProtocolMismatch", "RequestTooLarge",
+           "Timeout", "Unavailable", "WorkerDied"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that `gepool.config` and `gepool.errors` (leaves the front and workers import)
+    # Lazy, so that `gepool.common.config` and `gepool.common.errors` (leaves the front and workers import)
     # do not drag in the client, the pool and both process packages.
     if name == "Client":
         from gepool.client import Client
@@ -22,3 +38,7 @@ def __getattr__(name: str):
 
         return Pool
     raise AttributeError(f"module 'gepool' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,8 +6,8 @@ import weakref
 
 import numpy as np
 
-from gepool import errors
 from gepool.arena import ArenaFull, ClientArena
+from gepool.common import errors
 from gepool.ipc import dtypes, layout, protocol
 
 _ids = itertools.count(1)

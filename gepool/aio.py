@@ -7,9 +7,10 @@ import socket
 import zmq
 import zmq.asyncio
 
-from gepool import _wire, errors
+from gepool import _wire
 from gepool.arena import ClientArena
 from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S
+from gepool.common import errors
 from gepool.ipc import lane as _lane
 from gepool.ipc import protocol
 from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket

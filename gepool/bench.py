@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import dtypes
 
 PERCENTILES = (50, 90, 95, 99)
@@ -549,7 +549,7 @@ def _variant(repository: str, model: str, delay_us: int, count: int, into: str) 
 
     from google.protobuf import text_format
 
-    from gepool import model_config_pb2 as pb
+    from gepool.common import model_config_pb2 as pb
 
     src = os.path.join(repository, model)
     dst = os.path.join(into, model)

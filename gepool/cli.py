@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from gepool import errors
+from gepool.common import errors
 
 
 def _processes(text: str) -> int | str:

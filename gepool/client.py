@@ -11,8 +11,9 @@ import weakref
 import numpy as np
 import zmq
 
-from gepool import _wire, errors
+from gepool import _wire
 from gepool.arena import ArenaFull, ClientArena
+from gepool.common import errors
 from gepool.ipc import lane as _lane
 from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket

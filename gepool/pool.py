@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint, runtime_dir
 

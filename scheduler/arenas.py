@@ -5,7 +5,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import naming
 from gepool.ipc.shm import Segment
 

@@ -9,10 +9,10 @@ import logging
 import os
 import time
 
-from gepool import errors
-from gepool.config import BACKEND_GE, lanes_per_worker
+from gepool.common import errors
+from gepool.common.config import BACKEND_GE, lanes_per_worker
+from gepool.common.repository import load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
-from gepool.repository import load_sources, model_dir, model_names, signature
 from gepool.scheduler.groups import Group
 from gepool.scheduler.models import LOADING, Model
 from gepool.scheduler.stats import Tee

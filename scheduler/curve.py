@@ -7,7 +7,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc.sockets import load_keys
 
 

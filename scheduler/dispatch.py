@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import dtypes, layout, protocol, zmqio
 from gepool.ipc.ring import TensorDesc
 from gepool.scheduler.arenas import Arenas

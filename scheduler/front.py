@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from gepool import errors
-from gepool.config_json import render_config
+from gepool.common import errors
+from gepool.common.render import render_config
 from gepool.ipc import lane, protocol, zmqio
 from gepool.ipc.sockets import ipc_path, make_socket, runtime_dir
 from gepool.scheduler.arenas import Arenas

@@ -8,7 +8,7 @@ loads, the old generation keeps serving and the reason is kept.
 
 import random
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import protocol
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.stats import ModelStats

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import lane, protocol
 
 log = logging.getLogger("gepool.lanes")

@@ -1,9 +1,9 @@
 """The front's view of one model: its state, queue, workers and statistics."""
 
-from gepool import errors
-from gepool.config import ModelConfig, parse_size
+from gepool.common import errors
+from gepool.common.config import ModelConfig, parse_size
+from gepool.common.repository import ModelSource
 from gepool.ipc import layout
-from gepool.repository import ModelSource
 from gepool.scheduler.batcher import DynamicBatcher
 from gepool.scheduler.queues import PolicyQueues
 from gepool.scheduler.requests import Admission

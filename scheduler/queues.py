@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from gepool.config import QueuePolicy
+from gepool.common.config import QueuePolicy
 
 REJECT, DELAY = "REJECT", "DELAY"
 

@@ -3,8 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
-from gepool.config import ModelConfig
-from gepool.errors import InvalidArgument, RequestTooLarge
+from gepool.common.config import ModelConfig
+from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arenas import Arena, Arenas
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gepool.config import ModelConfig
+from gepool.common.config import ModelConfig
 from gepool.ipc import doorbell, naming, protocol
 from gepool.ipc.ring import Ring
 

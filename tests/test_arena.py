@@ -6,8 +6,9 @@ import gc
 import numpy as np
 import pytest
 
-from gepool import _wire, errors
+from gepool import _wire
 from gepool.arena import ClientArena
+from gepool.common import errors
 
 
 def in_arena(arena: ClientArena, arr: np.ndarray) -> bool:

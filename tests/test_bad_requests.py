@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gepool import errors
+from gepool.common import errors
 from gepool.ipc import protocol
 
 GOOD = {"INPUT0": np.ones((1, 16), np.float32)}

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from gepool import errors
 from gepool.bench import Display, bench, format_report, percentiles, poisson_arrivals, server_window
+from gepool.common import errors
 
 
 def test_percentiles_of_known_latencies():

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from gepool import errors
+from gepool.common import errors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PER_CLIENT = 120

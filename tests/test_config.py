@@ -4,9 +4,9 @@ import textwrap
 
 import pytest
 
-from gepool.config import parse_config, parse_size
-from gepool.errors import ConfigError
-from gepool.repository import scan
+from gepool.common.config import parse_config, parse_size
+from gepool.common.errors import ConfigError
+from gepool.common.repository import scan
 
 ASCEND = """
 backend: "ge"
@@ -159,14 +159,14 @@ def test_ascend_kind_needs_the_ge_backend(tmp_path):
 
 @pytest.mark.parametrize("name", ["../etc", "/etc", "a/b", "..", ".", "", ".hidden", "x\0y", 7])
 def test_model_names_cannot_leave_the_repository(tmp_path, name):
-    from gepool.repository import model_dir
+    from gepool.common.repository import model_dir
 
     with pytest.raises(ValueError, match="repository|plain directory"):
         model_dir(str(tmp_path), name)
 
 
 def test_a_symlink_out_of_the_repository_is_refused(tmp_path):
-    from gepool.repository import load_source, model_dir, scan
+    from gepool.common.repository import load_source, model_dir, scan
 
     outside = tmp_path / "outside"
     (outside / "1").mkdir(parents=True)

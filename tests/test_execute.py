@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from gepool.config import parse_config
+from gepool.common.config import parse_config
 from gepool.ipc.ring import Ring, TensorDesc
 from gepool.workers.backends import create_backend
 from gepool.workers.main import execute_slot

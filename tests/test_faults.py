@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from gepool import Client, Pool, errors
+from gepool import Client, Pool
+from gepool.common import errors
 from gepool.ipc.sockets import runtime_dir
 from tests import repo as test_repo
 from tests.conftest import _descendants, rss_kb, running, wait_until

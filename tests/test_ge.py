@@ -7,7 +7,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from gepool import Client, Pool, errors
+from gepool import Client, Pool
+from gepool.common import errors
 from tests import ge_repo
 from tests.conftest import wait_until
 from tests.repo import make_models

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from gepool import Client, _wire, errors
+from gepool import Client, _wire
+from gepool.common import errors
 from gepool.ipc import lane, protocol
 from tests.conftest import cpu_seconds, wait_until
 

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from gepool import Client, Pool, errors
+from gepool import Client, Pool
+from gepool.common import errors
 from tests.conftest import rss_kb, wait_until
 from tests.repo import write
 

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from gepool import Client, Pool, errors
+from gepool import Client, Pool
+from gepool.common import errors
 from tests import repo as test_repo
 from tests.conftest import _descendants, cpu_seconds, running, wait_until
 

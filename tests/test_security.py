@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import zmq.auth
 
-from gepool import Client, Pool, errors
+from gepool import Client, Pool
+from gepool.common import errors
 from tests import repo as test_repo
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from gepool import errors
+from gepool.common import errors
 
 RNG = np.random.default_rng(7)
 

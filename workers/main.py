@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from gepool.config import ModelConfig
+from gepool.common.config import ModelConfig
 from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.doorbell import PREPARE, BellPaths, WorkerBell
 from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc

@@ -19,8 +19,8 @@ import sys
 from aiohttp import web
 
 import gepool
-from gepool import errors
 from gepool.aio import AsyncClient
+from gepool.common import errors
 from gepool.http import kserve, metrics
 from gepool.http.shm import Regions
 

@@ -9,7 +9,7 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from gepool.errors import InvalidArgument
+from gepool.common.errors import InvalidArgument
 
 SHM_DIR = "/dev/shm"
 

@@ -1,6 +1,6 @@
 """Backends turn a model version directory into something that executes a batch."""
 
-from gepool.config import BACKEND_GE, BACKEND_ONNX, BACKEND_PYTHON, ModelConfig
+from gepool.common.config import BACKEND_GE, BACKEND_ONNX, BACKEND_PYTHON, ModelConfig
 from gepool.workers.backends.base import Backend
 
 

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from gepool.config import ModelConfig, WarmupInput, WarmupSample
+from gepool.common.config import ModelConfig, WarmupInput, WarmupSample
 from gepool.ipc import dtypes
 
 DEFAULT_WARMUP_RUNS = 2

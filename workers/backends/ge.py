@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gepool.config import ModelConfig, lanes_per_worker
+from gepool.common.config import ModelConfig, lanes_per_worker
 from gepool.ipc.ring import RUNNING, Slot
 from gepool.workers import aclconst as C
 from gepool.workers.backends.base import Backend

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import onnxruntime as ort
 
-from gepool.config import ModelConfig
+from gepool.common.config import ModelConfig
 from gepool.workers.backends.base import Backend
 
 # Spinning threads burn a core while idle; on small hosts the front and clients need it more.

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from gepool.config import ModelConfig
+from gepool.common.config import ModelConfig
 from gepool.workers.backends.base import Backend
 
 CLASS_NAME = "Model"

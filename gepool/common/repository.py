@@ -3,8 +3,8 @@
 import os
 from dataclasses import dataclass
 
-from gepool.config import ModelConfig, parse_config
-from gepool.errors import ConfigError
+from gepool.common.config import ModelConfig, parse_config
+from gepool.common.errors import ConfigError
 
 CONFIG_NAME = "config.pbtxt"
 

@@ -4,8 +4,8 @@ import inspect
 
 from google.protobuf import descriptor, json_format, text_format
 
-from gepool import model_config_pb2 as pb
-from gepool.config import BACKEND_ONNX, parse_config
+from gepool.common import model_config_pb2 as pb
+from gepool.common.config import BACKEND_ONNX, parse_config
 
 
 def render_config(path: str, model_name: str) -> dict:

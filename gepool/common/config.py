@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from google.protobuf import text_format
 
-from gepool import model_config_pb2 as pb
-from gepool.errors import ConfigError
+from gepool.common import model_config_pb2 as pb
+from gepool.common.errors import ConfigError
 from gepool.ipc import dtypes
 
 BACKEND_ONNX = "onnxruntime"
