@@ -8,15 +8,19 @@ the repository and rescans it every ``poll_secs``, reloading what changed and un
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from gepool.common import errors
 from gepool.common.config import BACKEND_GE, lanes_per_worker
 from gepool.common.repository import load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
+from gepool.scheduler.books import Workers
 from gepool.scheduler.groups import Group
 from gepool.scheduler.models import LOADING, Model
+from gepool.scheduler.options import FrontOptions
+from gepool.scheduler.outbox import Outbox
+from gepool.scheduler.states import WorkerState
 from gepool.scheduler.stats import Tee
-from gepool.scheduler.supervisor import READY, STARTING
 
 log = logging.getLogger("gepool.control")
 
@@ -34,26 +38,27 @@ def cpu_threads(budget: int, instances: int) -> int:
 
 
 class ModelControl:
-    def __init__(self, front) -> None:
-        self.front = front
+    def __init__(self, opts: FrontOptions, workers: Workers, out: Outbox,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.opts, self.workers, self.out, self.clock = opts, workers, out, clock
         self.groups: dict[str, Group] = {}
         self.generation = 0
         self.poll_at: float | None = None
 
     @property
     def mode(self) -> str:
-        return self.front.opts.model_control_mode
+        return self.opts.model_control_mode
 
     def models(self) -> list[Model]:
         return [m for g in self.groups.values() for m in g.models()]
 
     def start(self) -> None:
-        opts = self.front.opts
+        opts = self.opts
         names = list(opts.load_models) if self.mode == "explicit" else model_names(opts.repository)
         for name in names:
             self.load(name)
         if self.mode == "poll":
-            self.poll_at = time.monotonic() + opts.poll_secs
+            self.poll_at = self.clock() + opts.poll_secs
 
     def group(self, name: object) -> Group:
         group = self.groups.get(name) if isinstance(name, str) else None
@@ -69,7 +74,7 @@ class ModelControl:
             raise errors.Unavailable(f"explicit model {what} is not allowed: this pool runs with model control "
                                      f"mode {self.mode.upper()} (start it with --model-control-mode explicit)")
         try:
-            model_dir(self.front.opts.repository, name)
+            model_dir(self.opts.repository, name)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
         if what == "unload":
@@ -90,8 +95,8 @@ class ModelControl:
             group.waiters.append(waiter)
         if group.loading:
             return  # a load is under way; this request is answered when it settles
-        group.signature = signature(self.front.opts.repository, name)
-        for src in load_sources(self.front.opts.repository, name):
+        group.signature = signature(self.opts.repository, name)
+        for src in load_sources(self.opts.repository, name):
             self.generation += 1
             model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation)
             group.loading.append(model)
@@ -110,13 +115,12 @@ class ModelControl:
         else:
             placements = [(f"cpu:{d}" if g.devices else "cpu", 1) for g in cfg.instance_groups
                           for d in (g.devices or (None,)) for _ in range(g.count)]
-        threads = cpu_threads(self.front.opts.cpu_threads, len(placements))
+        threads = cpu_threads(self.opts.cpu_threads, len(placements))
         for device, lanes in placements:
-            w = self.front.supervisor.add(model, device, threads, model.slots_per_worker * lanes,
-                                          model.slot_bytes)
+            w = self.workers.add(model, device, threads, model.slots_per_worker * lanes, model.slot_bytes)
             w.concurrency = lanes
             model.workers.append(w)
-            self.front.spawn(w)
+            self.out.spawn(w)
 
     def unload(self, name: str) -> None:
         group = self.groups[name]
@@ -152,7 +156,7 @@ class ModelControl:
             else:
                 msg = protocol.Reply(req_id, {"loaded": group.name, "versions": sorted(group.serving),
                                               "failed": group.error})
-            self.front.send(identity, msg)
+            self.out.reply(identity, [msg.encode()])
         group.waiters = []
 
     # -- draining and retiring --------------------------------------------------------------
@@ -163,12 +167,12 @@ class ModelControl:
                 continue
             w.retired, w.restart_at = True, None  # a worker waiting out its restart backoff is not restarted
             if w.process is None:
-                self.front.supervisor.forget(w)
+                self.workers.forget(w)
                 continue
-            if w.state == READY:
-                self.front.send_worker(w, protocol.Stop())
-            elif w.state == STARTING:
-                w.process.kill()
+            if w.state == WorkerState.READY:
+                self.out.stop(w)
+            elif w.state == WorkerState.STARTING:
+                self.out.kill(w)
 
     def drain(self) -> None:
         """Generations that were replaced or unloaded stop once nothing of theirs is queued or running."""
@@ -192,8 +196,8 @@ class ModelControl:
     def poll(self, now: float) -> None:
         if self.poll_at is None or now < self.poll_at:
             return
-        self.poll_at = now + self.front.opts.poll_secs
-        repo = self.front.opts.repository
+        self.poll_at = now + self.opts.poll_secs
+        repo = self.opts.repository
         try:
             names = set(model_names(repo))
         except FileNotFoundError:

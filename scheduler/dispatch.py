@@ -3,20 +3,23 @@
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
-import zmq
 
 from gepool.common import errors
-from gepool.ipc import dtypes, layout, protocol, zmqio
+from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import TensorDesc
 from gepool.scheduler.arenas import Arenas
-from gepool.scheduler.lanes import Lanes
+from gepool.scheduler.books import Batch, Worker
 from gepool.scheduler.models import Model
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.requests import Request
-from gepool.scheduler.supervisor import READY, Worker
+from gepool.scheduler.states import WorkerState
+
+READY = WorkerState.READY
+# reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot
+Reply = Callable[[bytes, list, bool], None]
 
 log = logging.getLogger("gepool.dispatch")
 
@@ -27,28 +30,12 @@ log = logging.getLogger("gepool.dispatch")
 DIRECT_MIN_BYTES = 64 << 10
 
 
-@dataclass(slots=True)
-class Batch:
-    slot: int
-    seq: int
-    requests: list[Request]
-    rows: int
-    direct: bool = False
-
-
 class Dispatcher:
-    def __init__(self, clients: zmq.Socket, workers: zmq.Socket, arenas: Arenas, lanes: Lanes | None = None,
-                 polling: PollPolicy | None = None) -> None:
-        self.clients, self.workers, self.arenas, self.lanes = clients, workers, arenas, lanes
+    def __init__(self, reply: Reply, arenas: Arenas, polling: PollPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.reply, self.arenas, self.clock = reply, arenas, clock
         self.polling = polling or PollPolicy()
         self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
-
-    def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
-        """To a client over its lane or the ZMQ socket. ``copy``: the parts point into a slot."""
-        if self.lanes is not None and self.lanes.owns(identity):
-            self.lanes.send(identity, parts)  # sent now, or queued as a copy
-        else:
-            zmqio.send_parts(self.clients, [identity, *parts], copy)
 
     def schedule(self, model: Model) -> None:
         """Hands out batches while a worker can take one and the batcher says go."""
@@ -70,25 +57,21 @@ class Dispatcher:
             self._run(model, worker, [p.item for p in pending])
 
     def _run(self, model: Model, w: Worker, reqs: list[Request]) -> None:
-        now = time.monotonic()
-        index = w.free.pop()
-        slot = w.ring.slots[index]
-        if not w.inflight:
-            w.progress_at = now  # the watchdog's clock starts when the worker gets work
+        now = self.clock()
         direct = self._direct(model, w, reqs[0]) if len(reqs) == 1 else None
         model.seq += 1
+        rows = sum(r.rows for r in reqs)
+        batch = w.take(model.seq, reqs, rows, direct is not None, now)
+        slot = w.ring.slots[batch.slot]
         if direct is not None:
             arena, ins, outs = direct
             slot.fill(model.seq, reqs[0].rows, ins, now, outs, arena)
         else:
             self._copy_in(model, slot, reqs, now)
-        rows = sum(r.rows for r in reqs)
         self.last_batch_requests = len(reqs)
         self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
-        w.inflight[index] = Batch(index, model.seq, reqs, rows, direct is not None)
-        w.rows += rows
         model.stats.dispatched(rows, [now - r.arrived for r in reqs])
-        w.bell.ring(index, model.seq)  # the slot's payload and state are written: now the worker may look
+        w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def _direct(self, model: Model, w: Worker, req: Request) -> tuple[str, list, list] | None:
         """(arena name, input places, output places) when ``req`` can run as a direct batch."""
@@ -130,12 +113,10 @@ class Dispatcher:
         slot.fill(model.seq, rows, descs, now)
 
     def complete(self, model: Model, w: Worker, index: int, seq: int) -> None:
-        batch = w.inflight.pop(index, None)
-        if batch is None or batch.seq != seq:
+        batch = w.complete(index, seq, self.clock())
+        if batch is None:
             log.error("worker %d reported slot %d seq %d, which is not in flight", w.id, index, seq)
             return
-        w.rows -= batch.rows
-        w.progress_at = time.monotonic()
         slot = w.ring.slots[index]
         seq, outs, error, (_, t_start, t_end) = slot.result()
         model.stats.computed(batch.rows, t_end - t_start)
@@ -150,15 +131,15 @@ class Dispatcher:
                 if len(outs) != len(model.config.outputs) or not all(d.in_arena for d in outs):
                     raise ValueError("the worker left a direct batch's outputs outside the arena")
                 reply = protocol.Result(req.req_id, refs, True, model.version)
-                self.reply(req.identity, [reply.encode()])
-                model.stats.answered(time.monotonic() - req.arrived)
+                self.reply(req.identity, [reply.encode()], False)
+                model.stats.answered(self.clock() - req.arrived)
             except Exception as exc:
                 log.exception("internal error answering request %s", req.req_id)
                 self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
         else:
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0
-            now = time.monotonic()
+            now = self.clock()
             for req in batch.requests:
                 try:
                     self._respond(model, req, arrays, row)
@@ -169,8 +150,7 @@ class Dispatcher:
                 row += req.rows
             del arrays  # views into the slot: gone before the slot is reused
         slot.release()
-        w.free.append(index)
-        self.polling.answered(time.monotonic(), len(batch.requests), t_end - t_start,
+        self.polling.answered(self.clock(), len(batch.requests), t_end - t_start,
                               not any(x.inflight for x in model.workers))
 
     def _respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
@@ -188,7 +168,7 @@ class Dispatcher:
                     np.copyto(np.frombuffer(arena.view, p.dtype, p.size, off).reshape(p.shape), p)
                     refs.append([n, dtypes.from_numpy(p.dtype), list(p.shape), off])
                 reply = protocol.Result(req.req_id, refs, True, model.version)
-                self.reply(req.identity, [reply.encode()])
+                self.reply(req.identity, [reply.encode()], False)
                 return
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
@@ -217,7 +197,7 @@ class Dispatcher:
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
         model.stats.failed()
-        self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()])
+        self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
 
 
 def _pick(model: Model) -> tuple[Worker | None, bool]:

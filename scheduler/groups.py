@@ -114,22 +114,6 @@ class Group:
             return LOADING
         return UNAVAILABLE
 
-    def summary(self) -> dict:
-        current = list(self.serving.values()) or self.loading or self.failed
-        out = {"state": self.state(), "reason": "" if self.state() == AVAILABLE else
-               (self.error or "; ".join(m.reason for m in current if m.reason)),
-               "version": max((m.version for m in current if m.version is not None), default=None),
-               "versions": {str(v): m.state for v, m in sorted(self.serving.items())},
-               "loading": [m.version for m in self.loading], "draining": len(self.draining),
-               "version_requests": {str(k): v for k, v in sorted(self.version_requests.items())}}
-        parts = [m.summary() for m in current]
-        for key in ("workers", "ready_workers", "queued", "slots", "slots_busy", "restarts"):
-            out[key] = sum(p[key] for p in parts)
-        for key in ("worker_pids", "busy_worker_pids", "worker_threads"):
-            out[key] = [pid for p in parts for pid in p[key]]
-        out["device_memory"] = {d: b for p in parts for d, b in p["device_memory"].items()}
-        return out
-
     def metadata(self) -> dict:
         current = self.default() or (self.loading or self.failed or [None])[0]
         if current is None:

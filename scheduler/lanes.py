@@ -47,18 +47,9 @@ class Lane:
     queued: int = 0
 
 
-class Part:
-    """What the front's handlers read from a ZMQ Frame, for a lane's part."""
-
-    __slots__ = ("buffer",)
-
-    def __init__(self, buffer: memoryview) -> None:
-        self.buffer = buffer
-
-
 class Lanes:
-    def __init__(self, path: str, on_message: Callable[[bytes, list], None]) -> None:
-        """``on_message(identity, parts)``: parts as the ZMQ handler gets them after the identity."""
+    def __init__(self, path: str, on_message: Callable[[bytes, list[memoryview]], None]) -> None:
+        """``on_message(identity, parts)``: a message's parts as buffers, as the ZMQ channel hands them."""
         self.path, self.on_message = path, on_message
         if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
             os.unlink(path)  # left by a dead pool (the ZMQ endpoint beside it was checked already)
@@ -161,15 +152,16 @@ class Lanes:
                 break
             if parts is not None:
                 handled += 1
-                self.on_message(conn.identity, [Part(p) for p in parts])
+                self.on_message(conn.identity, parts)
         return handled
 
     def owns(self, identity: bytes) -> bool:
         """An identity minted here (its lane may be gone since): never one for the ZMQ socket."""
         return len(identity) == _ID.size and identity[0] == MARK and _ID.unpack(identity)[1] <= self._minted
 
-    def send(self, identity: bytes, parts: list) -> None:
-        """Sends now, or queues a copy; a closed lane's replies are dropped (its client is gone)."""
+    def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
+        """Sends now, or queues a copy (whatever ``copy`` says: the copy is taken only when queued); a
+        closed lane's replies are dropped (its client is gone)."""
         conn = self.by_identity.get(identity)
         if conn is None:
             return

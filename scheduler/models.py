@@ -1,21 +1,30 @@
 """The front's view of one model: its state, queue, workers and statistics."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from gepool.common import errors
 from gepool.common.config import ModelConfig, parse_size
+from gepool.common.render import render_config
 from gepool.common.repository import ModelSource
 from gepool.ipc import layout
 from gepool.scheduler.batcher import DynamicBatcher
 from gepool.scheduler.queues import PolicyQueues
 from gepool.scheduler.requests import Admission
+from gepool.scheduler.states import ModelState, WorkerState, check_model
 from gepool.scheduler.stats import ModelStats
-from gepool.scheduler.supervisor import FAILED, READY, STARTING
+
+if TYPE_CHECKING:
+    from gepool.scheduler.books import Worker
 
 SLOTS_PER_WORKER = 2  # one batch runs while the next is copied in
 DEFAULT_EXECUTION_TIMEOUT_MS = 300_000  # a batch running longer means a hung worker: kill and replace it
 GE_WATCHDOG_GRACE_S = 5.0  # an NPU worker times its own batches out first (execution_timeout_ms)
 DEFAULT_VARIABLE_SLOT_BYTES = 64 << 20  # tmpfs pages cost nothing until touched
 
-LOADING, AVAILABLE, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"
+LOADING, AVAILABLE, UNAVAILABLE = ModelState.LOADING, ModelState.AVAILABLE, ModelState.UNAVAILABLE
+READY, STARTING, FAILED = WorkerState.READY, WorkerState.STARTING, WorkerState.FAILED
 
 
 def slot_bytes_for(config: ModelConfig) -> int:
@@ -29,6 +38,13 @@ def slot_bytes_for(config: ModelConfig) -> int:
     return rows * sum(t.row_bytes() for t in tensors) + len(tensors) * layout.ALIGN
 
 
+def _render(config: ModelConfig, name: str) -> dict | errors.GepoolError:
+    try:
+        return render_config(config.source, name)
+    except Exception as exc:  # the file went or broke between parsing and rendering
+        return errors.ModelNotReady(f"model '{name}': its config cannot be rendered: {exc}")
+
+
 class Model:
     """One generation of one version of a model: its workers, queue and batcher."""
 
@@ -37,7 +53,7 @@ class Model:
         self.version, self.generation = source.version, generation
         self.state = UNAVAILABLE if source.error else LOADING
         self.reason = source.error or ""
-        self.workers: list = []
+        self.workers: list[Worker] = []
         self.stats = stats if stats is not None else ModelStats()
         self.seq = 0
         self.was_ready = False
@@ -54,10 +70,12 @@ class Model:
             self.admission = Admission(self.config, self.slot_bytes)
             ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
             self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)
+            self._rendered = _render(self.config, self.name)
         else:
             self.batcher = DynamicBatcher(0)
             self.slot_bytes = 0
             self.exec_timeout_s = DEFAULT_EXECUTION_TIMEOUT_MS / 1000
+            self._rendered = _render(self.config, self.name) if self.config is not None else {}
 
     def worker_info(self, info: dict) -> None:
         """An NPU worker reports the batch sizes its .om was compiled for: without preferred sizes of
@@ -93,26 +111,21 @@ class Model:
     def refresh_state(self) -> None:
         states = [w.state for w in self.workers]
         if READY in states:
-            self.state, self.reason = AVAILABLE, ""
+            self.state, self.reason = check_model(self.state, AVAILABLE), ""
             self.was_ready = True
         elif STARTING in states or any(w.restart_at is not None for w in self.workers):
-            self.state = LOADING
+            self.state = check_model(self.state, LOADING)
         elif states:
-            self.state = UNAVAILABLE
+            self.state = check_model(self.state, UNAVAILABLE)
             self.reason = "; ".join(sorted({w.reason for w in self.workers if w.state == FAILED and w.reason})) \
                 or "every worker stopped"
 
-    def summary(self) -> dict:
-        return {"state": self.state, "reason": self.reason, "version": self.source.version,
-                "workers": len(self.workers), "ready_workers": sum(w.state == READY for w in self.workers),
-                "queued": len(self.batcher), "worker_pids": [w.pid for w in self.workers if w.state == READY],
-                "busy_worker_pids": [w.pid for w in self.workers if w.state == READY and w.inflight],
-                "worker_threads": [w.info["threads"] for w in self.workers if w.state == READY and "threads" in w.info],
-                "slots": sum(w.slots for w in self.workers if w.state == READY),
-                "slots_busy": sum(len(w.inflight) for w in self.workers),
-                "restarts": sum(w.restarts for w in self.workers),
-                "device_memory": {w.device: w.info.get("device_memory", 0) for w in self.workers
-                                  if w.state == READY and "device_memory" in w.info}}
+    def rendered_config(self) -> dict:
+        """The config this generation serves, as Triton renders it (rendered when it was loaded: the file
+        may have changed since)."""
+        if isinstance(self._rendered, errors.GepoolError):
+            raise self._rendered
+        return self._rendered
 
     def metadata(self) -> dict:
         if self.config is None:

@@ -12,7 +12,8 @@ from gepool.scheduler.arenas import Arena, Arenas
 @dataclass(slots=True, eq=False)
 class Request:
     """One admitted request. ``inputs`` holds, in config order, a buffer of each tensor's bytes: a
-    view of a received ZMQ frame (kept alive by this object) or of the client's arena."""
+    view of a received ZMQ frame or lane record (the view keeps its owner alive) or of the client's
+    arena."""
 
     identity: bytes
     req_id: int
@@ -80,9 +81,10 @@ class Admission:
         self.fixed_outputs = all(t.fixed for t in config.outputs)  # their places are known before running
 
 
-def admit(msg: protocol.Infer, identity: bytes, frames: list, plan: Admission, arenas: Arenas,
+def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: Admission, arenas: Arenas,
           now: float) -> Request:
-    """Checks one Infer against the model's config; raises a GepoolError naming what is wrong."""
+    """Checks one Infer against the model's config; raises a GepoolError naming what is wrong.
+    ``frames``: the message's tensor parts."""
     _check_fields(msg)
     config = plan.config
     given: dict[str, list] = {}
@@ -154,7 +156,7 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
         raise InvalidArgument(f"input '{name}': BYTES tensors travel as frames, not in an arena")
     if type(where) is not int or not 0 <= where < len(frames):
         raise InvalidArgument(f"input '{name}': frame {where!r} does not exist ({len(frames)} tensor frames sent)")
-    buf = frames[where].buffer
+    buf = frames[where]
     buf = buf.cast("B") if buf.format != "B" else buf
     try:
         dtypes.bytes_offsets(buf, count)
@@ -173,7 +175,7 @@ def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | 
         return arena.view[where:where + nbytes]
     if where < 0 or where >= len(frames):
         raise InvalidArgument(f"input '{name}': frame {where} does not exist ({len(frames)} tensor frames sent)")
-    buf = frames[where].buffer
+    buf = frames[where]
     if buf.nbytes != nbytes:
         raise InvalidArgument(f"input '{name}': {buf.nbytes} bytes sent, its shape and datatype need {nbytes}")
     return buf.cast("B") if buf.format != "B" else buf

@@ -23,6 +23,7 @@ from gepool.aio import AsyncClient
 from gepool.common import errors
 from gepool.http import kserve, metrics
 from gepool.http.shm import Regions
+from gepool.scheduler.states import ModelState
 
 log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",
@@ -101,7 +102,7 @@ class Gateway:
         if not self.connected.is_set():
             return web.Response(status=400)
         status = await self.client.status()
-        ok = not status["stopping"] and all(m["state"] == "READY" for m in status["models"].values())
+        ok = not status["stopping"] and all(m["state"] == ModelState.AVAILABLE for m in status["models"].values())
         return web.Response(status=200 if ok else 400)
 
     @route
@@ -120,7 +121,7 @@ class Gateway:
             meta = await self._model_meta(request)
         except errors.ModelNotFound as exc:
             return _error(400, exc.message)
-        if meta["state"] != "READY":
+        if meta["state"] != ModelState.AVAILABLE:
             return _error(400, "Model version not ready")
         return web.Response(status=200)
 
@@ -206,7 +207,7 @@ class Gateway:
         rows = [{"name": n, "version": str(m["version"] or ""), "state": m["state"], "reason": m["reason"]}
                 for n, m in sorted(status["models"].items())]
         if body.get("ready"):
-            rows = [r for r in rows if r["state"] == "READY"]
+            rows = [r for r in rows if r["state"] == ModelState.AVAILABLE]
         return web.json_response(rows)
 
     @route

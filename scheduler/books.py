@@ -1,0 +1,162 @@
+"""The front's books on its workers: state, free slots, batches in flight, restarts (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gepool.ipc import protocol
+from gepool.scheduler.states import WorkerState, check_worker
+
+if TYPE_CHECKING:
+    from gepool.ipc.doorbell import FrontBell
+    from gepool.ipc.ring import Ring
+    from gepool.scheduler.models import Model
+    from gepool.scheduler.requests import Request
+
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 10.0  # a worker that served this long before dying starts its backoff afresh
+
+
+@dataclass(slots=True)
+class Batch:
+    slot: int
+    seq: int
+    requests: list[Request]
+    rows: int
+    direct: bool = False
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker process slot in the books. The core owns every field but three, which the loop's
+    spawn action sets and its reap clears: ``process``, ``ring`` and ``bell`` (its doorbell: ringing
+    it is how a batch is handed over)."""
+
+    id: int
+    model: Model
+    device: str
+    threads: int
+    slots: int
+    slot_bytes: int
+    concurrency: int = 1  # batches it runs at once (an NPU worker's lanes)
+    state: WorkerState = WorkerState.STARTING
+    process: Any = None  # multiprocessing.Process, or what a test's outbox hands out
+    ring: Ring | None = None
+    bell: FrontBell | None = None
+    free: list[int] = field(default_factory=list)
+    inflight: dict[int, Batch] = field(default_factory=dict)  # slot index -> Batch
+    rows: int = 0  # rows dispatched and not yet answered: the router's measure of load
+    info: dict = field(default_factory=dict)  # what the worker said about itself when ready
+    progress_at: float = 0.0  # last dispatch to an idle worker or completion: the hang watchdog's clock
+    retired: bool = False  # asked to stop (its model generation drained or was unloaded): never restarted
+    restarts: int = 0  # every restart, for metrics
+    streak: int = 0  # deaths in a row without a stable run: the backoff's exponent
+    ready_at: float = 0.0
+    restart_at: float | None = None
+    reason: str = ""
+    pid: int = 0
+
+    def move(self, state: WorkerState) -> None:
+        self.state = check_worker(self.state, state)
+
+    # -- slots and batches in flight: the only writers of free, inflight and rows ---------------
+    def started(self) -> None:
+        """A fresh process: no slot is free until it says it is ready."""
+        self.move(WorkerState.STARTING)
+        self.free, self.inflight, self.rows, self.restart_at = [], {}, 0, None
+
+    def ready(self, msg: protocol.WorkerReady, now: float) -> None:
+        self.move(WorkerState.READY)
+        self.pid, self.info = msg.pid, dict(msg.info) if isinstance(msg.info, dict) else {}
+        self.ready_at = now
+        self.free = list(range(self.slots))
+
+    def take(self, seq: int, requests: list, rows: int, direct: bool, now: float) -> Batch:
+        """A free slot for a batch, now in flight (the caller fills it, then rings the bell)."""
+        if not self.inflight:
+            self.progress_at = now  # the watchdog's clock starts when the worker gets work
+        batch = Batch(self.free.pop(), seq, requests, rows, direct)
+        self.inflight[batch.slot] = batch
+        self.rows += rows
+        return batch
+
+    def complete(self, slot: int, seq: int, now: float) -> Batch | None:
+        """The batch a done record names, out of flight, its slot free again; None if that slot holds no
+        such batch. The caller reads the slot's outputs before it schedules anything (one thread), so the
+        slot is never refilled under them."""
+        batch = self.inflight.pop(slot, None)
+        if batch is None:
+            return None
+        if batch.seq != seq:
+            self.inflight[slot] = batch
+            return None
+        self.rows -= batch.rows
+        self.progress_at = now
+        self.free.append(slot)
+        return batch
+
+    def hung(self, now: float, timeout_s: float) -> Batch | None:
+        """The oldest batch, taken out of flight, if it has run past ``timeout_s`` (its slot is not
+        freed: the worker is about to be killed)."""
+        if self.state != WorkerState.READY or not self.inflight or now - self.progress_at < timeout_s:
+            return None
+        head = min(self.inflight.values(), key=lambda b: b.seq)
+        del self.inflight[head.slot]
+        self.rows -= head.rows
+        return head
+
+    def fail_all(self) -> list[Batch]:
+        """Every batch in flight, oldest first, out of the books (the worker is gone or stopping)."""
+        lost = sorted(self.inflight.values(), key=lambda b: b.seq)
+        self.inflight, self.free, self.rows = {}, [], 0
+        return lost
+
+    def exited(self, code: int | None, now: float, stopping: bool) -> None:
+        """Its process is reaped: FAILED for good after a failed load, else DEAD, with a restart
+        time unless it was retired or the pool stops."""
+        if code == protocol.EXIT_LOAD_FAILED or stopping or self.retired:
+            self.move(WorkerState.FAILED if code == protocol.EXIT_LOAD_FAILED else WorkerState.DEAD)
+            self.reason = self.reason or f"exit code {code}"
+            return
+        if self.state == WorkerState.READY and now - self.ready_at >= STABLE_AFTER_S:
+            self.streak = 0
+        self.move(WorkerState.DEAD)
+        self.reason = f"worker {self.id} died with exit code {code}"
+        self.restart_at = now + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.streak)
+        self.streak += 1
+        self.restarts += 1
+
+
+class Workers:
+    """Every worker the front has, by id."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, Worker] = {}
+        self._next_id = 0
+
+    def add(self, model: Model, device: str, threads: int, slots: int, slot_bytes: int) -> Worker:
+        self._next_id += 1
+        w = Worker(self._next_id, model, device, threads, slots, slot_bytes)
+        self.by_id[w.id] = w
+        return w
+
+    def get(self, worker_id: object) -> Worker | None:
+        return self.by_id.get(worker_id) if type(worker_id) is int else None
+
+    def forget(self, w: Worker) -> None:
+        """A retired worker that has exited leaves the books."""
+        self.by_id.pop(w.id, None)
+
+    def values(self):
+        return self.by_id.values()
+
+    def __iter__(self):
+        return iter(list(self.by_id.values()))
+
+    def busy(self) -> int:
+        return sum(1 for w in self.by_id.values() if w.inflight)
+
+    def any_ready(self) -> bool:
+        return any(w.state == WorkerState.READY for w in self.by_id.values())

@@ -1,0 +1,106 @@
+"""How clients reach the front: the ZMQ socket and the local lanes, behind one interface."""
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+
+from gepool.ipc import lane, zmqio
+from gepool.ipc.sockets import ipc_path
+from gepool.scheduler.lanes import Lanes
+
+log = logging.getLogger("gepool.channels")
+
+# on_message(identity, parts): a client's message as buffers, the header first; each view keeps
+# what it was received into alive
+OnMessage = Callable[[bytes, list[memoryview]], None]
+
+
+class Channel(Protocol):
+    pollable: "zmq.Socket | int"  # what the loop's zmq.Poller waits on
+
+    def fileno(self) -> int:
+        """A descriptor that turns readable when there is something to receive (for select())."""
+
+    def receive(self, budget: int) -> None:
+        """Hands at most ``budget`` waiting messages to the channel's handler."""
+
+    def owns(self, identity: bytes) -> bool:
+        """A client identity this channel minted."""
+
+    def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
+        """One reply; ``copy``: the parts point into a slot that is reused once this returns."""
+
+    def close(self) -> None: ...
+
+
+class ZmqChannel:
+    """The ROUTER socket on the pool's endpoint (any client, any host the endpoint admits)."""
+
+    def __init__(self, sock: zmq.Socket, on_message: OnMessage) -> None:
+        self.sock, self.on_message = sock, on_message
+        self.pollable = sock
+
+    def fileno(self) -> int:
+        return self.sock.FD
+
+    def receive(self, budget: int) -> None:
+        sock, recv, readable = self.sock, zmqio.recv_parts, zmqio.readable
+        for _ in range(budget):
+            if not readable(sock):
+                return
+            frames = recv(sock, zmqio.NOBLOCK)
+            if len(frames) >= 2:
+                self.on_message(frames[0].bytes, [f.buffer for f in frames[1:]])
+
+    def owns(self, identity: bytes) -> bool:
+        return True
+
+    def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
+        zmqio.send_parts(self.sock, [identity, *parts], copy)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class LaneChannel(Lanes):
+    """Same-host clients' SEQPACKET lanes (see lanes.py): one descriptor in the poller for all."""
+
+    @property
+    def pollable(self) -> int:
+        return self.fileno()
+
+    receive = Lanes.pump  # not a wrapper: one call fewer per wake on the hot path
+
+
+def open_lanes(endpoint: str, curve: bool, on_message: OnMessage) -> LaneChannel | None:
+    """Lanes beside an ipc endpoint (not with CURVE: a lane is not authenticated)."""
+    path = ipc_path(endpoint)
+    if path is None or curve:
+        return None
+    try:
+        return LaneChannel(lane.path_for(path), on_message)
+    except OSError as exc:  # a path too long for a Unix socket, say: clients keep to ZMQ
+        log.warning("no lanes beside %s: %s", endpoint, exc)
+        return None
+
+
+class Channels:
+    """Every channel the front listens on; a reply goes back over the one its request came by."""
+
+    def __init__(self, zmq_channel: ZmqChannel, lanes: LaneChannel | None) -> None:
+        self.zmq, self.lanes = zmq_channel, lanes
+        self.all: list[Channel] = [zmq_channel] + ([lanes] if lanes is not None else [])
+        if lanes is None:
+            self.reply = zmq_channel.send  # one call per reply on the hot path, not two
+
+    def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
+        if self.lanes.owns(identity):
+            self.lanes.send(identity, parts, copy)  # sent now, or queued as a copy
+        else:
+            self.zmq.send(identity, parts, copy)
+
+    def close(self) -> None:
+        for ch in self.all:
+            ch.close()

@@ -1,0 +1,263 @@
+"""The front's core: models, admission, dispatch, recovery and the worker books, driven by events.
+
+It does no I/O of its own. The loop hands it events (a client's message, a worker's message, the
+completions a doorbell carried, a worker's exit, a tick) and it answers through its outbox (reply,
+spawn, stop, kill), ringing a worker's doorbell to hand over a batch; time comes from its clock.
+"""
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+
+from gepool.common import errors
+from gepool.ipc import protocol
+from gepool.scheduler.arenas import Arenas
+from gepool.scheduler.books import Worker, Workers
+from gepool.scheduler.control import ModelControl
+from gepool.scheduler.dispatch import Dispatcher
+from gepool.scheduler.models import Model
+from gepool.scheduler.options import FrontOptions
+from gepool.scheduler.outbox import Outbox
+from gepool.scheduler.polling import PollPolicy
+from gepool.scheduler.recovery import Recovery
+from gepool.scheduler.requests import admit
+from gepool.scheduler.states import ModelState, WorkerState
+from gepool.scheduler.status import Peers, answer_query, pool_status
+
+log = logging.getLogger("gepool.front")
+
+SERVER_NAME = "gepool"
+READY = WorkerState.READY
+
+
+class Core:
+    def __init__(self, opts: FrontOptions, out: Outbox, clock: Callable[[], float] = time.monotonic) -> None:
+        self.opts, self.out, self.clock = opts, out, clock
+        self.workers = Workers()
+        self.control = ModelControl(opts, self.workers, out, clock)
+        self.arenas = Arenas(on_drop=self._drop_arena)
+        self.polling = PollPolicy(opts.busy_poll_us)
+        self.dispatch = Dispatcher(out.reply, self.arenas, self.polling, clock)
+        self.recovery = Recovery(self.workers, self.dispatch, out)
+        self.peers = Peers()  # the loop fills in what its channels know (lanes, their pids)
+        self.stopping = False
+        self.drain_deadline: float | None = None
+        self.grace_until: float | None = None
+        self.wake_at: float | None = None  # the nearest timer outside the models' queues
+        self._announced = False
+        self.dirty: set[Model] = set()  # models a request or a completion touched since the last schedule
+        self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
+        self._refused: set[str] = set()  # models whose last prewoken request failed admission
+
+    def start(self) -> None:
+        self.control.start()
+
+    # -- events: clients -------------------------------------------------------------------
+    def on_message(self, identity: bytes, parts: list) -> None:
+        """A client's message, whichever channel carried it: the payload, then its tensor parts."""
+        if not parts:
+            return
+        try:
+            msg = protocol.decode(parts[0])
+        except protocol.ProtocolError as exc:
+            log.warning("dropping a bad message: %s", exc)
+            self.out.reply(identity, [protocol.Error(0, errors.ProtocolMismatch.code, str(exc)).encode()])
+            return
+        req_id = getattr(msg, "req_id", 0)
+        try:
+            if type(msg) is protocol.Infer:  # the hot path: an admitted request is answered later
+                prepared = False
+                if self.polling.enabled and self.dispatch.last_batch_requests <= 1:  # sequential traffic
+                    self.polling.arrived(self.clock())
+                    prepared = not self.workers.busy() and self._prepare_worker(msg.model)
+                try:
+                    return self._infer(identity, msg, parts)
+                except errors.GepoolError:
+                    if prepared:  # no batch follows: stop waking this worker for nothing until one is admitted
+                        self._refused.add(msg.model)
+                    raise
+            reply = self._handle(identity, msg)
+        except errors.GepoolError as exc:
+            reply = protocol.Error(req_id, exc.code, exc.message)
+        except Exception as exc:  # a bug must not take the pool down; the client hears INTERNAL
+            log.exception("internal error handling %s", type(msg).__name__)
+            reply = protocol.Error(req_id if isinstance(req_id, int) else 0, "INTERNAL", f"internal error: {exc}")
+        if reply is not None:
+            self.out.reply(identity, [reply.encode()])
+
+    def _handle(self, identity: bytes, msg):
+        if isinstance(msg, protocol.Hello):
+            if msg.version != protocol.PROTOCOL_VERSION:
+                raise errors.ProtocolMismatch(f"client speaks protocol {msg.version}, "
+                                              f"this pool {protocol.PROTOCOL_VERSION}")
+            return protocol.Welcome(msg.req_id, protocol.PROTOCOL_VERSION, self.opts.owner_id, SERVER_NAME)
+        if isinstance(msg, protocol.Query):
+            if msg.what in ("load", "unload"):
+                name = msg.args.get("model") if isinstance(msg.args, dict) else None
+                body = self.control.request(msg.what, name, (identity, msg.req_id))
+                return None if body is None else protocol.Reply(msg.req_id, body)
+            return protocol.Reply(msg.req_id, answer_query(self, msg.what, msg.args))
+        if isinstance(msg, protocol.RegisterArena):
+            return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
+        if isinstance(msg, protocol.UnregisterArena):
+            return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena)})
+        raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
+
+    def _infer(self, identity: bytes, msg: protocol.Infer, parts: list) -> None:
+        if type(msg.req_id) is not int or type(msg.model) is not str:
+            raise errors.InvalidArgument("req_id must be an integer and model a string")
+        if self.stopping:
+            raise errors.Unavailable("the pool is shutting down")
+        group = self.control.group(msg.model)
+        model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
+        model.check_servable()
+        req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
+        busy = any(w.inflight for w in model.workers)
+        if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy):
+            raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
+        group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
+        self.dirty.add(model)
+        self._refused.discard(msg.model)
+
+    def _prepare_worker(self, name: object) -> bool:
+        """Sequential traffic: wakes the idle worker that will run this request now, so its wake-up
+        overlaps admission (the worker polls its doorbell briefly for the batch). Not for a model whose
+        last prewoken request was refused: a client repeating a bad request would keep it polling."""
+        group = self.control.groups.get(name) if type(name) is str else None
+        if group is None or len(group.serving) != 1 or name in self._refused:
+            return False
+        (model,) = group.serving.values()
+        if len(model.batcher):
+            return False
+        for w in model.workers:
+            if w.state == READY and not w.inflight and w.info.get("prewake"):
+                w.bell.prepare()
+                self.polling.prewakes += 1
+                return True
+        return False
+
+    def _drop_arena(self, name: str) -> None:
+        for w in self.workers.values():
+            if w.state == READY and w.info.get("arena_io"):
+                self.out.drop_arena(w, name)
+
+    # -- events: workers -------------------------------------------------------------------
+    def on_worker_message(self, msg) -> None:
+        w = self.workers.get(getattr(msg, "worker", None))
+        if w is None:
+            return
+        if isinstance(msg, protocol.WorkerReady):
+            if msg.version != protocol.PROTOCOL_VERSION:
+                w.reason = f"worker speaks protocol {msg.version}, the front {protocol.PROTOCOL_VERSION}"
+                self.out.kill(w)
+                return
+            w.ready(msg, self.clock())
+            w.model.worker_info(msg.info)
+            self._refresh(w.model)
+            log.info("worker %d (%s v%s) ready", w.id, w.model.name, w.model.version)
+            if w.retired:  # its generation was replaced or unloaded while it loaded
+                self.out.stop(w)
+        elif isinstance(msg, protocol.WorkerFailed):
+            w.reason = msg.reason
+
+    def on_completions(self, w: Worker, records: Iterable[tuple[int, int]]) -> None:
+        """What a worker's doorbell carried: each (slot, seq) is a batch done (or failed) in its slot."""
+        self.dirty.add(w.model)
+        for slot, seq in records:
+            try:
+                self.dispatch.complete(w.model, w, slot, seq)
+            except Exception:  # a bug here must not take every model down; the log keeps the traceback
+                log.exception("internal error completing slot %d of worker %d", slot, w.id)
+
+    def on_worker_exit(self, w: Worker, code: int | None) -> None:
+        """Its process is reaped (the loop fed what its doorbell still held first)."""
+        self.recovery.on_exit(w, code, self.clock(), self.stopping)
+        self._refresh(w.model)
+
+    def _refresh(self, model: Model) -> None:
+        model.refresh_state()
+        self.control.on_refresh(model)
+        if model.state == ModelState.UNAVAILABLE and len(model.batcher):
+            reason = f"model '{model.name}' is unavailable: {model.reason}"
+            self.dispatch.fail_queued(model, errors.ModelNotReady(reason))
+
+    # -- events: time ----------------------------------------------------------------------
+    def tick(self, now: float) -> bool:
+        """Housekeeping and every model's timers; True once a stop has drained."""
+        self.recovery.watchdog(now)
+        self.arenas.reap(now)
+        if not self.stopping:
+            self.recovery.restart_due(now)
+            self.control.poll(now)
+            self.control.drain()
+        self.dirty.clear()
+        self.schedule(self.control.models())
+        self._announce_ready()
+        if self.grace_until is not None and now >= self.grace_until:
+            self.begin_stop()
+        self.wake_at = self._housekeeping_deadline()
+        return self.stopping and self._drained(now)
+
+    def schedule(self, models: Iterable[Model]) -> None:
+        queued = set()
+        for model in models:
+            if len(model.batcher):
+                for p in model.batcher.expire():  # a timer, not the end of a running batch
+                    self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
+                self.dispatch.schedule(model)
+                if len(model.batcher):
+                    queued.add(model)
+        self.queued = queued
+
+    def next_deadline(self, *others: float | None) -> float | None:
+        """When the loop must tick or schedule again at the latest, ``others`` being the loop's own
+        timers (None: only an event matters). Between ticks the loop schedules the models in
+        ``dirty | queued``, and clears ``dirty``."""
+        deadlines = [m.deadline() for m in self.queued]
+        deadlines += [self.wake_at, *others]
+        deadlines = [d for d in deadlines if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def _housekeeping_deadline(self) -> float | None:
+        deadlines = [self.recovery.next_deadline(), self.control.poll_at, self.drain_deadline, self.grace_until]
+        if len(self.arenas):
+            deadlines.append(self.arenas.check_at)
+        deadlines = [d for d in deadlines if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def _announce_ready(self) -> None:
+        if self._announced or any(w.state == WorkerState.STARTING for w in self.workers.values()):
+            return
+        self._announced = True
+        self.out.ready(self.status())
+
+    def status(self) -> dict:
+        return pool_status(self, os.getpid())
+
+    # -- stopping --------------------------------------------------------------------------
+    def begin_grace(self) -> None:
+        """Not ready at once (load balancers move away), still serving until the grace ends."""
+        if self.grace_until is None and not self.stopping:
+            log.info("SIGTERM: not ready; serving for %.1fs more, then draining", self.opts.exit_grace_s)
+            self.grace_until = self.clock() + self.opts.exit_grace_s
+
+    def begin_stop(self) -> None:
+        if not self.stopping:
+            log.info("stopping: draining requests in flight")
+            self.stopping = True
+            self.drain_deadline = self.clock() + self.opts.drain_timeout_s
+
+    def _drained(self, now: float) -> bool:
+        busy = any(len(m.batcher) for m in self.control.models()) or self.workers.busy()
+        return not (busy and now < self.drain_deadline and self.workers.any_ready())
+
+    def close(self) -> None:
+        """Fails what is still queued or in flight, then asks every ready worker to stop."""
+        unavailable = errors.Unavailable("the pool stopped before this request ran")
+        for model in self.control.models():
+            self.dispatch.fail_queued(model, unavailable)
+            for w in model.workers:
+                for batch in w.fail_all():
+                    self.dispatch.fail_batch(model, batch, unavailable)
+        self.arenas.close()

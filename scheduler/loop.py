@@ -1,0 +1,318 @@
+"""The front's loop: one zmq.Poller over the channels, workers, their sentinels and doorbells, and signals.
+
+Every blocking wait is that one poll; its timeout is the core's nearest deadline. Signal handlers only
+write to a wake-up pipe; the loop feeds the core its events and performs the core's actions (it is
+the core's outbox), and runs the sequence running -> draining -> stopping.
+"""
+
+import logging
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+
+import zmq
+
+from gepool.common import errors
+from gepool.ipc import protocol, zmqio
+from gepool.ipc.sockets import make_socket, runtime_dir
+from gepool.scheduler.books import Worker
+from gepool.scheduler.channels import Channels, ZmqChannel, open_lanes
+from gepool.scheduler.core import Core
+from gepool.scheduler.options import FrontOptions
+from gepool.scheduler.status import Peers
+from gepool.scheduler.supervisor import StartWorker, Supervisor
+
+log = logging.getLogger("gepool.front")
+
+MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
+TICK_S = 0.01  # housekeeping cadence while requests and completions keep the loop busy
+FD_SETSIZE = 1024  # select()'s limit on Linux
+
+
+class Loop:
+    def __init__(self, options: FrontOptions, start_worker: StartWorker,
+                 on_ready: Callable[[dict], None] | None = None) -> None:
+        self.opts, self.on_ready = options, on_ready
+        self.ctx = zmq.Context()
+        self.worker_endpoint = f"ipc://{runtime_dir()}/gepool-{options.owner_id}.workers"
+        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level,
+                                     runtime_dir())
+        self.by_sentinel: dict[int, Worker] = {}
+        self.by_bell: dict[int, Worker] = {}
+        # opened by run(), closed by _shutdown() (None: not opened)
+        self.channels: Channels | None = None
+        self.workers: zmq.Socket | None = None
+        self.core: Core | None = None
+        self.auth = None
+        self.poller = zmq.Poller()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serves until SIGINT/SIGTERM; returns the process exit code."""
+        _refuse_live_pool(self.ctx, self.opts.endpoint)
+        _raise_fd_limit()
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_fd = signal.set_wakeup_fd(wake_w)
+        old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._open(wake_r)
+            self.core.start()
+            self._loop(wake_r)
+        finally:
+            self._shutdown()
+            signal.set_wakeup_fd(old_fd)
+            for s, h in old.items():
+                signal.signal(s, h)
+            os.close(wake_r)
+            os.close(wake_w)
+        return 0
+
+    def _open(self, wake_r: int) -> None:
+        """The sockets, then the core that answers through them."""
+        clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint, curve_server=self._curve())
+        zmq_channel = ZmqChannel(clients, None)
+        # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
+        self.opts.endpoint = clients.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.channels = Channels(zmq_channel, open_lanes(self.opts.endpoint, bool(self.opts.curve_secret_key), None))
+        self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
+        self.reply = self.channels.reply  # the outbox's reply, one call on the hot path
+        self.core = Core(self.opts, self)
+        lanes = self.channels.lanes
+        if lanes is not None:
+            self.core.peers = Peers(lanes.__len__, lanes.pids)
+        for ch in self.channels.all:
+            ch.on_message = self.core.on_message
+            self.poller.register(ch.pollable, zmq.POLLIN)
+        self.poller.register(self.workers, zmq.POLLIN)
+        self.poller.register(wake_r, zmq.POLLIN)
+        self._fds = [ch.fileno() for ch in self.channels.all] + [self.workers.FD, wake_r]
+
+    def _curve(self) -> tuple[bytes, bytes] | None:
+        if not self.opts.curve_secret_key:
+            return None
+        from gepool.scheduler.curve import start_curve
+
+        self.auth, keys = start_curve(self.ctx, self.opts.curve_secret_key, self.opts.curve_authorized_keys)
+        return keys
+
+    def _loop(self, wake_r: int) -> None:
+        """Requests and completions (the hot events) only schedule the models they touched; everything
+        else (watchdog, restarts, arenas, model control, readiness, timers) runs in the core's tick,
+        after any other event, when the poll times out, and at least every TICK_S while hot events keep
+        coming."""
+        core, zmq_channel, lanes = self.core, self.channels.zmq, self.channels.lanes
+        clients, lanes_fd = zmq_channel.pollable, lanes.pollable if lanes is not None else -1
+        by_bell, dirty, schedule = self.by_bell, core.dirty, core.schedule
+        next_tick, dirty_since_tick = 0.0, False
+        if self._tick(time.monotonic()):  # once before any event: with no worker to wait for, ready now
+            return
+        while True:
+            events = self._wait(next_tick if dirty_since_tick else None)
+            tick = not events
+            for sock, _ in events:
+                if sock is clients:
+                    zmq_channel.receive(MAX_MESSAGES_PER_WAKE)
+                elif sock == lanes_fd:
+                    lanes.receive(MAX_MESSAGES_PER_WAKE)
+                elif sock in by_bell:
+                    w = by_bell[sock]
+                    records = w.bell.completions()
+                    if records is None:  # the worker closed its end: it is exiting, and its sentinel will say so
+                        self._forget_bell(w)
+                    else:
+                        core.on_completions(w, records)
+                else:
+                    tick = True
+                    if sock is self.workers:
+                        self._on_workers()
+                    elif sock == wake_r:
+                        self._on_signals(_read_all(wake_r))
+                    elif sock in self.by_sentinel:
+                        self._on_exit(sock, self.by_sentinel.pop(sock))
+            now = time.monotonic()
+            if tick or now >= next_tick:
+                next_tick, dirty_since_tick = now + TICK_S, False
+                if self._tick(now):
+                    return
+            else:
+                dirty_since_tick = True
+                schedule(dirty | core.queued)
+                dirty.clear()
+
+    def _tick(self, now: float) -> bool:
+        if self.channels.lanes is not None:
+            self.channels.lanes.resume(now)
+        return self.core.tick(now)
+
+    # -- waiting ---------------------------------------------------------------------------
+    def _wait(self, next_tick: float | None) -> list:
+        """The next events, polled for while one is expected within microseconds (``polling.py`` says
+        when), slept for otherwise."""
+        core, lanes = self.core, self.channels.lanes
+        at = core.next_deadline(next_tick, lanes.resume_at if lanes is not None else None)
+        now = time.monotonic()
+        sequential = core.polling.enabled and core.dispatch.last_batch_requests <= 1  # the last batch: one request
+        until, window = core.polling.until(now, sequential, core.workers.busy() if sequential else 0)
+        if until > now and (at is None or at > now):
+            until = until if at is None else min(until, at)
+            poll = self.poller.poll
+            while time.monotonic() < until:
+                events = poll(0)
+                if events:
+                    return events
+                os.sched_yield()  # sharing a CPU with the worker or client it waits for, let it run
+            if window:
+                core.polling.missed()
+            now = time.monotonic()
+        if at is None:
+            return self.poller.poll(-1)
+        remaining = at - now
+        if remaining <= 0:  # overdue: the tick after this poll handles it (at most a 1 ms poll, as ever)
+            return self.poller.poll(max(0, int(remaining * 1000) + 1))
+        if remaining < 1e-3:
+            return self._wait_until(at)
+        return self.poller.poll(int(remaining * 1000))  # whole ms, rounded down: the rest in _wait_until
+
+    def _wait_until(self, at: float) -> list:
+        """Events before ``at``, sleeping in select(), whose timeout has microseconds. zmq_poll counts whole
+        milliseconds, so a deadline under a millisecond away (a max_queue_delay_microseconds of 200, say)
+        would fire up to a millisecond late. The ZMQ sockets' FDs only say "look"; poll(0) says what
+        is there. select() cannot take a descriptor past FD_SETSIZE (a worker restarted while a
+        thousand lanes are open may get one): such a descriptor waits out the rest of the sub-ms wait."""
+        fds = [fd for fd in (*self._fds, *self.by_sentinel, *self.by_bell) if fd < FD_SETSIZE]
+        while True:
+            events = self.poller.poll(0)
+            remaining = at - time.monotonic()
+            if events or remaining <= 0:
+                return events
+            select.select(fds, [], [], remaining)
+
+    # -- events from workers ---------------------------------------------------------------
+    def _on_workers(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            if not zmqio.readable(self.workers):
+                return
+            frames = zmqio.recv_parts(self.workers, zmqio.NOBLOCK)
+            try:
+                msg = protocol.decode(frames[1].buffer)
+            except (protocol.ProtocolError, IndexError) as exc:
+                log.error("bad message from a worker: %s", exc)
+                continue
+            try:
+                w = self.core.workers.get(getattr(msg, "worker", None))
+                if w is not None and isinstance(msg, protocol.WorkerReady):
+                    self.supervisor.mapped(w)
+                self.core.on_worker_message(msg)
+            except Exception:  # a bug here must not take every model down; the log keeps the traceback
+                log.exception("internal error handling %s from a worker", type(msg).__name__)
+
+    def _on_bell(self, w: Worker) -> None:
+        records = w.bell.completions() if w.bell is not None else None
+        if records is None:  # the worker closed its end: it is exiting, and its sentinel will say so
+            self._forget_bell(w)
+            return
+        self.core.on_completions(w, records)
+
+    def _forget_bell(self, w: Worker) -> None:
+        for fd in [fd for fd, o in self.by_bell.items() if o is w]:
+            self.poller.unregister(fd)
+            del self.by_bell[fd]
+
+    def _on_exit(self, sentinel: int, w: Worker) -> None:
+        self._on_bell(w)  # what it finished before dying counts
+        self._forget_bell(w)
+        self.poller.unregister(sentinel)
+        self.core.on_worker_exit(w, self.supervisor.reap(w))
+
+    def _on_signals(self, received: bytes) -> None:
+        """SIGTERM with a grace period: not ready at once, still serving until the grace ends, then the
+        drain. SIGINT, or no grace: the drain at once."""
+        if signal.SIGTERM in received and self.opts.exit_grace_s > 0 and not self.core.stopping:
+            self.core.begin_grace()
+            return
+        self.core.begin_stop()
+
+    # -- the outbox: what the core asks for ------------------------------------------------
+    def spawn(self, w: Worker) -> None:
+        self.supervisor.spawn(w)
+        sentinel = w.process.sentinel
+        self.by_sentinel[sentinel] = w
+        self.poller.register(sentinel, zmq.POLLIN)
+        self.by_bell[w.bell.done_fd] = w
+        self.poller.register(w.bell.done_fd, zmq.POLLIN)
+
+    def stop(self, w: Worker) -> None:
+        self._send_worker(w, protocol.Stop())
+
+    def kill(self, w: Worker) -> None:
+        if w.process is not None:
+            w.process.kill()
+
+    def drop_arena(self, w: Worker, name: str) -> None:
+        self._send_worker(w, protocol.DropArena(name))
+
+    def ready(self, status: dict) -> None:
+        if self.on_ready is not None:
+            self.on_ready(status)
+
+    def _send_worker(self, w: Worker, msg) -> None:
+        self.workers.send_multipart([b"w%d" % w.id, msg.encode()])
+
+    # -- shutdown --------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        if self.core is not None:
+            self.core.close()
+            self.supervisor.stop_all(self.core.workers.values(), self.stop)
+        if self.channels is not None:
+            self.channels.close()
+        if self.workers is not None:
+            self.workers.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+        for endpoint in (self.opts.endpoint, self.worker_endpoint):
+            if endpoint.startswith("ipc://"):
+                try:
+                    os.unlink(endpoint[len("ipc://"):])
+                except FileNotFoundError:
+                    pass
+
+
+def _raise_fd_limit() -> None:
+    """Every lane is a descriptor in the front: lift the soft limit (often 1024) to the hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+        except (ValueError, OSError):
+            pass
+
+
+def _read_all(fd: int) -> bytes:
+    """What the signal wake-up pipe holds: one byte per signal, its number."""
+    data = b""
+    try:
+        while chunk := os.read(fd, 512):
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data
+
+
+def _refuse_live_pool(ctx: zmq.Context, endpoint: str) -> None:
+    """An ipc socket file may be a dead pool's leftover or a live pool: ask before replacing it."""
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    if not path or not os.path.exists(path):
+        return
+    probe = make_socket(ctx, zmq.DEALER, connect=endpoint)
+    try:
+        probe.send(protocol.Hello(0, protocol.PROTOCOL_VERSION, "probe").encode())
+        if probe.poll(500):
+            raise errors.Unavailable(f"a pool is already serving on {endpoint}")
+    finally:
+        probe.close(0)

@@ -1,0 +1,23 @@
+"""What a front is started with."""
+
+import logging
+from dataclasses import dataclass
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class FrontOptions:
+    repository: str
+    endpoint: str
+    owner_id: str
+    cpu_threads: int = 0  # threads per CPU model, split among its instances; 0 = every core
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    log_level: int = logging.INFO
+    exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
+    model_control_mode: str = "none"  # none | explicit | poll (Triton's names)
+    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start
+    poll_secs: float = 15.0
+    curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
+    curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
+    busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never

@@ -1,0 +1,136 @@
+"""Typed answers to the status, stats, metadata and config queries, encoded to the wire's dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from gepool.common import errors
+from gepool.scheduler.states import ModelState, WorkerState
+
+if TYPE_CHECKING:
+    from gepool.scheduler.core import Core
+    from gepool.scheduler.groups import Group
+    from gepool.scheduler.models import Model
+
+READY = WorkerState.READY
+
+
+@dataclass
+class Peers:
+    """What the loop's channels know about the clients connected to them."""
+
+    lanes: Callable[[], int] = lambda: 0
+    lane_pids: Callable[[], list[int]] = list
+
+
+@dataclass
+class Workload:
+    """A model generation's workers, as status reports them (summed over generations per name)."""
+
+    workers: int = 0
+    ready_workers: int = 0
+    queued: int = 0
+    slots: int = 0
+    slots_busy: int = 0
+    restarts: int = 0
+    worker_pids: list[int] = field(default_factory=list)
+    busy_worker_pids: list[int] = field(default_factory=list)
+    worker_threads: list[int] = field(default_factory=list)
+    device_memory: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: Model) -> Workload:
+        ready = [w for w in model.workers if w.state == READY]
+        return cls(len(model.workers), len(ready), len(model.batcher), sum(w.slots for w in ready),
+                   sum(len(w.inflight) for w in model.workers), sum(w.restarts for w in model.workers),
+                   [w.pid for w in ready], [w.pid for w in ready if w.inflight],
+                   [w.info["threads"] for w in ready if "threads" in w.info],
+                   {w.device: w.info.get("device_memory", 0) for w in ready if "device_memory" in w.info})
+
+    def add(self, other: Workload) -> None:
+        for key in ("workers", "ready_workers", "queued", "slots", "slots_busy", "restarts"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        self.worker_pids += other.worker_pids
+        self.busy_worker_pids += other.busy_worker_pids
+        self.worker_threads += other.worker_threads
+        self.device_memory.update(other.device_memory)
+
+
+@dataclass
+class ModelStatus:
+    """One model name: the state clients see, its versions, and the workload of what serves."""
+
+    state: ModelState
+    reason: str
+    version: int | None
+    versions: dict[str, ModelState]
+    loading: list[int]
+    draining: int
+    version_requests: dict[str, int]
+    load: Workload
+
+    @classmethod
+    def of(cls, group: Group) -> ModelStatus:
+        current = list(group.serving.values()) or group.loading or group.failed
+        state = group.state()
+        load = Workload()
+        for model in current:
+            load.add(Workload.of(model))
+        return cls(state, "" if state == ModelState.AVAILABLE else
+                   (group.error or "; ".join(m.reason for m in current if m.reason)),
+                   max((m.version for m in current if m.version is not None), default=None),
+                   {str(v): m.state for v, m in sorted(group.serving.items())},
+                   [m.version for m in group.loading], len(group.draining),
+                   {str(k): v for k, v in sorted(group.version_requests.items())}, load)
+
+    def as_wire(self) -> dict:
+        out = {"state": self.state, "reason": self.reason, "version": self.version, "versions": self.versions,
+               "loading": self.loading, "draining": self.draining, "version_requests": self.version_requests}
+        out.update(asdict(self.load))
+        return out
+
+
+@dataclass
+class PoolStatus:
+    pool_id: str
+    endpoint: str
+    stopping: bool
+    arenas: int
+    lanes: int
+    lane_pids: list[int]
+    pid: int
+    polling: dict
+    model_control_mode: str
+    models: dict[str, ModelStatus]
+
+    def as_wire(self) -> dict:
+        out = {k: getattr(self, k) for k in ("pool_id", "endpoint", "stopping", "arenas", "lanes", "lane_pids",
+                                             "pid", "polling", "model_control_mode")}
+        out["models"] = {name: m.as_wire() for name, m in self.models.items()}
+        return out
+
+
+def pool_status(core: Core, pid: int) -> dict:
+    return PoolStatus(core.opts.owner_id, core.opts.endpoint, core.stopping or core.grace_until is not None,
+                      len(core.arenas), core.peers.lanes(), core.peers.lane_pids(), pid, core.polling.summary(),
+                      core.opts.model_control_mode,
+                      {name: ModelStatus.of(g) for name, g in core.control.groups.items()}).as_wire()
+
+
+def answer_query(core: Core, what: str, args: object) -> dict:
+    """The body of a Reply to a status, stats, metadata or config query."""
+    if what == "status":
+        return core.status()
+    if what == "stats":
+        return {name: g.stats_dict() for name, g in core.control.groups.items()}
+    if what in ("metadata", "config"):
+        group = core.control.group(args.get("model") if isinstance(args, dict) else None)
+        if what == "metadata":
+            return group.metadata()
+        model = group.default() or next(iter(group.loading + group.failed), None)
+        if model is None or model.config is None:
+            raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")
+        return model.rendered_config()
+    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config, load, unload)")
