@@ -98,7 +98,7 @@ class ModelControl:
         group.signature = signature(self.opts.repository, name)
         for src in load_sources(self.opts.repository, name):
             self.generation += 1
-            model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation)
+            model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation, self.clock)
             group.loading.append(model)
             if src.error:
                 log.error("model %s version %s cannot load: %s", name, src.version, src.error)

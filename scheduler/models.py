@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gepool.common import errors
@@ -48,7 +50,8 @@ def _render(config: ModelConfig, name: str) -> dict | errors.GepoolError:
 class Model:
     """One generation of one version of a model: its workers, queue and batcher."""
 
-    def __init__(self, source: ModelSource, stats: ModelStats | None = None, generation: int = 0) -> None:
+    def __init__(self, source: ModelSource, stats: ModelStats | None = None, generation: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.name, self.source, self.config = source.name, source, source.config
         self.version, self.generation = source.version, generation
         self.state = UNAVAILABLE if source.error else LOADING
@@ -64,7 +67,7 @@ class Model:
                                   db.priority_queue_policy) if db else None
             self.batcher = DynamicBatcher(self.config.max_batch_size, db.preferred_batch_size if db else (),
                                           db.max_queue_delay_us if db else 0, enabled=db is not None,
-                                          queues=queues,
+                                          queues=queues, clock=clock,
                                           adaptive=self.config.parameters.get("batch_policy") == "adaptive")
             self.slot_bytes = slot_bytes_for(self.config)
             self.admission = Admission(self.config, self.slot_bytes)

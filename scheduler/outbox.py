@@ -11,8 +11,9 @@ class Outbox(Protocol):
         a slot, reused once this returns."""
 
     def spawn(self, w: Worker) -> None:
-        """Starts the worker's process with a fresh ring and doorbell (``w.ring``, ``w.bell``,
-        ``w.process``), and watches its exit; the core then rings ``w.bell`` to hand it batches."""
+        """Starts the process of a worker the books hold as STARTING, with a fresh ring and doorbell
+        (``w.ring``, ``w.bell``, ``w.process``), and watches its exit; the core then rings ``w.bell``
+        to hand it batches."""
 
     def stop(self, w: Worker) -> None:
         """Asks a ready worker to finish what it runs and exit."""

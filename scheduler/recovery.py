@@ -50,6 +50,7 @@ class Recovery:
     def restart_due(self, now: float) -> None:
         for w in self.workers.values():
             if w.restart_at is not None and w.restart_at <= now and not w.retired:
+                w.started()
                 self.out.spawn(w)
 
     def next_deadline(self) -> float | None:

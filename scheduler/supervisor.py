@@ -28,13 +28,13 @@ class Supervisor:
         self._linked: set[int] = set()  # workers whose ring and bell names are not unlinked yet
 
     def spawn(self, w: Worker) -> None:
-        """A fresh ring (a restarted worker never sees its predecessor's slots) and a new process."""
+        """A fresh ring (a restarted worker never sees its predecessor's slots) and a new process, for a
+        worker the core has marked started."""
         model = w.model
         w.ring = Ring.create(naming.segment_name(self.owner_id, f"w{w.id}.{w.restarts}"), w.slots, w.slot_bytes)
         self._linked.add(w.id)
         paths = doorbell.make(self.bell_dir, f"gepool-{self.owner_id}-w{w.id}.{w.restarts}")
         w.bell = doorbell.FrontBell(paths)
-        w.started()
         w.process = self.start_worker(
             worker_id=w.id, config=model.config, version_dir=model.source.version_dir, device=w.device,
             threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level, bell=paths)
