@@ -398,3 +398,24 @@ def test_worker_states_move_only_as_written():
     with pytest.raises(TransitionError):
         check_model(ModelState.UNAVAILABLE, ModelState.AVAILABLE)
     assert ModelState.AVAILABLE == "READY"  # the wire's word
+
+
+def test_the_config_query_answers_with_the_config_being_served(tmp_path, harness):
+    echo_model(tmp_path)
+    h = harness(model_control_mode="explicit", load_models=("echo",))
+    h.ready_all()
+
+    def config() -> dict:
+        h.send(protocol.Query(9, "config", {"model": "echo"}))
+        (_, msg, _), = h.out.take()
+        assert isinstance(msg, protocol.Reply), msg
+        return msg.body
+
+    assert config()["max_batch_size"] == 8 and config()["name"] == "echo"
+    text = (tmp_path / "echo" / "config.pbtxt").read_text()
+    (tmp_path / "echo" / "config.pbtxt").write_text(text.replace("max_batch_size: 8", "max_batch_size: 4"))
+    assert config()["max_batch_size"] == 8  # the file changed; what serves did not
+    h.send(protocol.Query(10, "load", {"model": "echo"}))
+    h.ready_all()
+    h.out.take()
+    assert config()["max_batch_size"] == 4
