@@ -152,9 +152,6 @@ class Workers:
     def values(self):
         return self.by_id.values()
 
-    def __iter__(self):
-        return iter(list(self.by_id.values()))
-
     def busy(self) -> int:
         return sum(1 for w in self.by_id.values() if w.inflight)
 

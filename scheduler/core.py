@@ -1,9 +1,4 @@
-"""The front's core: models, admission, dispatch, recovery and the worker books, driven by events.
-
-It does no I/O of its own. The loop hands it events (a client's message, a worker's message, the
-completions a doorbell carried, a worker's exit, a tick) and it answers through its outbox (reply,
-spawn, stop, kill), ringing a worker's doorbell to hand over a batch; time comes from its clock.
-"""
+"""The front's core: models, admission, dispatch, recovery and the worker books, driven by events."""
 
 import logging
 import os
@@ -32,6 +27,10 @@ READY = WorkerState.READY
 
 
 class Core:
+    """Does no I/O of its own. The loop hands it events (a client's message, a worker's message, the
+    completions a doorbell carried, a worker's exit, a tick) and it acts through its outbox (reply,
+    spawn, stop, kill), ringing a worker's doorbell to hand over a batch; time comes from its clock."""
+
     def __init__(self, opts: FrontOptions, out: Outbox, clock: Callable[[], float] = time.monotonic) -> None:
         self.opts, self.out, self.clock = opts, out, clock
         self.workers = Workers()

@@ -1,9 +1,4 @@
-"""The front's loop: one zmq.Poller over the channels, workers, their sentinels and doorbells, and signals.
-
-Every blocking wait is that one poll; its timeout is the core's nearest deadline. Signal handlers only
-write to a wake-up pipe; the loop feeds the core its events and performs the core's actions (it is
-the core's outbox), and runs the sequence running -> draining -> stopping.
-"""
+"""The front's loop: the poller, the wait strategy, signals and the stop sequence, around the core."""
 
 import logging
 import os
@@ -32,6 +27,11 @@ FD_SETSIZE = 1024  # select()'s limit on Linux
 
 
 class Loop:
+    """One zmq.Poller over the channels, the workers' socket, sentinels and doorbells, and signals. Every
+    blocking wait is that one poll, its timeout the core's nearest deadline. Signal handlers only write
+    to a wake-up pipe. The loop feeds the core its events, performs the core's actions (it is the
+    core's outbox), and runs the sequence running -> draining -> stopping."""
+
     def __init__(self, options: FrontOptions, start_worker: StartWorker,
                  on_ready: Callable[[dict], None] | None = None) -> None:
         self.opts, self.on_ready = options, on_ready
@@ -47,6 +47,7 @@ class Loop:
         self.core: Core | None = None
         self.auth = None
         self.poller = zmq.Poller()
+        self.reply: Callable[..., None]  # the outbox's reply: the channels' own, bound once they are open
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:

@@ -1,25 +1,18 @@
-"""Worker and model states, with the transitions each may make (the wire carries their values).
-
-A worker, as the front's books see it::
-
-    STARTING --WorkerReady--> READY --exit--> DEAD --backoff over--> STARTING
-        |                       |               (restarted, unless retired or stopping)
-        +--------exit-----------+--> DEAD (retired, stopping) | FAILED (exit code: load failed)
-
-A model generation (one version, one load)::
-
-    LOADING --a worker READY--> AVAILABLE <--a worker READY-- LOADING (a restart after a crash)
-       |                            |
-       +--no worker left--> UNAVAILABLE <--every worker stopped or failed--+   (final: a reload makes
-                                                                            a new generation)
-
-AVAILABLE travels as "READY" (Triton's word for a model that serves).
-"""
+"""Worker and model states as enums, with the transitions each may make (the wire carries their values)."""
 
 import enum
 
 
 class WorkerState(enum.StrEnum):
+    """A worker as the front's books see it; only the books (scheduler/books.py) move it::
+
+        STARTING --WorkerReady--> READY
+           |                        |
+           +---------- exit --------+--> DEAD --backoff over--> STARTING   (a restart)
+                                    |     (kept DEAD: retired, or the pool stops)
+                                    +--> FAILED                            (its load failed; final)
+    """
+
     STARTING = "STARTING"
     READY = "READY"
     DEAD = "DEAD"
@@ -27,6 +20,15 @@ class WorkerState(enum.StrEnum):
 
 
 class ModelState(enum.StrEnum):
+    """A model generation (one version, one load), from its workers' states (Model.refresh_state)::
+
+        LOADING --a worker READY--> AVAILABLE --no worker ready, one restarting--> LOADING
+           |                            |
+           +----- no worker left -------+--> UNAVAILABLE   (final: a reload is a new generation)
+
+    AVAILABLE travels as "READY", Triton's word for a model that serves.
+    """
+
     LOADING = "LOADING"
     AVAILABLE = "READY"
     UNAVAILABLE = "UNAVAILABLE"
