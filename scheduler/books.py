@@ -97,6 +97,10 @@ class Worker:
         self.free.append(slot)
         return batch
 
+    def retire(self) -> None:
+        """Its generation drained or was unloaded: never restarted (not even one waiting out its backoff)."""
+        self.retired, self.restart_at = True, None
+
     def hung(self, now: float, timeout_s: float) -> Batch | None:
         """The oldest batch, taken out of flight, if it has run past ``timeout_s`` (its slot is not
         freed: the worker is about to be killed)."""

@@ -165,7 +165,7 @@ class ModelControl:
         for w in model.workers:
             if w.retired:
                 continue
-            w.retired, w.restart_at = True, None  # a worker waiting out its restart backoff is not restarted
+            w.retire()
             if w.process is None:
                 self.workers.forget(w)
                 continue

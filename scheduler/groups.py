@@ -113,12 +113,3 @@ class Group:
         if self.loading or any(m.state == LOADING for m in self.serving.values()):
             return LOADING
         return UNAVAILABLE
-
-    def metadata(self) -> dict:
-        current = self.default() or (self.loading or self.failed or [None])[0]
-        if current is None:
-            return {"name": self.name, "state": UNAVAILABLE, "reason": self.error, "versions": []}
-        meta = current.metadata()
-        meta["state"] = self.state()
-        meta["versions"] = [str(v) for v, m in sorted(self.serving.items()) if m.state == AVAILABLE]
-        return meta

@@ -129,18 +129,3 @@ class Model:
         if isinstance(self._rendered, errors.GepoolError):
             raise self._rendered
         return self._rendered
-
-    def metadata(self) -> dict:
-        if self.config is None:
-            return {"name": self.name, "state": self.state, "reason": self.reason, "versions": []}
-        batch = [-1] if self.config.max_batch_size > 0 else []
-        return {
-            "name": self.name, "state": self.state, "reason": self.reason, "backend": self.config.backend,
-            "platform": self.config.platform or self.config.backend,
-            "versions": [str(self.source.version)] if self.state == AVAILABLE else [],
-            "max_batch_size": self.config.max_batch_size,
-            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
-                       for t in self.config.inputs],
-            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
-                        for t in self.config.outputs],
-        }

@@ -112,6 +112,52 @@ class PoolStatus:
         return out
 
 
+@dataclass
+class TensorMetadata:
+    name: str
+    datatype: str
+    shape: list[int]  # -1 for the batch dimension and variable dims
+
+
+@dataclass
+class ModelMetadata:
+    """KServe's model metadata, with gepool's state; a model with no valid config has no tensors."""
+
+    name: str
+    state: ModelState
+    reason: str
+    versions: list[str]
+    backend: str | None = None
+    platform: str = ""
+    max_batch_size: int = 0
+    inputs: list[TensorMetadata] = field(default_factory=list)
+    outputs: list[TensorMetadata] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, group: Group) -> ModelMetadata:
+        current = group.default() or (group.loading or group.failed or [None])[0]
+        if current is None:
+            return cls(group.name, ModelState.UNAVAILABLE, group.error, [])
+        versions = [str(v) for v, m in sorted(group.serving.items()) if m.state == ModelState.AVAILABLE]
+        cfg = current.config
+        if cfg is None:
+            return cls(current.name, group.state(), current.reason, versions)
+        batch = [-1] if cfg.max_batch_size > 0 else []
+        return cls(current.name, group.state(), current.reason, versions, cfg.backend, cfg.platform or cfg.backend,
+                   cfg.max_batch_size, [TensorMetadata(t.name, t.datatype, batch + list(t.dims)) for t in cfg.inputs],
+                   [TensorMetadata(t.name, t.datatype, batch + list(t.dims)) for t in cfg.outputs])
+
+    def as_wire(self) -> dict:
+        out = {"name": self.name, "state": self.state, "reason": self.reason}
+        if self.backend is not None:
+            out.update(backend=self.backend, platform=self.platform)
+        out["versions"] = self.versions
+        if self.backend is not None:
+            out.update(max_batch_size=self.max_batch_size, inputs=[asdict(t) for t in self.inputs],
+                       outputs=[asdict(t) for t in self.outputs])
+        return out
+
+
 def pool_status(core: Core, pid: int) -> dict:
     return PoolStatus(core.opts.owner_id, core.opts.endpoint, core.stopping or core.grace_until is not None,
                       len(core.arenas), core.peers.lanes(), core.peers.lane_pids(), pid, core.polling.summary(),
@@ -128,7 +174,7 @@ def answer_query(core: Core, what: str, args: object) -> dict:
     if what in ("metadata", "config"):
         group = core.control.group(args.get("model") if isinstance(args, dict) else None)
         if what == "metadata":
-            return group.metadata()
+            return ModelMetadata.of(group).as_wire()
         model = group.default() or next(iter(group.loading + group.failed), None)
         if model is None or model.config is None:
             raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")

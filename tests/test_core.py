@@ -412,6 +412,12 @@ def test_the_config_query_answers_with_the_config_being_served(tmp_path, harness
         return msg.body
 
     assert config()["max_batch_size"] == 8 and config()["name"] == "echo"
+    h.send(protocol.Query(8, "metadata", {"model": "echo"}))
+    (_, meta, _), = h.out.take()
+    assert meta.body == {"name": "echo", "state": "READY", "reason": "", "backend": "python", "platform": "python",
+                         "versions": ["1"], "max_batch_size": 8,
+                         "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [-1, 4]}],
+                         "outputs": [{"name": "OUTPUT", "datatype": "FP32", "shape": [-1, 4]}]}
     text = (tmp_path / "echo" / "config.pbtxt").read_text()
     (tmp_path / "echo" / "config.pbtxt").write_text(text.replace("max_batch_size: 8", "max_batch_size: 4"))
     assert config()["max_batch_size"] == 8  # the file changed; what serves did not
