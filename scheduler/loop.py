@@ -74,13 +74,17 @@ class Loop:
         """The sockets, then the core that answers through them."""
         clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint, curve_server=self._curve())
         zmq_channel = ZmqChannel(clients, None)
-        # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
-        self.opts.endpoint = clients.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.channels = Channels(zmq_channel, open_lanes(self.opts.endpoint, bool(self.opts.curve_secret_key), None))
+        try:
+            # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound
+            self.opts.endpoint = clients.getsockopt_string(zmq.LAST_ENDPOINT)
+            lanes = open_lanes(self.opts.endpoint, bool(self.opts.curve_secret_key), None)
+        except BaseException:
+            zmq_channel.close()  # an open socket would keep the context's term() waiting
+            raise
+        self.channels = Channels(zmq_channel, lanes)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
         self.reply = self.channels.reply  # the outbox's reply, one call on the hot path
         self.core = Core(self.opts, self)
-        lanes = self.channels.lanes
         if lanes is not None:
             self.core.peers = Peers(lanes.__len__, lanes.pids)
         for ch in self.channels.all:
