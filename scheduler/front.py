@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import zmq
 
 from gepool.common import errors
+from gepool.common.config import ModelConfig
 from gepool.common.render import render_config
 from gepool.ipc import lane, protocol, zmqio
 from gepool.ipc.sockets import ipc_path, make_socket, runtime_dir
@@ -55,8 +56,12 @@ class FrontOptions:
 
 
 class Front:
-    def __init__(self, options: FrontOptions, start_worker: Callable, on_ready: Callable[[dict], None] | None = None):
+    def __init__(self, options: FrontOptions, start_worker: Callable, on_ready: Callable[[dict], None] | None = None,
+                 *, place: Callable[[ModelConfig], list[tuple[str, int]]]):
+        """``start_worker`` spawns a worker; ``place(config)`` says which workers a model needs (device,
+        batches in flight) or raises ConfigError: both come from the face, which knows the backends."""
         self.opts = options
+        self.place = place
         self.on_ready = on_ready
         self.control = ModelControl(self)
         self.arenas = Arenas(on_drop=self._drop_arena)

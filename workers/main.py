@@ -20,7 +20,7 @@ from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
 from gepool.ipc.sockets import make_socket
 from gepool.workers.arena_maps import ArenaMaps
 from gepool.workers.backends import create_backend
-from gepool.workers.backends.base import Backend
+from gepool.workers.backends.base import AsyncBackend, Backend, RequestSpan, SyncBackend
 
 LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # distinct, so a model that cannot load is not restarted
 PARENT_CHECK_MS = 500
@@ -65,13 +65,9 @@ def run_worker(spec: WorkerSpec) -> None:
         sock.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
-    asynchronous = getattr(backend, "asynchronous", False)
-    # arena_io: this worker runs direct batches (tensors in a client's arena): a backend that reads and
-    # writes through pointers, on the synchronous loop (the asynchronous one stages slots to device
-    # memory itself). prewake: its loop answers a PREPARE record by polling for the batch.
-    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0,
-                arena_io=not asynchronous and getattr(backend, "arena_io", False), prewake=not asynchronous)
-    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
+    asynchronous = type(backend).asynchronous
+    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(),
+                                   ready_info(backend, warmup_runs)).encode())
     lost = None
     try:
         if asynchronous:
@@ -92,6 +88,18 @@ def run_worker(spec: WorkerSpec) -> None:
         os._exit(protocol.EXIT_DEVICE_LOST)
 
 
+def ready_info(backend: Backend, warmup_runs: int) -> dict:
+    """What the worker tells the front when ready: the backend's info and its declared capabilities.
+
+    arena_io: this worker runs direct batches (tensors in a client's arena): a backend that reads and
+    writes through pointers, on the synchronous loop (the asynchronous one stages slots to device memory
+    itself). prewake: its loop answers a PREPARE record by polling for the batch. per_request: the front
+    describes each batch request by request in the slot's request table."""
+    cls = type(backend)
+    return dict(backend.info, warmup_runs=warmup_runs or 0, arena_io=not cls.asynchronous and cls.arena_io,
+                prewake=not cls.asynchronous, per_request=cls.per_request)
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exits the process when the front is gone, even if the main thread is stuck in a model: a worker
     must never outlive its front (its segments are already unlinked, so nothing is left behind)."""
@@ -106,7 +114,7 @@ def worker_identity(worker_id: int) -> bytes:
     return b"w%d" % worker_id
 
 
-def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend, bell: WorkerBell) -> None:
+def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: SyncBackend, bell: WorkerBell) -> None:
     """Batches arrive on the doorbell and are answered on it; the socket carries DropArena and Stop."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -162,7 +170,8 @@ _DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread report
 _FATAL = 0xFFFFFFFF
 
 
-def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: WorkerBell) -> str | None:
+def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: AsyncBackend,
+                 bell: WorkerBell) -> str | None:
     """For backends that complete on their own threads: completions come back through a pipe whose
     read end sits in the same poller as the front's socket (ZMQ sockets stay in this thread)."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
@@ -226,7 +235,7 @@ class _Plan:
 MAX_PLANS = 64  # (slot, layout) pairs; a model with variable dims may see many
 
 
-def execute_slot(slot: Slot, backend: Backend, config: ModelConfig, arenas: ArenaMaps | None = None,
+def execute_slot(slot: Slot, backend: SyncBackend, config: ModelConfig, arenas: ArenaMaps | None = None,
                  plans: dict | None = None) -> None:
     """RUNNING, then DONE with outputs in the slot (or, for a direct batch, in the client's arena at
     the places the front gave), or FAILED with the reason; never raises.
@@ -240,7 +249,7 @@ def execute_slot(slot: Slot, backend: Backend, config: ModelConfig, arenas: Aren
         key = (slot.index, slot.batch_key()) if plans is not None else None
         plan = plans.get(key) if key is not None else None
         if plan is not None:
-            results = backend.execute(plan.inputs, plan.views)
+            results = _run(backend, slot, config, plan.batch, plan.inputs, plan.views)
             descs = plan.descs
             if results is not plan.views and not all(results.get(n) is v for n, v in plan.views.items()):
                 del plans[key]  # not written in place this time: checked and copied like any batch
@@ -261,7 +270,7 @@ def execute_slot(slot: Slot, backend: Backend, config: ModelConfig, arenas: Aren
             start = max(d.offset + d.nbytes for d in in_descs)
             planned = _plan_outputs(config, batch, start, slot.data_bytes)
         views = {name: (slot.array(d, arena) if d else None) for name, d in planned.items()}
-        results = backend.execute(inputs, views)
+        results = _run(backend, slot, config, batch, inputs, views)
         descs = _place_outputs(slot, config, batch, planned, views, results)
         if key is not None and arena is None and all(results.get(n) is v for n, v in views.items()):
             if len(plans) >= MAX_PLANS:
@@ -272,6 +281,29 @@ def execute_slot(slot: Slot, backend: Backend, config: ModelConfig, arenas: Aren
     except Exception as exc:  # any model fault fails this batch only
         log.warning("batch failed: %s: %s", type(exc).__name__, exc)
         slot.fail(f"{type(exc).__name__}: {exc}", t0, time.monotonic())
+
+
+def _run(backend: SyncBackend, slot: Slot, config: ModelConfig, batch: int, inputs: dict,
+         views: dict) -> dict[str, np.ndarray]:
+    """One batch through the backend; a per-request backend gets the slot's request table, and the
+    requests it fails are marked in the slot (published by the DONE or FAILED that follows)."""
+    if not type(backend).per_request:
+        return backend.execute(inputs, views)
+    table = described = slot.requests()
+    if not table:
+        table = [(batch, (1 << len(config.outputs)) - 1)]  # a batch the front did not describe: one request
+    if sum(rows for rows, _ in table) != batch:
+        raise ValueError(f"the slot's request table covers {sum(r for r, _ in table)} rows of a batch of {batch}")
+    spans, start = [], 0
+    for rows, mask in table:
+        spans.append(RequestSpan(start, rows, tuple(t.name for i, t in enumerate(config.outputs) if mask >> i & 1)))
+        start += rows
+    results, failed = backend.execute_requests(inputs, views, spans)
+    if failed and described:
+        slot.fail_requests(failed)
+    if len(failed) == len(spans):  # nothing to answer with outputs: the batch fails, each with its message
+        raise RuntimeError(failed[0] if len(failed) == 1 else f"all {len(failed)} requests of the batch failed")
+    return results
 
 
 def _out_shape(config: ModelConfig, batch: int, dims: tuple[int, ...]) -> tuple[int, ...]:
