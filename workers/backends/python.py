@@ -3,12 +3,14 @@
 import importlib.util
 import inspect
 import os
+import sys
 from types import ModuleType
 
 import numpy as np
 
 from gepool.common.config import BACKEND_PYTHON, ModelConfig
 from gepool.workers.backends import register
+from gepool.workers.backends import triton_python_backend_utils as pb_utils
 from gepool.workers.backends.base import KIND_CPU, Backend, SyncBackend
 
 CLASS_NAME = "Model"
@@ -25,7 +27,12 @@ class PythonBackend(SyncBackend):
     def open(cls, config: ModelConfig, version_dir: str, device: str, threads: int) -> Backend:
         """model.py decides the interface: a TritonPythonModel class is served as Triton's python backend
         serves it (requests in, one response each), otherwise gepool's own Model class."""
-        return cls(config, version_dir, device, threads, load_module(config, version_dir))
+        module = load_module(config, version_dir)
+        if hasattr(module, TRITON_CLASS_NAME):
+            from gepool.workers.backends.triton_python import TritonPythonBackend
+
+            return TritonPythonBackend(config, version_dir, device, threads, getattr(module, TRITON_CLASS_NAME))
+        return cls(config, version_dir, device, threads, module)
 
     def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int,
                  module: ModuleType | None = None) -> None:
@@ -60,6 +67,7 @@ class PythonBackend(SyncBackend):
 
 def load_module(config: ModelConfig, version_dir: str) -> ModuleType:
     """Executes the user's model.py; ``import triton_python_backend_utils`` inside it finds gepool's."""
+    sys.modules.setdefault(TRITON_UTILS, pb_utils)  # before the user's file runs its imports
     path = os.path.join(version_dir, config.model_filename)
     spec = importlib.util.spec_from_file_location(f"gepool_model_{config.name}", path)
     if spec is None or spec.loader is None:
