@@ -60,10 +60,10 @@ class Dispatcher:
             if pending is None:
                 return
             room = worker.slot_bytes - (len(model.config.inputs) + len(model.config.outputs)) * layout.ALIGN
-            most = MAX_REQUESTS if worker.info.get("per_request") else len(pending)  # its slots' request table
+            most = MAX_REQUESTS if worker.info.get("per_request") else len(pending)
             used = 0
             for i, p in enumerate(pending):
-                # variable shapes: the slot may not hold them all
+                # the slot may not hold them all (variable shapes), nor its request table (a per-request worker)
                 if i and (used + p.item.nbytes > room or i >= most):
                     model.batcher.push_front(pending[i:])
                     pending = pending[:i]

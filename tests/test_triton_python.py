@@ -331,3 +331,13 @@ def test_a_triton_model_warms_up_and_runs_in_process(tmp_path):
             backend.execute({"INPUT0": -np.ones((2, 2), np.float32)}, {t.name: None for t in config.outputs})
     finally:
         backend.close()
+
+
+def test_finalize_runs_when_the_instance_closes(tmp_path, capsys):
+    _one_model(str(tmp_path), "add_sub", ADD_SUB_PY, ADD_SUB_CONFIG)
+    config = parse_config(str(tmp_path / "add_sub" / "config.pbtxt"), "add_sub")
+    backend = create_backend(config, str(tmp_path / "add_sub" / "1"), "cpu", 1)
+    assert backend.warmup() == 2
+    assert "Cleaning up..." not in capsys.readouterr().out
+    backend.close()
+    assert "Cleaning up..." in capsys.readouterr().out

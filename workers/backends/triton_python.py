@@ -45,6 +45,11 @@ class TritonPythonBackend(SyncBackend):
                 "model_name": config.name,
             })
 
+    def close(self) -> None:
+        fin = getattr(self.model, "finalize", None)
+        if fin is not None:
+            fin()
+
     def _check_auto_complete(self, model_cls: type) -> None:
         """Triton lets auto_complete_config fill in the config; gepool loads the config.pbtxt as written, so
         a model whose auto-complete would change it is refused, naming what it changes."""
