@@ -67,7 +67,7 @@ class PythonBackend(SyncBackend):
 
 def load_module(config: ModelConfig, version_dir: str) -> ModuleType:
     """Executes the user's model.py; ``import triton_python_backend_utils`` inside it finds gepool's."""
-    sys.modules.setdefault(TRITON_UTILS, pb_utils)  # before the user's file runs its imports
+    sys.modules[TRITON_UTILS] = pb_utils  # before the user's file runs its imports, over any other copy
     path = os.path.join(version_dir, config.model_filename)
     spec = importlib.util.spec_from_file_location(f"gepool_model_{config.name}", path)
     if spec is None or spec.loader is None:
