@@ -9,7 +9,7 @@ import pytest
 from gepool.common.config import parse_config
 from gepool.ipc.ring import Ring, TensorDesc
 from gepool.workers.backends import create_backend
-from gepool.workers.main import execute_slot
+from gepool.workers.execute import execute_slot
 from tests import repo as test_repo
 
 
