@@ -35,6 +35,13 @@ def start_worker(**kwargs):
     return proc
 
 
+def place_workers(config):
+    """The workers a model needs, as its backend places them: [(device, batches in flight)]."""
+    from gepool.workers.backends import placements
+
+    return placements(config)
+
+
 def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0, log_level: int = logging.INFO,
           on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
           metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
@@ -61,7 +68,7 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
             on_ready(status)
 
     try:
-        return Front(opts, start_worker, ready).run()
+        return Front(opts, start_worker, ready, place=place_workers).run()
     finally:
         for proc in gateway:
             _stop(proc)

@@ -7,8 +7,13 @@ Layout of the segment (``slots`` slots back to back, each ``SLOT_HEADER + data_b
     | magic, layout version, STATE, seq,     | inputs, then outputs |
     | batch, counts, status, timings,        | each 256-B aligned   |
     | tensor table (32 x descriptor), error, |                      |
-    | arena name (direct batches)            |                      |
+    | arena name (direct batches), request   |                      |
+    | count; page 2: the request table       |                      |
     +----------------------------------------+----------------------+
+
+The request table describes a batch request by request, for workers whose backend answers each
+request on its own (``per_request``): the front writes each request's rows and the outputs its client
+asked for; the worker may mark single requests failed, with their messages, before DONE or FAILED.
 
 A direct batch (one request whose tensors lie in its client's arena) leaves the data area unused:
 the header names the arena, and its table entries, flagged ``in_arena``, hold arena offsets for the
@@ -36,11 +41,13 @@ from gepool.ipc import dtypes, layout
 from gepool.ipc.shm import Segment
 
 MAGIC = b"GEPS"
-LAYOUT_VERSION = 1
-SLOT_HEADER = 4096
+LAYOUT_VERSION = 2
+SLOT_HEADER = 8192
 MAX_TENSORS = 32
 MAX_DIMS = 8
 ERROR_BYTES = 1024
+MAX_REQUESTS = 256  # requests one batch can describe in its request table
+REQUEST_ERROR_BYTES = 1024  # the failed requests' messages, shared among them
 
 FREE, FILLED, RUNNING, DONE, FAILED = range(5)
 STATE_NAMES = ("FREE", "FILLED", "RUNNING", "DONE", "FAILED")
@@ -65,7 +72,13 @@ _ERROR_AT = _TABLE_AT + MAX_TENSORS * _TENSOR.size
 _ARENA = struct.Struct("<B63s")
 _ARENA_AT = _ERROR_AT + ERROR_BYTES
 assert _FIXED.size <= _TABLE_AT and _FIXED.size == _TIMES_AT + _TIMES.size
-assert _ARENA_AT + _ARENA.size <= SLOT_HEADER
+_REQ_COUNT = struct.Struct("<HH")  # requests in the table (0: none given), requests failed
+_REQ_COUNT_AT = _ARENA_AT + _ARENA.size
+_REQUEST = struct.Struct("<IIBxH")  # rows, requested outputs (bit i: config output i), failed, error length
+_REQUESTS_AT = 4096
+_REQ_ERRORS_AT = _REQUESTS_AT + MAX_REQUESTS * _REQUEST.size
+assert _REQ_COUNT_AT + _REQ_COUNT.size <= _REQUESTS_AT
+assert _REQ_ERRORS_AT + REQUEST_ERROR_BYTES <= SLOT_HEADER
 
 
 class TensorDesc(NamedTuple):
@@ -106,9 +119,15 @@ class Slot:
 
     # front ---------------------------------------------------------------------------
     def fill(self, seq: int, batch: int, inputs: list[TensorDesc], t_filled: float,
-             outputs: list[TensorDesc] = (), arena: str = "") -> None:
+             outputs: list[TensorDesc] = (), arena: str = "", requests: list[tuple[int, int]] = ()) -> None:
         """Records the batch whose inputs the front has copied in; moves FREE -> FILLED. A direct batch
-        names the client ``arena`` its inputs lie in and the ``outputs`` places the worker writes to."""
+        names the client ``arena`` its inputs lie in and the ``outputs`` places the worker writes to;
+        ``requests`` lists (rows, requested-output mask) per request, for a per-request worker."""
+        if len(requests) > MAX_REQUESTS:
+            raise ValueError(f"a slot's request table holds at most {MAX_REQUESTS} requests, got {len(requests)}")
+        _REQ_COUNT.pack_into(self.header, _REQ_COUNT_AT, len(requests), 0)
+        for i, (rows, mask) in enumerate(requests):
+            _REQUEST.pack_into(self.header, _REQUESTS_AT + i * _REQUEST.size, rows, mask, 0, 0)
         _FIXED.pack_into(self.header, 0, MAGIC, LAYOUT_VERSION, self.state, seq, batch, len(inputs), len(outputs),
                          0, 0, t_filled, 0.0, 0.0)
         self._write_table(0, inputs)
@@ -150,6 +169,29 @@ class Slot:
         n_in, n_out = _COUNTS.unpack_from(self.header, _COUNTS_AT)
         return name[:length].decode(), self._read_table(n_in, n_out)
 
+    def requests(self) -> list[tuple[int, int]]:
+        """(rows, requested-output mask) per request of a FILLED slot; [] when the front gave none."""
+        count = _REQ_COUNT.unpack_from(self.header, _REQ_COUNT_AT)[0]
+        if count > MAX_REQUESTS:
+            raise ValueError(f"slot {self.index}: request table of {count} entries (at most {MAX_REQUESTS})")
+        return [_REQUEST.unpack_from(self.header, _REQUESTS_AT + i * _REQUEST.size)[:2] for i in range(count)]
+
+    def fail_requests(self, messages: dict[int, str]) -> None:
+        """Marks single requests of the batch failed, each with its message (the failed share
+        REQUEST_ERROR_BYTES); call before finish() or fail(), whose state write publishes it."""
+        count = _REQ_COUNT.unpack_from(self.header, _REQ_COUNT_AT)[0]
+        if any(not 0 <= i < count for i in messages):
+            raise ValueError(f"slot {self.index}: failed request indices {sorted(messages)} outside 0..{count - 1}")
+        share = REQUEST_ERROR_BYTES // max(1, len(messages))
+        pos = _REQ_ERRORS_AT
+        for i in sorted(messages):
+            text = messages[i].encode("utf-8", "replace")[:share]
+            self.header[pos:pos + len(text)] = text
+            rows, mask = _REQUEST.unpack_from(self.header, _REQUESTS_AT + i * _REQUEST.size)[:2]
+            _REQUEST.pack_into(self.header, _REQUESTS_AT + i * _REQUEST.size, rows, mask, 1, len(text))
+            pos += len(text)
+        _REQ_COUNT.pack_into(self.header, _REQ_COUNT_AT, count, len(messages))
+
     def finish(self, n_inputs: int, outputs: list[TensorDesc], t_started: float, t_finished: float) -> None:
         """Records the outputs the worker wrote; moves RUNNING -> DONE."""
         self._write_table(n_inputs, outputs)
@@ -172,6 +214,20 @@ class Slot:
         _, _, _, seq, _, n_in, n_out, status, err_len, t0, t1, t2 = _FIXED.unpack_from(self.header, 0)
         error = bytes(self.header[_ERROR_AT:_ERROR_AT + err_len]).decode("utf-8", "replace") if status else ""
         return seq, self._read_table(n_in, n_out), error, (t0, t1, t2)
+
+    def request_errors(self) -> dict[int, str]:
+        """{request index: message} for the requests the worker failed one by one (usually none)."""
+        count, failed = _REQ_COUNT.unpack_from(self.header, _REQ_COUNT_AT)
+        if not failed:
+            return {}
+        out, pos = {}, _REQ_ERRORS_AT
+        for i in range(min(count, MAX_REQUESTS)):
+            _, _, bad, length = _REQUEST.unpack_from(self.header, _REQUESTS_AT + i * _REQUEST.size)
+            if bad:
+                length = min(length, _REQ_ERRORS_AT + REQUEST_ERROR_BYTES - pos)
+                out[i] = bytes(self.header[pos:pos + length]).decode("utf-8", "replace")
+                pos += length
+        return out
 
     def array(self, desc: TensorDesc, arena: memoryview | None = None) -> np.ndarray:
         """A numpy view of one tensor (in ``arena`` if it lies there); it keeps the mapping alive, so

@@ -11,15 +11,15 @@ import time
 from collections.abc import Callable
 
 from gepool.common import errors
-from gepool.common.config import BACKEND_GE, lanes_per_worker
+from gepool.common.errors import ConfigError
 from gepool.common.repository import load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
 from gepool.scheduler.books import Workers
 from gepool.scheduler.groups import Group
-from gepool.scheduler.models import LOADING, Model
+from gepool.scheduler.models import LOADING, UNAVAILABLE, Model
 from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
-from gepool.scheduler.states import WorkerState
+from gepool.scheduler.states import WorkerState, check_model
 from gepool.scheduler.stats import Tee
 
 log = logging.getLogger("gepool.control")
@@ -107,18 +107,16 @@ class ModelControl:
         self.settle(group)
 
     def _place(self, model: Model) -> None:
-        cfg = model.config
-        if cfg.backend == BACKEND_GE:
-            # One worker per NPU; the instances and streams on it are its lanes (batches in flight).
-            lanes = lanes_per_worker(cfg)
-            placements = [(f"ascend:{d}", lanes) for d in sorted({d for g in cfg.instance_groups for d in g.devices})]
-        else:
-            placements = [(f"cpu:{d}" if g.devices else "cpu", 1) for g in cfg.instance_groups
-                          for d in (g.devices or (None,)) for _ in range(g.count)]
+        try:
+            placements = self.out.place(model.config)  # [(device, batches in flight)], from the backend
+        except ConfigError as exc:
+            log.error("model %s version %s cannot load: %s", model.name, model.version, exc)
+            model.state, model.reason = check_model(model.state, UNAVAILABLE), str(exc)
+            return
         threads = cpu_threads(self.opts.cpu_threads, len(placements))
-        for device, lanes in placements:
-            w = self.workers.add(model, device, threads, model.slots_per_worker * lanes, model.slot_bytes)
-            w.concurrency = lanes
+        for device, concurrency in placements:
+            w = self.workers.add(model, device, threads, model.slots_per_worker * concurrency, model.slot_bytes)
+            w.concurrency = concurrency
             model.workers.append(w)
             self.out.spawn(w)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from gepool.common import errors
 from gepool.ipc import dtypes, layout, protocol
-from gepool.ipc.ring import TensorDesc
+from gepool.ipc.ring import MAX_REQUESTS, TensorDesc
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Batch, Worker
 from gepool.scheduler.models import Model
@@ -47,9 +47,11 @@ class Dispatcher:
             if pending is None:
                 return
             room = worker.slot_bytes - (len(model.config.inputs) + len(model.config.outputs)) * layout.ALIGN
+            most = MAX_REQUESTS if worker.info.get("per_request") else len(pending)
             used = 0
             for i, p in enumerate(pending):
-                if i and used + p.item.nbytes > room:  # variable shapes: the slot cannot hold them all
+                # the slot may not hold them all (variable shapes), nor its request table (a per-request worker)
+                if i and (used + p.item.nbytes > room or i >= most):
                     model.batcher.push_front(pending[i:])
                     pending = pending[:i]
                     break
@@ -67,7 +69,7 @@ class Dispatcher:
             arena, ins, outs = direct
             slot.fill(model.seq, reqs[0].rows, ins, now, outs, arena)
         else:
-            self._copy_in(model, slot, reqs, now)
+            self._copy_in(model, slot, reqs, now, w.info.get("per_request", False))
         self.last_batch_requests = len(reqs)
         self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
         model.stats.dispatched(rows, [now - r.arrived for r in reqs])
@@ -94,7 +96,7 @@ class Dispatcher:
                 for t, s, o, n in zip(cfg.outputs, shapes, offsets, sizes, strict=True)]
         return arena.segment.name, ins, outs
 
-    def _copy_in(self, model: Model, slot, reqs: list[Request], now: float) -> None:
+    def _copy_in(self, model: Model, slot, reqs: list[Request], now: float, per_request: bool = False) -> None:
         """The one copy batching needs: each request's inputs, end to end, into the slot."""
         cfg = model.config
         rows = sum(r.rows for r in reqs)
@@ -110,7 +112,8 @@ class Dispatcher:
                 slot.data[pos:pos + len(buf)] = buf
                 pos += len(buf)
             descs.append(TensorDesc(t.datatype, shape, offsets[i], sizes[i]))
-        slot.fill(model.seq, rows, descs, now)
+        table = [(r.rows, _output_mask(cfg, r.outputs)) for r in reqs] if per_request else ()
+        slot.fill(model.seq, rows, descs, now, requests=table)
 
     def complete(self, model: Model, w: Worker, index: int, seq: int) -> None:
         batch = w.complete(index, seq, self.clock())
@@ -121,9 +124,10 @@ class Dispatcher:
         seq, outs, error, (_, t_start, t_end) = slot.result()
         model.stats.computed(batch.rows, t_end - t_start)
         model.batcher.observe_cost(t_end - t_start)
+        failed = slot.request_errors() if seq == batch.seq else {}  # requests the model failed one by one
         if error or seq != batch.seq:
             self.fail_batch(model, batch, errors.ModelError(
-                f"model '{model.name}' failed: {error or 'slot sequence mismatch'}"))
+                f"model '{model.name}' failed: {error or 'slot sequence mismatch'}"), failed)
         elif batch.direct:
             req = batch.requests[0]
             refs = [[t.name, d.datatype, list(d.shape), d.offset] for t, d in zip(model.config.outputs, outs)]
@@ -140,7 +144,11 @@ class Dispatcher:
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0
             now = self.clock()
-            for req in batch.requests:
+            for k, req in enumerate(batch.requests):
+                if k in failed:
+                    self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+                    row += req.rows
+                    continue
                 try:
                     self._respond(model, req, arrays, row)
                     model.stats.answered(now - req.arrived)
@@ -187,9 +195,14 @@ class Dispatcher:
                 self.reply_error(model, req, err)
         model.batcher.retry(again)
 
-    def fail_batch(self, model: Model, batch: Batch, err: errors.GepoolError) -> None:
-        for req in batch.requests:
-            self.reply_error(model, req, err)
+    def fail_batch(self, model: Model, batch: Batch, err: errors.GepoolError,
+                   failed: dict[int, str] | None = None) -> None:
+        """Every request hears ``err``, or the message the model gave for it alone (``failed``)."""
+        for k, req in enumerate(batch.requests):
+            if failed and k in failed:
+                self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+            else:
+                self.reply_error(model, req, err)
 
     def fail_queued(self, model: Model, err: errors.GepoolError) -> None:
         for p in model.batcher.take_all():
@@ -198,6 +211,11 @@ class Dispatcher:
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
         model.stats.failed()
         self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+
+
+def _output_mask(config, outputs: set[str] | None) -> int:
+    """Bit i set: the request asked for config output i (all of them when it named none)."""
+    return sum(1 << i for i, t in enumerate(config.outputs) if outputs is None or t.name in outputs)
 
 
 def _pick(model: Model) -> tuple[Worker | None, bool]:

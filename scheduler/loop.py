@@ -12,6 +12,7 @@ import zmq
 from gepool.common import errors
 from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import make_socket, runtime_dir
+from gepool.common.config import ModelConfig
 from gepool.scheduler.books import Worker
 from gepool.scheduler.channels import Channels, ZmqChannel, open_lanes
 from gepool.scheduler.core import Core
@@ -33,8 +34,11 @@ class Loop:
     core's outbox), and runs the sequence running -> draining -> stopping."""
 
     def __init__(self, options: FrontOptions, start_worker: StartWorker,
-                 on_ready: Callable[[dict], None] | None = None) -> None:
-        self.opts, self.on_ready = options, on_ready
+                 on_ready: Callable[[dict], None] | None = None, *,
+                 place: Callable[[ModelConfig], list[tuple[str, int]]]) -> None:
+        """``start_worker`` spawns a worker, ``place(config)`` says which workers a model needs: both come
+        from the face, which knows the backends."""
+        self.opts, self.on_ready, self.place = options, on_ready, place
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{runtime_dir()}/gepool-{options.owner_id}.workers"
         self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level,

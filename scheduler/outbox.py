@@ -2,10 +2,15 @@
 
 from typing import Protocol
 
+from gepool.common.config import ModelConfig
 from gepool.scheduler.books import Worker
 
 
 class Outbox(Protocol):
+    def place(self, config: ModelConfig) -> list[tuple[str, int]]:
+        """The workers a model needs, as its backend places them: [(device, batches in flight)]; raises
+        ConfigError for a placement the backend cannot run. (The face knows the backends; the core not.)"""
+
     def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
         """A message to a client, over the channel its identity came by; ``copy``: the parts point into
         a slot, reused once this returns."""

@@ -84,6 +84,11 @@ class Outbox:
     def stop(self, w) -> None:
         self.stopped.append(w)
 
+    def place(self, config):
+        from gepool.workers.backends import placements
+
+        return placements(config)
+
     def kill(self, w) -> None:
         self.killed.append(w)
         w.process.kill()

@@ -9,7 +9,7 @@ import pytest
 from gepool.common.config import parse_config
 from gepool.ipc.ring import Ring, TensorDesc
 from gepool.workers.backends import create_backend
-from gepool.workers.main import execute_slot
+from gepool.workers.execute import execute_slot
 from tests import repo as test_repo
 
 
@@ -62,4 +62,43 @@ def test_a_backend_that_returns_new_arrays_is_never_planned(tmp_path, ring):
             assert out["BATCH"].ravel().tolist() == [x.shape[0]] * x.shape[0]
         assert plans == {}
     finally:
+        backend.close()
+
+
+def test_a_per_request_backend_gets_the_request_table_and_fails_requests_alone(tmp_path, ring):
+    from tests.test_triton_python import PICKY_CONFIG, PICKY_PY
+
+    test_repo.write(str(tmp_path / "picky" / "1" / "model.py"), PICKY_PY)
+    test_repo.write(str(tmp_path / "picky" / "config.pbtxt"), PICKY_CONFIG)
+    config = parse_config(str(tmp_path / "picky" / "config.pbtxt"), "picky")
+    backend = create_backend(config, str(tmp_path / "picky" / "1"), "cpu", 1)
+    plans: dict = {}
+    try:
+        x = np.arange(12, dtype=np.float32).reshape(6, 2)
+        x[2:5] *= -1  # the second request (rows 2..4) starts negative
+        slot = ring.slots[0]
+        slot.data[:x.nbytes] = x.tobytes()
+        all_outputs = 0b111
+        for seq in (1, 2):  # the second time round, from the same slot and layout
+            slot.fill(seq, 6, [TensorDesc("FP32", x.shape, 0, x.nbytes)], 0.0,
+                      requests=[(2, all_outputs), (3, 0b011), (1, 0b001)])
+            execute_slot(slot, backend, config, None, plans)
+            _, outs, error, _ = slot.result()
+            assert not error
+            assert slot.request_errors() == {1: "negative input -4.0 refused"}
+            got = {t.name: slot.array(d) for t, d in zip(config.outputs, outs, strict=True)}
+            np.testing.assert_array_equal(got["OUTPUT0"][:2], x[:2] + 1)
+            np.testing.assert_array_equal(got["OUTPUT0"][5:], x[5:] + 1)
+            assert got["NREQ"].ravel().tolist() == [3, 3, 0, 0, 0, 3]  # one execute() call; filler for the failed
+            assert got["ARGS"][0, 0] != b"" and got["ARGS"][5, 0] == b""  # only the first request asked for it
+            del got
+            slot.release()
+        slot.fill(3, 6, [TensorDesc("FP32", x.shape, 0, x.nbytes)], 0.0)  # no table: the batch is one request
+        execute_slot(slot, backend, config, None, plans)
+        _, outs, error, _ = slot.result()
+        assert not error and slot.request_errors() == {}
+        assert slot.array(outs[1]).ravel().tolist() == [1] * 6  # NREQ: one request of six rows
+        slot.release()
+    finally:
+        plans.clear()
         backend.close()

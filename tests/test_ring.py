@@ -69,6 +69,41 @@ def test_descriptor_past_the_data_area_is_refused(a_ring):
         slot.read()
 
 
+def test_request_table_carries_rows_outputs_and_single_failures_across_mappings(a_ring):
+    worker = Ring.attach(a_ring.handle())
+    try:
+        front_slot, worker_slot = a_ring.slots[0], worker.slots[0]
+        one = [TensorDesc("FP32", (6, 1), 0, 24)]
+        front_slot.fill(1, 6, one, 0.0, requests=[(2, 0b01), (1, 0b11), (3, 0b10)])
+        assert worker_slot.requests() == [(2, 0b01), (1, 0b11), (3, 0b10)]
+        worker_slot.set_state(ring.RUNNING)
+        worker_slot.fail_requests({0: "first is bad", 2: "third is bad"})
+        worker_slot.finish(1, [], 1.0, 2.0)
+        assert front_slot.result()[2] == ""  # the batch itself is DONE
+        assert front_slot.request_errors() == {0: "first is bad", 2: "third is bad"}
+        front_slot.release()
+        front_slot.fill(2, 6, one, 0.0, requests=[(6, 1)])  # a refill forgets the last batch's failures
+        assert front_slot.request_errors() == {} and worker_slot.requests() == [(6, 1)]
+        front_slot.fill(3, 6, one, 0.0)
+        assert worker_slot.requests() == []  # a batch the front did not describe
+    finally:
+        worker.close()
+
+
+def test_request_table_bounds(a_ring):
+    slot = a_ring.slots[1]
+    one = [TensorDesc("FP32", (1,), 0, 4)]
+    with pytest.raises(ValueError, match=f"at most {ring.MAX_REQUESTS} requests"):
+        slot.fill(1, ring.MAX_REQUESTS + 1, one, 0.0, requests=[(1, 1)] * (ring.MAX_REQUESTS + 1))
+    slot.fill(1, 3, one, 0.0, requests=[(1, 1)] * 3)
+    with pytest.raises(ValueError, match="outside 0..2"):
+        slot.fail_requests({3: "no such request"})
+    long = "x" * ring.REQUEST_ERROR_BYTES  # three failures share the area: each message is cut to its share
+    slot.fail_requests({i: long for i in range(3)})
+    got = slot.request_errors()
+    assert sorted(got) == [0, 1, 2] and all(len(m) == ring.REQUEST_ERROR_BYTES // 3 for m in got.values())
+
+
 def test_too_many_tensors_is_refused(a_ring):
     with pytest.raises(ValueError, match="at most"):
         a_ring.slots[0].fill(1, 1, [TensorDesc("FP32", (1,), 0, 4)] * (ring.MAX_TENSORS + 1), 0.0)

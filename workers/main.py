@@ -1,7 +1,6 @@
 """The worker process: map the ring, load the model, then execute each slot the front names."""
 
 import logging
-import math
 import os
 import signal
 import struct
@@ -10,17 +9,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 
 from gepool.common.config import ModelConfig
-from gepool.ipc import dtypes, layout, protocol
+from gepool.ipc import protocol
 from gepool.ipc.doorbell import PREPARE, BellPaths, WorkerBell
-from gepool.ipc.ring import RUNNING, Ring, RingHandle, Slot, TensorDesc
+from gepool.ipc.ring import Ring, RingHandle, Slot, TensorDesc
 from gepool.ipc.sockets import make_socket
 from gepool.workers.arena_maps import ArenaMaps
 from gepool.workers.backends import create_backend
-from gepool.workers.backends.base import Backend
+from gepool.workers.backends.base import AsyncBackend, Backend, SyncBackend
+from gepool.workers.execute import execute_slot, plan_outputs
 
 LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # distinct, so a model that cannot load is not restarted
 PARENT_CHECK_MS = 500
@@ -65,13 +64,9 @@ def run_worker(spec: WorkerSpec) -> None:
         sock.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
-    asynchronous = getattr(backend, "asynchronous", False)
-    # arena_io: this worker runs direct batches (tensors in a client's arena): a backend that reads and
-    # writes through pointers, on the synchronous loop (the asynchronous one stages slots to device
-    # memory itself). prewake: its loop answers a PREPARE record by polling for the batch.
-    info = dict(getattr(backend, "info", {}), warmup_runs=warmup_runs or 0,
-                arena_io=not asynchronous and getattr(backend, "arena_io", False), prewake=not asynchronous)
-    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
+    asynchronous = type(backend).asynchronous
+    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(),
+                                   ready_info(backend, warmup_runs)).encode())
     lost = None
     try:
         if asynchronous:
@@ -92,6 +87,18 @@ def run_worker(spec: WorkerSpec) -> None:
         os._exit(protocol.EXIT_DEVICE_LOST)
 
 
+def ready_info(backend: Backend, warmup_runs: int) -> dict:
+    """What the worker tells the front when ready: the backend's info and its declared capabilities.
+
+    arena_io: this worker runs direct batches (tensors in a client's arena): a backend that reads and
+    writes through pointers, on the synchronous loop (the asynchronous one stages slots to device memory
+    itself). prewake: its loop answers a PREPARE record by polling for the batch. per_request: the front
+    describes each batch request by request in the slot's request table."""
+    cls = type(backend)
+    return dict(backend.info, warmup_runs=warmup_runs or 0, arena_io=not cls.asynchronous and cls.arena_io,
+                prewake=not cls.asynchronous, per_request=cls.per_request)
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exits the process when the front is gone, even if the main thread is stuck in a model: a worker
     must never outlive its front (its segments are already unlinked, so nothing is left behind)."""
@@ -106,7 +113,7 @@ def worker_identity(worker_id: int) -> bytes:
     return b"w%d" % worker_id
 
 
-def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: Backend, bell: WorkerBell) -> None:
+def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: SyncBackend, bell: WorkerBell) -> None:
     """Batches arrive on the doorbell and are answered on it; the socket carries DropArena and Stop."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -162,7 +169,8 @@ _DONE = struct.Struct("<IQ")  # slot index, seq: what a completion thread report
 _FATAL = 0xFFFFFFFF
 
 
-def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: WorkerBell) -> str | None:
+def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: AsyncBackend,
+                 bell: WorkerBell) -> str | None:
     """For backends that complete on their own threads: completions come back through a pipe whose
     read end sits in the same poller as the front's socket (ZMQ sockets stay in this thread)."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
@@ -177,7 +185,7 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: 
 
     def plan(slot: Slot, batch: int, in_descs: list) -> list[TensorDesc]:
         start = max(d.offset + d.nbytes for d in in_descs)
-        planned = _plan_outputs(spec.config, batch, start, slot.data_bytes)
+        planned = plan_outputs(spec.config, batch, start, slot.data_bytes)
         if any(d is None for d in planned.values()):
             raise ValueError("outputs need fixed dims that fit in the slot")
         return list(planned.values())
@@ -209,129 +217,3 @@ def _serve_async(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend, bell: 
     finally:
         os.close(read_fd)
         os.close(write_fd)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A slot's batch layout worked out once: the arrays over the slot and where the outputs go."""
-
-    n_in: int
-    batch: int
-    inputs: dict
-    planned: dict
-    views: dict
-    descs: list
-
-
-MAX_PLANS = 64  # (slot, layout) pairs; a model with variable dims may see many
-
-
-def execute_slot(slot: Slot, backend: Backend, config: ModelConfig, arenas: ArenaMaps | None = None,
-                 plans: dict | None = None) -> None:
-    """RUNNING, then DONE with outputs in the slot (or, for a direct batch, in the client's arena at
-    the places the front gave), or FAILED with the reason; never raises.
-
-    ``plans`` caches, per slot and layout, the arrays and output places of batches whose outputs the
-    backend wrote in place: a slot mostly sees the same few batch shapes, and working the layout out
-    again (tables, arrays, planning, checks) was most of a small batch's time in the worker."""
-    t0 = time.monotonic()
-    slot.set_state(RUNNING)
-    try:
-        key = (slot.index, slot.batch_key()) if plans is not None else None
-        plan = plans.get(key) if key is not None else None
-        if plan is not None:
-            results = backend.execute(plan.inputs, plan.views)
-            descs = plan.descs
-            if results is not plan.views and not all(results.get(n) is v for n, v in plan.views.items()):
-                del plans[key]  # not written in place this time: checked and copied like any batch
-                descs = _place_outputs(slot, config, plan.batch, plan.planned, plan.views, results)
-            slot.finish(plan.n_in, descs, t0, time.monotonic())
-            return
-        _, batch, in_descs = slot.read()
-        arena_name, out_descs = slot.direct()
-        arena = None
-        if arena_name:
-            if arenas is None or len(out_descs) != len(config.outputs):
-                raise ValueError(f"a direct batch this worker cannot run (arena {arena_name})")
-            arena = arenas.buffer(arena_name)
-        inputs = {t.name: slot.array(d, arena) for t, d in zip(config.inputs, in_descs, strict=True)}
-        if arena is not None:
-            planned = {t.name: d for t, d in zip(config.outputs, out_descs, strict=True)}
-        else:
-            start = max(d.offset + d.nbytes for d in in_descs)
-            planned = _plan_outputs(config, batch, start, slot.data_bytes)
-        views = {name: (slot.array(d, arena) if d else None) for name, d in planned.items()}
-        results = backend.execute(inputs, views)
-        descs = _place_outputs(slot, config, batch, planned, views, results)
-        if key is not None and arena is None and all(results.get(n) is v for n, v in views.items()):
-            if len(plans) >= MAX_PLANS:
-                plans.clear()
-            plans[key] = _Plan(len(in_descs), batch, inputs, planned, views, descs)
-        del inputs, views, results, arena  # views of the arena: gone before the arena may be dropped
-        slot.finish(len(in_descs), descs, t0, time.monotonic())
-    except Exception as exc:  # any model fault fails this batch only
-        log.warning("batch failed: %s: %s", type(exc).__name__, exc)
-        slot.fail(f"{type(exc).__name__}: {exc}", t0, time.monotonic())
-
-
-def _out_shape(config: ModelConfig, batch: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    return ((batch,) if config.max_batch_size > 0 else ()) + dims
-
-
-def _plan_outputs(config: ModelConfig, batch: int, start: int, capacity: int) -> dict[str, TensorDesc | None]:
-    """Slot places for outputs whose shape is known before running; None for the rest."""
-    fixed = [t for t in config.outputs if t.fixed]
-    shapes = [_out_shape(config, batch, t.dims) for t in fixed]
-    sizes = [math.prod(s) * dtypes.itemsize(t.datatype) for t, s in zip(fixed, shapes)]
-    offsets, end = layout.pack(sizes, start)
-    planned: dict[str, TensorDesc | None] = {t.name: None for t in config.outputs}
-    if end <= capacity:
-        for t, shape, off, size in zip(fixed, shapes, offsets, sizes, strict=True):
-            planned[t.name] = TensorDesc(t.datatype, shape, off, size)
-    return planned
-
-
-def _np(datatype: str) -> np.dtype:
-    return dtypes.to_numpy(datatype)
-
-
-def _place_outputs(slot: Slot, config: ModelConfig, batch: int, planned: dict[str, TensorDesc | None],
-                   views: dict[str, np.ndarray | None], results: dict[str, np.ndarray]) -> list[TensorDesc]:
-    """Checks each output against the config and copies those not already written in place."""
-    pos = max([d.offset + d.nbytes for d in planned.values() if d] or [0])
-    descs = []
-    for t in config.outputs:
-        if t.name not in results:
-            raise ValueError(f"the model returned no output '{t.name}' (it returned {sorted(results)})")
-        arr = results[t.name]
-        is_bytes = t.datatype == dtypes.BYTES
-        if (arr.dtype.kind not in "OSU") if is_bytes else (arr.dtype != _np(t.datatype)):
-            raise TypeError(f"output '{t.name}' is {arr.dtype}, config.pbtxt says TYPE_{t.datatype}")
-        expect = _out_shape(config, batch, t.dims)
-        if len(arr.shape) != len(expect) or any(e not in (-1, a) for e, a in zip(expect, arr.shape, strict=True)):
-            raise ValueError(f"output '{t.name}' has shape {list(arr.shape)}, expected {list(expect)}")
-        view = views[t.name]
-        if view is not None and arr is view:
-            descs.append(planned[t.name])
-            continue
-        if view is not None and arr.shape == view.shape:
-            np.copyto(view, arr)
-            descs.append(planned[t.name])
-            continue
-        if view is not None and planned[t.name].in_arena:
-            raise ValueError(f"output '{t.name}' has shape {list(arr.shape)}, the front planned "
-                             f"{list(view.shape)} in the client's arena")
-        off = layout.align(pos)
-        data = dtypes.serialize_bytes(arr) if is_bytes else None
-        nbytes = len(data) if is_bytes else arr.nbytes
-        if off + nbytes > slot.data_bytes:
-            raise ValueError(f"output '{t.name}' ({nbytes} bytes) does not fit in the slot "
-                             f"({slot.data_bytes} bytes); raise the model's 'slot_bytes' parameter")
-        desc = TensorDesc(t.datatype, tuple(arr.shape), off, nbytes)
-        if is_bytes:
-            slot.data[off:off + nbytes] = data
-        else:
-            np.copyto(slot.array(desc), arr)
-        pos = off + nbytes
-        descs.append(desc)
-    return descs

@@ -356,7 +356,7 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
 
 
-def lanes_per_worker(config: ModelConfig) -> int:
+def streams_per_worker(config: ModelConfig) -> int:
     """Batches one NPU worker runs at once: instances per device (count) x streams per instance."""
     count = max((g.count for g in config.instance_groups), default=1)
     return count * config.stream_num

@@ -1,24 +1,90 @@
-"""The small interface every backend implements."""
+"""The backend contract: capabilities, placement, and the synchronous or the asynchronous execution API."""
 
 import abc
 import os
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 from gepool.common.config import ModelConfig, WarmupInput, WarmupSample
+from gepool.common.errors import ConfigError
 from gepool.ipc import dtypes
+from gepool.ipc.ring import Slot, TensorDesc
 
 DEFAULT_WARMUP_RUNS = 2
+KIND_CPU = "KIND_CPU"
+
+# (device, batches it runs at once): one worker process each, e.g. ("cpu", 1) or ("ascend:0", 4)
+Placement = tuple[str, int]
+
+
+class RequestSpan(NamedTuple):
+    """One request of a batch: its rows (from ``start``) and the outputs its client asked for."""
+
+    start: int
+    rows: int
+    outputs: tuple[str, ...]
 
 
 class Backend(abc.ABC):
+    """What every backend declares. Subclass SyncBackend or AsyncBackend, never this class directly.
+
+    Capabilities are class attributes, read by the worker and reported to the front when ready:
+
+    - ``asynchronous``: batches go through start/submit/pump and complete on the backend's own
+      threads (AsyncBackend); otherwise ``execute`` runs each batch in the worker's loop.
+    - ``arena_io``: reads inputs and writes outputs through pointers, so it can run a direct batch
+      whose tensors lie in a client's arena (only on the synchronous loop).
+    - ``per_request``: needs each request's rows in the batch, and may fail one request alone
+      (``execute_requests``).
+    - ``kinds``: the instance_group kinds it runs; ``placements`` refuses any other.
+    """
+
+    name: ClassVar[str] = ""  # the config's backend: "onnxruntime", "python", ...
+    asynchronous: ClassVar[bool] = False
+    arena_io: ClassVar[bool] = False
+    per_request: ClassVar[bool] = False
+    kinds: ClassVar[tuple[str, ...]] = (KIND_CPU,)
+
     def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int) -> None:
         self.config, self.version_dir, self.device, self.threads = config, version_dir, device, threads
+        self.info: dict = {}  # what the worker reports about the instance once ready (threads, gears, ...)
+
+    @classmethod
+    def open(cls, config: ModelConfig, version_dir: str, device: str, threads: int) -> "Backend":
+        """Loads one instance. A backend whose model file decides which class serves it overrides this."""
+        return cls(config, version_dir, device, threads)
+
+    @classmethod
+    def placements(cls, config: ModelConfig) -> list[Placement]:
+        """One worker per instance on the CPU: ``count`` per group, one per listed device id. Raises
+        ConfigError naming the group whose kind this backend cannot run."""
+        check_kinds(cls, config)
+        return [(f"cpu:{d}" if g.devices else "cpu", 1) for g in config.instance_groups
+                for d in (g.devices or (None,)) for _ in range(g.count)]
+
+    @abc.abstractmethod
+    def warmup(self) -> int:
+        """Runs the model before it is READY; returns the number of runs. A failure raises."""
+
+    def close(self) -> None:
+        """Releases what the backend holds; the process exits right after."""
+
+
+class SyncBackend(Backend):
+    """Runs one batch at a time in the worker's loop, inputs as views of the slot."""
 
     @abc.abstractmethod
     def execute(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """Runs one batch. ``outputs`` maps each output to a slot view of its exact shape when the shape
         is known in advance (write there and return it: no copy) or None (return a new array)."""
+
+    def execute_requests(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None],
+                         requests: list[RequestSpan]) -> tuple[dict[str, np.ndarray], dict[int, str]]:
+        """For ``per_request`` backends: runs one batch of ``requests``; returns the batch's outputs (rows of
+        failed requests are filler) and {request index: error message} for the requests that failed."""
+        return self.execute(inputs, outputs), {}
 
     def warmup(self) -> int:
         """Runs the config's model_warmup samples, or by default DEFAULT_WARMUP_RUNS on zeros at each
@@ -61,5 +127,36 @@ class Backend(abc.ABC):
             return (rng.random(shape) * 10).astype(dtype)
         return np.zeros(shape, dtype)
 
-    def close(self) -> None:
-        """Releases what the backend holds; the process exits right after."""
+
+# plan(slot, batch, input descriptors) -> output descriptors: where a batch's outputs go in its slot
+PlanOutputs = Callable[[Slot, int, list[TensorDesc]], list[TensorDesc]]
+
+
+class AsyncBackend(Backend):
+    """Several batches in flight; each completes on the backend's own threads, in submission order per
+    stream. The worker's loop stays the only thread that touches its sockets."""
+
+    asynchronous = True
+
+    @abc.abstractmethod
+    def start(self, notify: Callable[[int, int], None], fatal: Callable[[str], None]) -> None:
+        """Before the first batch: ``notify(index, seq)`` reports a slot DONE or FAILED (from any thread);
+        ``fatal(reason)`` reports a device that stopped answering (the worker exits to be replaced)."""
+
+    @abc.abstractmethod
+    def submit(self, slot: Slot, index: int, seq: int, plan: PlanOutputs) -> None:
+        """Takes a FILLED slot; it starts now or once a stream frees up (see pump)."""
+
+    @abc.abstractmethod
+    def pump(self) -> None:
+        """Called by the worker's loop after completions: starts queued batches on freed streams."""
+
+
+def check_kinds(cls: type[Backend], config: ModelConfig) -> None:
+    """Refuses, naming the group, an instance_group whose kind ``cls`` cannot run (never a silent CPU run)."""
+    for i, g in enumerate(config.instance_groups):
+        if g.kind not in cls.kinds:
+            gpu = " (gepool has no GPU backend)" if g.kind == "KIND_GPU" else ""
+            raise ConfigError(config.source, None, "instance_group",
+                              f"instance_group[{i}] has kind {g.kind}: backend '{cls.name}' runs on "
+                              f"{' or '.join(cls.kinds)} only{gpu}")

@@ -1,15 +1,15 @@
 """The GE backend: `.om` models on an Ascend NPU through pyACL, several batches in flight.
 
 Stream design: one worker process owns one NPU and one explicit context. Concurrency comes from
-*lanes*: each lane loads the `.om` once (its own model id: one model id must never execute on two
-streams at once), owns one stream, one event, device buffers from the memory pool, pinned host
-buffers and its own datasets (so `set_dynamic_batch_size` never touches a dataset another batch is
-using). A batch on a lane is three tasks on that lane's stream, H2D copy -> execute_async -> D2H
-copy, then an event; stream order makes them sequential for that batch while other lanes' copies
-and executions overlap with it, so the host->device copy of one batch, the execution of another
-and the device->host copy of a third can all be in flight. Each lane has a completion thread that
-waits on its event (synchronize_event releases the GIL), copies the outputs into the slot and
-reports the slot done, so completions come back in submission order per lane.
+*streams* (instances x stream_num): each loads the `.om` once (its own model id: one model id must
+never execute on two ACL streams at once), owns one ACL stream, one event, device buffers from the
+memory pool, pinned host buffers and its own datasets (so `set_dynamic_batch_size` never touches a
+dataset another batch is using). A batch is three tasks on its ACL stream, H2D copy ->
+execute_async -> D2H copy, then an event; stream order makes them sequential for that batch while
+other streams' copies and executions overlap with it, so the host->device copy of one batch, the
+execution of another and the device->host copy of a third can all be in flight. Each stream has a
+completion thread that waits on its event (synchronize_event releases the GIL), copies the outputs
+into the slot and reports the slot done, so completions come back in submission order per stream.
 
 Threads: the worker's main thread makes every ACL call that enqueues work (its context is current
 since create_context); every completion thread calls set_context first, as pyACL requires.
@@ -25,10 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gepool.common.config import ModelConfig, lanes_per_worker
+from gepool.common.config import BACKEND_GE, KIND_ASCEND, ModelConfig, streams_per_worker
 from gepool.ipc.ring import RUNNING, Slot
 from gepool.workers import aclconst as C
-from gepool.workers.backends.base import Backend
+from gepool.workers.backends import register
+from gepool.workers.backends.base import AsyncBackend, Placement, PlanOutputs, check_kinds
 from gepool.workers.devmem import DeviceMemoryPool
 
 log = logging.getLogger("gepool.ge")
@@ -68,8 +69,17 @@ class _Job:
     outputs: list  # TensorDesc per output, in config order
 
 
-class GeBackend(Backend):
-    asynchronous = True
+@register
+class GeBackend(AsyncBackend):
+    name = BACKEND_GE
+    kinds = (KIND_ASCEND,)
+
+    @classmethod
+    def placements(cls, config: ModelConfig) -> list[Placement]:
+        """One worker per NPU; the instances and streams on it are the batches it runs at once."""
+        check_kinds(cls, config)
+        streams = streams_per_worker(config)
+        return [(f"ascend:{d}", streams) for d in sorted({d for g in config.instance_groups for d in g.devices})]
 
     def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int) -> None:
         super().__init__(config, version_dir, device, threads)
@@ -80,8 +90,8 @@ class GeBackend(Backend):
         self.acl = acl
         self.device_id = int(device.split(":", 1)[1]) if ":" in device else 0
         self.timeout_ms = int(config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
-        self.lane_count = lanes_per_worker(config)
-        self.lanes: list[_Lane] = []
+        self.stream_count = streams_per_worker(config)
+        self.streams: list[_Stream] = []
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: list[tuple] = []
         self.notify: Callable[[int, int], None] | None = None
@@ -122,39 +132,39 @@ class GeBackend(Backend):
             lambda p: self.call("rt.free", acl.rt.free(p)),
             self.config.memory_pool_size, label=f"ascend:{self.device_id}")
         path = os.path.join(self.version_dir, self.config.model_filename)
-        for i in range(self.lane_count):
-            lane = _Lane(self, i)
-            self.lanes.append(lane)  # before it holds anything, so close() releases a half-opened lane
-            lane.open(path)
+        for i in range(self.stream_count):
+            stream = _Stream(self, i)
+            self.streams.append(stream)  # before it holds anything, so close() releases a half-opened stream
+            stream.open(path)
             if i == 0:
-                self.gears = lane.describe_and_check()
-            self.free.put(lane)
-        self.info = {"gears": self.gears, "lanes": self.lane_count, "device_memory": self.pool.held}
+                self.gears = stream.describe_and_check()
+            self.free.put(stream)
+        self.info = {"gears": self.gears, "streams": self.stream_count, "device_memory": self.pool.held}
 
     def warmup(self) -> int:
         """Not yet: the ge backend runs batches through slots, so its warm-up belongs in the worker loop
-        (the first batch of each gear is slow on a real card: issue 5)."""
+        (the first batch of each gear is slow on a real card)."""
         return 0
 
     # -- batches ---------------------------------------------------------------------------
     def start(self, notify: Callable[[int, int], None], fatal: Callable[[str], None]) -> None:
         self.notify, self.fatal = notify, fatal
-        for lane in self.lanes:
-            lane.start()
+        for stream in self.streams:
+            stream.start()
 
-    def submit(self, slot: Slot, index: int, seq: int, outputs: Callable[[Slot, int, list], list]) -> None:
-        """Queues a FILLED slot; it starts on the next free lane (pump runs again as lanes free up)."""
+    def submit(self, slot: Slot, index: int, seq: int, outputs: PlanOutputs) -> None:
+        """Queues a FILLED slot; it starts on the next free stream (pump runs again as streams free up)."""
         self.pending.append((slot, index, seq, outputs))
         self.pump()
 
     def pump(self) -> None:
         while self.pending:
             try:
-                lane = self.free.get_nowait()
+                stream = self.free.get_nowait()
             except queue.Empty:
                 return
             slot, index, seq, outputs = self.pending.pop(0)
-            lane.run(slot, index, seq, outputs)
+            stream.run(slot, index, seq, outputs)
 
     def gear_for(self, batch: int) -> int:
         fits = [g for g in self.gears if g >= batch]
@@ -162,15 +172,12 @@ class GeBackend(Backend):
             raise ValueError(f"batch of {batch} exceeds the largest batch the .om was compiled for ({self.gears[-1]})")
         return fits[0]
 
-    def execute(self, inputs, outputs):
-        raise NotImplementedError("the ge backend runs batches through submit()")
-
     def close(self) -> None:
         """Releases in the documented order: buffers, models, events and streams, context, device, acl."""
-        for lane in self.lanes:
-            lane.stop()
-        for lane in self.lanes:
-            lane.release()
+        for stream in self.streams:
+            stream.stop()
+        for stream in self.streams:
+            stream.release()
         if getattr(self, "pool", None) is not None:
             self.pool.close()
         acl = self.acl
@@ -187,7 +194,7 @@ class GeBackend(Backend):
             log.warning("acl.%s returned %s during release", name, ret)
 
 
-class _Lane:
+class _Stream:
     """One model id, one stream, one event, its buffers and datasets; one batch at a time."""
 
     def __init__(self, be: GeBackend, number: int) -> None:
@@ -195,7 +202,7 @@ class _Lane:
         self.inputs: list[_Buffer] = []
         self.outputs: list[_Buffer] = []
         self.mbatch_index = -1
-        self.model_id = self.desc = self.stream = self.event = self.in_ds = self.out_ds = 0
+        self.model_id = self.desc = self.acl_stream = self.event = self.in_ds = self.out_ds = 0
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
@@ -214,7 +221,7 @@ class _Lane:
         for i in range(acl.mdl.get_num_outputs(self.desc)):
             size = acl.mdl.get_output_size_by_index(self.desc, i)
             self._buffer(size, self.out_ds, self.outputs, pinned=True)
-        self.stream = call("rt.create_stream", acl.rt.create_stream())
+        self.acl_stream = call("rt.create_stream", acl.rt.create_stream())
         self.event = call("rt.create_event", acl.rt.create_event())
 
     def _buffer(self, size: int, dataset: int, into: list, pinned: bool) -> None:
@@ -267,11 +274,11 @@ class _Lane:
 
     # -- running ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._complete, name=f"ge-lane-{self.number}", daemon=True)
+        self.thread = threading.Thread(target=self._complete, name=f"ge-stream-{self.number}", daemon=True)
         self.thread.start()
 
     def run(self, slot: Slot, index: int, seq: int, plan_outputs: Callable) -> None:
-        """Main thread: stage inputs, enqueue H2D -> execute -> D2H -> event on this lane's stream."""
+        """Main thread: stage inputs, enqueue H2D -> execute -> D2H -> event on this ACL stream."""
         be, acl, call = self.be, self.be.acl, self.be.call
         t0 = time.monotonic()
         slot.set_state(RUNNING)
@@ -286,19 +293,19 @@ class _Lane:
                 ctypes.memmove(buf.host, src, d.nbytes)
                 ctypes.memset(buf.host + d.nbytes, 0, gear * row - d.nbytes)  # padding rows up to the gear
                 call("rt.memcpy_async", acl.rt.memcpy_async(buf.dev, buf.size, buf.host, gear * row, be.h2d,
-                                                            self.stream))
+                                                            self.acl_stream))
             if self.mbatch_index >= 0:
                 call("mdl.set_dynamic_batch_size",
                      acl.mdl.set_dynamic_batch_size(self.model_id, self.in_ds, self.mbatch_index, gear))
-            call("mdl.execute_async", acl.mdl.execute_async(self.model_id, self.in_ds, self.out_ds, self.stream))
+            call("mdl.execute_async", acl.mdl.execute_async(self.model_id, self.in_ds, self.out_ds, self.acl_stream))
             for buf, d in zip(self.outputs, outs):
                 row = d.nbytes // max(batch, 1)
                 call("rt.memcpy_async", acl.rt.memcpy_async(buf.host, buf.size, buf.dev, gear * row, be.d2h,
-                                                            self.stream))
-            call("rt.record_event", acl.rt.record_event(self.event, self.stream))
+                                                            self.acl_stream))
+            call("rt.record_event", acl.rt.record_event(self.event, self.acl_stream))
         except Exception as exc:
-            # Nothing of this batch may still be queued when the lane is reused: drain the stream first.
-            acl.rt.synchronize_stream(self.stream)
+            # Nothing of this batch may still be queued when the stream is reused: drain it first.
+            acl.rt.synchronize_stream(self.acl_stream)
             slot.fail(f"{type(exc).__name__}: {exc}", t0, time.monotonic())
             be.free.put(self)
             be.notify(index, seq)
@@ -358,6 +365,6 @@ class _Lane:
             be._quiet("mdl.destroy_desc", acl.mdl.destroy_desc(self.desc))
         if self.event:
             be._quiet("rt.destroy_event", acl.rt.destroy_event(self.event))
-        if self.stream:
-            be._quiet("rt.destroy_stream", acl.rt.destroy_stream(self.stream))
+        if self.acl_stream:
+            be._quiet("rt.destroy_stream", acl.rt.destroy_stream(self.acl_stream))
 

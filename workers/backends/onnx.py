@@ -3,10 +3,10 @@
 import os
 
 import numpy as np
-import onnxruntime as ort
 
-from gepool.common.config import ModelConfig
-from gepool.workers.backends.base import Backend
+from gepool.common.config import BACKEND_ONNX, ModelConfig
+from gepool.workers.backends import register
+from gepool.workers.backends.base import SyncBackend
 
 # Spinning threads burn a core while idle; on small hosts the front and clients need it more.
 DEFAULT_ALLOW_SPINNING = "0"
@@ -18,7 +18,9 @@ _ORT_TYPES = {
 }
 
 
-class OnnxBackend(Backend):
+@register
+class OnnxBackend(SyncBackend):
+    name = BACKEND_ONNX
     # Reads inputs and writes outputs through pointers (I/O binding), so a client's arena serves as
     # well as a slot. (The python backend hands the model writable arrays, which in a direct batch
     # would be the client's own input.)
@@ -26,6 +28,8 @@ class OnnxBackend(Backend):
 
     def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int) -> None:
         super().__init__(config, version_dir, device, threads)
+        import onnxruntime as ort  # here, not at import: the front imports this module to place workers
+
         params = config.parameters
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = int(params.get("intra_op_thread_count", threads))
@@ -38,7 +42,7 @@ class OnnxBackend(Backend):
         self.info = {"threads": opts.intra_op_num_threads}
         self._check(self.session.get_inputs(), config.inputs, "input")
         self._check(self.session.get_outputs(), config.outputs, "output")
-        self._bindings: dict[tuple, ort.IOBinding] = {}
+        self._bindings: dict[tuple, object] = {}  # onnxruntime IOBinding per layout
 
     def _check(self, args, declared, kind: str) -> None:
         """Config and model must agree, or every request would fail later with a worse message."""
