@@ -10,9 +10,9 @@ from collections.abc import Callable
 import zmq
 
 from gepool.common import errors
+from gepool.common.config import ModelConfig
 from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import make_socket, runtime_dir
-from gepool.common.config import ModelConfig
 from gepool.scheduler.books import Worker
 from gepool.scheduler.channels import Channels, ZmqChannel, open_lanes
 from gepool.scheduler.core import Core
