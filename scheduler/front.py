@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import zmq
 
 from gepool.common import errors
-from gepool.common.render import render_config
+from gepool.common.render import render
 from gepool.ipc import lane, protocol, zmqio
 from gepool.ipc.sockets import ipc_path, make_socket, runtime_dir
 from gepool.scheduler.arenas import Arenas
@@ -52,6 +52,7 @@ class FrontOptions:
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
     busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never
+    auto_complete_config: bool = True  # Triton's config auto-complete (off: --disable-auto-complete-config)
 
 
 class Front:
@@ -385,7 +386,7 @@ class Front:
             model = group.default() or next(iter(group.loading + group.failed), None)
             if model is None or model.config is None:
                 raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")
-            return render_config(model.config.source, group.name)
+            return render(model.config)
         raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config, load, unload)")
 
     def status(self) -> dict:
