@@ -213,7 +213,7 @@ class _Checker:
             raise self.fail("max_batch_size", f"must be >= 0, got {msg.max_batch_size}")
         which = msg.WhichOneof("scheduling_choice")
         if which in ("sequence_batching", "ensemble_scheduling"):
-            raise self.fail(which, "is not supported by gepool yet")
+            raise self.fail(which, f"{which} is not supported by gepool yet")
         refuse_unsupported(msg, backend, self.fail)
         inputs = self.tensors(msg.input, "input")
         outputs = self.tensors(msg.output, "output")
