@@ -55,6 +55,10 @@ def write(tmp_path, text: str) -> str:
     (BASE, "instance_group [ { passive: true } ]", "passive"),
     (BASE, "instance_group [ { secondary_devices [ { device_id: 0 } ] } ]", "secondary_devices"),
     (GE, "instance_group [ { kind: KIND_ASCEND policy: round_robin } ]", "policy"),
+    (ONNX, 'parameters { key: "execution_mode" value: { string_value: "1" } }', "execution_mode"),
+    (ONNX, 'parameters { key: "enable_mem_arena" value: { string_value: "0" } }', "enable_mem_arena"),
+    (BASE, 'parameters { key: "execution_timeout_ms" value: { string_value: "soon" } }', "execution_timeout_ms"),
+    (ONNX, 'parameters { key: "intra_op_thread_count" value: { string_value: "-2" } }', "intra_op_thread_count"),
 ], ids=lambda v: v.split("\n")[1] if isinstance(v, str) and v.startswith("\n") else None)
 def test_a_setting_nothing_applies_is_refused_naming_it(tmp_path, base, extra, field):
     path = write(tmp_path, base + extra + "\n")
@@ -73,6 +77,12 @@ def test_tensor_flags_nothing_applies_are_refused(tmp_path, kind, flag):
     with pytest.raises(ConfigError) as info:
         parse_config(write(tmp_path, text), "m")
     assert info.value.field == flag and f"{kind} '{name}'" in info.value.message
+
+
+def test_a_python_model_keeps_its_own_parameters(tmp_path):
+    cfg = parse_config(write(tmp_path, BASE + 'parameters { key: "execution_mode" value: { string_value: "x" } }\n'),
+                       "m")
+    assert cfg.parameters == {"execution_mode": "x"}  # a python model may read any key it likes
 
 
 @pytest.mark.parametrize("extra", ["", "instance_group [ { kind: KIND_ASCEND policy: load_balance } ]",

@@ -388,6 +388,9 @@ class _Checker:
                     parse_size(params[key])
                 except ValueError as exc:
                     raise self.fail(key, str(exc)) from None
+        for key in ("execution_timeout_ms", "intra_op_thread_count"):
+            if key in params and not (params[key].isdigit() and len(params[key]) <= 12):
+                raise self.fail(key, f"{key} must be a whole number >= 0, got '{params[key]}'")
 
     def versions(self, msg: pb.ModelConfig) -> VersionPolicy:
         return version_policy(msg)

@@ -3,7 +3,8 @@
 Every other field of model_config.proto works: name, platform, backend, version_policy, max_batch_size,
 input/output name, data_type, dims and format, instance_group name, kind, count, devices and the
 load_balance policy, dynamic_batching (all but preserve_ordering), default_model_filename, parameters
-and model_warmup. ``refuse_unimplemented`` holds the fields that are parsed into the typed config and
+and model_warmup (parameters: gepool's own keys, intra_op_thread_count, and anything a python model
+reads). ``refuse_unimplemented`` holds the fields that are parsed into the typed config and
 wait for their implementation: drop a check there when its feature lands.
 """
 
@@ -16,6 +17,11 @@ Fail = Callable[[str, str], ConfigError]  # (field, message) -> the error, locat
 
 _NOT_YET = "is not supported by gepool yet"
 _TENSOR_FLAGS = ("is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io")
+# parameters Triton's onnxruntime backend reads that gepool's does not (it reads intra_op_thread_count)
+_ORT_PARAMETERS = ("inter_op_thread_count", "execution_mode", "enable_mem_arena", "enable_mem_pattern",
+                   "memory.enable_memory_arena_shrinkage", "session.use_device_allocator_for_initializers",
+                   "cudnn_conv_algo_search", "gpu_mem_limit", "arena_extend_strategy", "do_copy_in_default_stream",
+                   "use_ep_level_unified_stream")
 
 
 def refuse_unsupported(msg: pb.ModelConfig, backend: str, fail: Fail) -> None:
@@ -41,6 +47,11 @@ def refuse_unsupported(msg: pb.ModelConfig, backend: str, fail: Fail) -> None:
                     raise fail(flag, f"{kind} '{t.name}': {flag} {_NOT_YET}")
     for g in msg.instance_group:
         _refuse_group(g, backend, fail)
+    if backend == "onnxruntime":
+        for key in _ORT_PARAMETERS:
+            if key in msg.parameters:
+                raise fail(key, f"parameter {key} {_NOT_YET}: gepool runs onnxruntime sequentially with its own "
+                                f"arena settings, so it would be ignored")
 
 
 def _refuse_group(g: pb.ModelInstanceGroup, backend: str, fail: Fail) -> None:
