@@ -6,8 +6,9 @@ import textwrap
 import pytest
 
 from gepool.common import config as config_module
-from gepool.common.config import MAX_LABEL_FILE_BYTES, parse_config
+from gepool.common.config import parse_config
 from gepool.common.errors import ConfigError
+from gepool.common.labels import MAX_LABEL_FILE_BYTES
 from gepool.common.repository import scan
 from tests import repo as test_repo
 

@@ -7,13 +7,13 @@ names the file, the line and the field, so a user can fix a config without readi
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 
 from google.protobuf import text_format
 
 from gepool.common import model_config_pb2 as pb
 from gepool.common.errors import ConfigError
+from gepool.common.labels import read_labels
 from gepool.common.unsupported import refuse_unimplemented, refuse_unsupported
 from gepool.ipc import dtypes
 
@@ -153,7 +153,6 @@ class ModelConfig:
 
 
 MAX_CONFIG_BYTES = 16 << 20
-MAX_LABEL_FILE_BYTES = 16 << 20
 
 
 def parse_config(path: str, model_name: str) -> ModelConfig:
@@ -283,26 +282,10 @@ class _Checker:
         return tuple(out)
 
     def labels(self, output: str, filename: str) -> tuple[str, ...]:
-        """The lines of an output's label file: a plain file in the model folder, of bounded size."""
-        if "/" in filename or "\\" in filename or filename in (".", "..") or "\0" in filename:
-            raise self.fail("label_filename", f"output '{output}': '{filename}' must name a file in the model folder")
-        path = os.path.join(self.model_path, filename)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as exc:
-            raise self.fail("label_filename", f"output '{output}': cannot open {path}: {exc.strerror}") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LABEL_FILE_BYTES:
-                raise self.fail("label_filename", f"output '{output}': {path} must be a regular file of at most "
-                                                  f"{MAX_LABEL_FILE_BYTES} bytes")
-            data = f.read(MAX_LABEL_FILE_BYTES + 1)
-        if len(data) > MAX_LABEL_FILE_BYTES:
-            raise self.fail("label_filename", f"output '{output}': {path} grew past {MAX_LABEL_FILE_BYTES} bytes")
-        try:
-            return tuple(data.decode("utf-8").splitlines())
-        except UnicodeDecodeError:
-            raise self.fail("label_filename", f"output '{output}': {path} is not UTF-8 text") from None
+            return read_labels(self.model_path, filename)
+        except ValueError as exc:
+            raise self.fail("label_filename", f"output '{output}': {exc}") from None
 
     def groups(self, msg: pb.ModelConfig, backend: str) -> tuple[InstanceGroup, ...]:
         if not msg.instance_group:
