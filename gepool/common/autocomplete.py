@@ -1,8 +1,10 @@
-"""Triton's config auto-complete: backend fields from the version folder, inputs and outputs from an ONNX file.
+"""Triton's config auto-complete: backend fields from the version folder, inputs and outputs from the model file.
 
 The rules are Triton's: core's AutoCompleteBackendFields (always applied), and onnxruntime_backend's
 AutoCompleteConfig / AutoCompleteMaxBatch / AutoCompleteIO (skipped with --disable-auto-complete-config)
 and ValidateInputs / ValidateOutputs (always applied) for a config that the model file contradicts.
+An Ascend .om is completed the same way from its pyACL description, its batch gears giving max_batch_size
+(the GE worker checks the result against the .om when it loads the model).
 """
 
 import os
@@ -10,6 +12,7 @@ import os
 from gepool.common import model_config_pb2 as pb
 from gepool.common.config import BACKEND_GE, BACKEND_ONNX, BACKEND_PYTHON, DEFAULT_FILENAMES, ModelConfig
 from gepool.common.errors import ConfigError
+from gepool.common.om_probe import OmSignature
 from gepool.common.onnx_io import OnnxSignature, OnnxTensor
 from gepool.ipc import dtypes
 
@@ -42,6 +45,21 @@ def complete_onnx(msg: pb.ModelConfig, signature: OnnxSignature, source: str) ->
     already lists both inputs and outputs (then it is only checked, by check_onnx)."""
     if msg.input and msg.output:
         return
+    batchable = all(t.dims and t.dims[0] == -1 for t in signature.inputs + signature.outputs)
+    _complete(msg, signature, source, batchable, DEFAULT_MAX_BATCH_SIZE)
+
+
+def complete_om(msg: pb.ModelConfig, om: OmSignature, source: str) -> None:
+    """complete_onnx for an Ascend .om: with batch gears the model batches (max_batch_size defaults to the
+    largest gear); a fixed-batch .om is served unbatched unless the config sets max_batch_size."""
+    if msg.input and msg.output:
+        return
+    batchable = bool(om.gears) or msg.max_batch_size > 0
+    _complete(msg, om.signature, source, batchable, max(om.gears, default=0))
+
+
+def _complete(msg: pb.ModelConfig, signature: OnnxSignature, source: str, batchable: bool,
+              default_max_batch: int) -> None:
     untyped = [t for t in signature.inputs + signature.outputs if t.datatype is None or t.dims is None]
     if untyped:
         t = untyped[0]
@@ -49,10 +67,9 @@ def complete_onnx(msg: pb.ModelConfig, signature: OnnxSignature, source: str) ->
         raise ConfigError(source, None, "input" if t in signature.inputs else "output",
                           f"cannot auto-complete from the model file: tensor '{t.name}' has {what}; "
                           f"declare the inputs and outputs in config.pbtxt")
-    batchable = all(t.dims and t.dims[0] == -1 for t in signature.inputs + signature.outputs)
     if batchable:
         if msg.max_batch_size == 0:
-            msg.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+            msg.max_batch_size = default_max_batch
         if msg.max_batch_size > 1 and msg.WhichOneof("scheduling_choice") is None:
             msg.dynamic_batching.SetInParent()
     elif msg.max_batch_size != 0:

@@ -4,9 +4,16 @@ import os
 from dataclasses import dataclass
 
 from gepool.common import model_config_pb2 as pb
-from gepool.common.autocomplete import check_onnx, complete_backend_fields, complete_onnx, first_version_files
-from gepool.common.config import BACKEND_ONNX, ModelConfig, check_message, read_message, version_policy
+from gepool.common.autocomplete import (
+    check_onnx,
+    complete_backend_fields,
+    complete_om,
+    complete_onnx,
+    first_version_files,
+)
+from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, check_message, read_message, version_policy
 from gepool.common.errors import ConfigError
+from gepool.common.om_probe import OmProbeError, read_om_signature
 from gepool.common.onnx_io import OnnxFormatError, OnnxSignature, read_signature
 
 CONFIG_NAME = "config.pbtxt"
@@ -134,17 +141,33 @@ def model_config(path: str, name: str, *, auto_complete: bool = True) -> ModelCo
         raise ConfigError(path, None, "backend", f"model '{name}' has no {CONFIG_NAME}, and its first version folder "
                                                  f"holds no model.onnx, model.py or model.om to tell its backend by")
     signature, model_file = None, ""
+    served = version_policy(msg).select(_versions(path))
     if msg.backend == BACKEND_ONNX:
-        served = version_policy(msg).select(_versions(path))
         model_file = os.path.join(path, str(served[0]), msg.default_model_filename) if served else ""
         if model_file and os.path.isfile(model_file):
             signature = _signature(model_file, name)
             if auto_complete:
                 complete_onnx(msg, signature, source)
+    elif msg.backend == BACKEND_GE and auto_complete and not (msg.input and msg.output) and served:
+        _complete_om(msg, os.path.join(path, str(served[0]), msg.default_model_filename or "model.om"), name, source)
     config = check_message(msg, source, text, name, model_path=path)
     if signature is not None:
         check_onnx(config, signature, model_file)
     return config
+
+
+def _complete_om(msg: pb.ModelConfig, om_file: str, name: str, source: str) -> None:
+    if not os.path.isfile(om_file):
+        return  # reported as a missing model file
+    devices = [d for g in msg.instance_group for d in g.ascend_devices]
+    try:
+        om = read_om_signature(om_file, devices[0] if devices else 0)
+    except OmProbeError as exc:
+        raise ConfigError(om_file, None, None, f"model '{name}': cannot auto-complete from the .om: {exc}") from None
+    if om is None:
+        raise ConfigError(source, None, "input", f"model '{name}': the config lists no inputs or outputs, and "
+                                                 f"auto-complete from a .om needs pyACL, which is not installed")
+    complete_om(msg, om, source)
 
 
 def check_model_file(config: ModelConfig, model_file: str) -> None:
