@@ -157,6 +157,8 @@ def model_config(path: str, name: str, *, auto_complete: bool = True) -> ModelCo
 
 
 def _complete_om(msg: pb.ModelConfig, om_file: str, name: str, source: str) -> None:
+    # Blocks the caller (the front's loop, when it loads a model) for the probe: seconds on a real NPU,
+    # paid only by a .om whose config lacks inputs or outputs.
     if not os.path.isfile(om_file):
         return  # reported as a missing model file
     devices = [d for g in msg.instance_group for d in g.ascend_devices]
