@@ -46,7 +46,7 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
           metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
-          poll_secs: float = 15.0, busy_poll_us: int = 0) -> int:
+          poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready and stops after the front has drained."""
     from gepool.scheduler.front import Front, FrontOptions
@@ -55,7 +55,8 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
                         owner_id=owner_id or naming.new_owner_id(), cpu_threads=cpu_threads, log_level=log_level,
                         curve_secret_key=curve_secret_key, curve_authorized_keys=curve_authorized_keys,
                         exit_grace_s=exit_grace_s, model_control_mode=model_control_mode,
-                        load_models=tuple(load_models), poll_secs=poll_secs, busy_poll_us=busy_poll_us)
+                        load_models=tuple(load_models), poll_secs=poll_secs, busy_poll_us=busy_poll_us,
+                        auto_complete_config=auto_complete_config)
     gateway: list[subprocess.Popen] = []
 
     def ready(status: dict) -> None:
@@ -148,7 +149,8 @@ def _front_process(argv: list[str]) -> int:
                      curve_secret_key=args["curve_secret_key"], curve_authorized_keys=args["curve_authorized_keys"],
                      exit_grace_s=args["exit_grace_s"], model_control_mode=args["model_control_mode"],
                      load_models=tuple(args["load_models"]), poll_secs=args["poll_secs"],
-                     busy_poll_us=args.get("busy_poll_us", 0))
+                     busy_poll_us=args.get("busy_poll_us", 0),
+                     auto_complete_config=args.get("auto_complete_config", True))
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -167,12 +169,14 @@ class Pool:
                  http_host: str = "127.0.0.1", metrics_port: int = 0, curve_secret_key: str | None = None,
                  curve_authorized_keys: str | None = None, exit_grace_s: float = 0.0,
                  model_control_mode: str = "none", load_models: tuple[str, ...] = (), poll_secs: float = 15.0,
-                 busy_poll_us: int = 0) -> None:
+                 busy_poll_us: int = 0, auto_complete_config: bool = True) -> None:
         """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
         ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
         public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key.
         ``busy_poll_us``: 0 polls adaptively while traffic is sequential (``scheduler/polling.py``),
-        N > 0 polls N microseconds before any sleep (a core's time under light load), -1 never polls."""
+        N > 0 polls N microseconds before any sleep (a core's time under light load), -1 never polls.
+        ``auto_complete_config=False`` is Triton's ``--disable-auto-complete-config``: every model needs a
+        complete config.pbtxt, which is still checked against an ONNX model's file."""
         self.repository = model_repository
         self.endpoint = endpoint or f"ipc://{runtime_dir()}/pool-{naming.new_owner_id()}.sock"
         self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout
@@ -180,7 +184,7 @@ class Pool:
         self.curve_secret_key, self.curve_authorized_keys = curve_secret_key, curve_authorized_keys
         self.exit_grace_s = exit_grace_s
         self.model_control_mode, self.load_models, self.poll_secs = model_control_mode, list(load_models), poll_secs
-        self.busy_poll_us = busy_poll_us
+        self.busy_poll_us, self.auto_complete_config = busy_poll_us, auto_complete_config
         self.process = None
         self.status: dict = {}
         self._clients: list = []
@@ -194,7 +198,8 @@ class Pool:
                 "metrics_port": self.metrics_port, "curve_secret_key": self.curve_secret_key,
                 "curve_authorized_keys": self.curve_authorized_keys, "exit_grace_s": self.exit_grace_s,
                 "model_control_mode": self.model_control_mode, "load_models": self.load_models,
-                "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us}
+                "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us,
+                "auto_complete_config": self.auto_complete_config}
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
                                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)

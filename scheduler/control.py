@@ -96,7 +96,7 @@ class ModelControl:
         if group.loading:
             return  # a load is under way; this request is answered when it settles
         group.signature = signature(self.opts.repository, name)
-        for src in load_sources(self.opts.repository, name):
+        for src in load_sources(self.opts.repository, name, auto_complete=self.opts.auto_complete_config):
             self.generation += 1
             model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation, self.clock)
             group.loading.append(model)

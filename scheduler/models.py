@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from gepool.common import errors
 from gepool.common.config import ModelConfig, parse_size
-from gepool.common.render import render_config
+from gepool.common.render import render
 from gepool.common.repository import ModelSource
 from gepool.ipc import layout
 from gepool.scheduler.batcher import DynamicBatcher
@@ -42,8 +42,8 @@ def slot_bytes_for(config: ModelConfig) -> int:
 
 def _render(config: ModelConfig, name: str) -> dict | errors.GepoolError:
     try:
-        return render_config(config.source, name)
-    except Exception as exc:  # the file went or broke between parsing and rendering
+        return render(config)
+    except Exception as exc:  # a config the renderer cannot express: the model still serves
         return errors.ModelNotReady(f"model '{name}': its config cannot be rendered: {exc}")
 
 

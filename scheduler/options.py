@@ -21,3 +21,4 @@ class FrontOptions:
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
     busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never
+    auto_complete_config: bool = True  # Triton's config auto-complete (off: --disable-auto-complete-config)

@@ -109,7 +109,7 @@ def test_scan_reports_broken_models_beside_good_ones(tmp_path):
     (tmp_path / "nofile" / "1").mkdir()
     found = {s.name: s for s in scan(str(tmp_path))}
     assert found["good"].error is None and found["good"].version == 3
-    assert "missing" in found["noconfig"].error
+    assert "has no config.pbtxt" in found["noconfig"].error
     assert "model file missing" in found["nofile"].error
 
 

@@ -1,7 +1,7 @@
-"""Regenerates gepool/common/model_config_pb2.py from gepool/common/model_config.proto (needs grpcio-tools).
+"""Regenerates the pb2 modules in gepool/common from their .proto files (needs grpcio-tools).
 
 The runtime-version check that new protoc releases write into generated code is removed, so the
-module imports on any protobuf >= 4.21 (the descriptor-builder API it uses dates from 3.20).
+modules import on any protobuf >= 4.21 (the descriptor-builder API they use dates from 3.20).
 """
 
 import pathlib
@@ -10,19 +10,18 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROTOS = ("gepool/common/model_config.proto", "gepool/common/onnx_subset.proto")
 
 
 def main() -> None:
-    subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}",
-         "gepool/common/model_config.proto"],
-        check=True,
-    )
-    out = ROOT / "gepool" / "common" / "model_config_pb2.py"
-    text = out.read_text()
-    text = re.sub(r"from google\.protobuf import runtime_version as _runtime_version\n", "", text)
-    text = re.sub(r"_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)\n", "", text, flags=re.S)
-    out.write_text(text)
+    for proto in PROTOS:
+        subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", proto],
+                       check=True)
+        out = ROOT / proto.replace(".proto", "_pb2.py")
+        text = out.read_text()
+        text = re.sub(r"from google\.protobuf import runtime_version as _runtime_version\n", "", text)
+        text = re.sub(r"_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)\n", "", text, flags=re.S)
+        out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from google.protobuf import text_format
 
 from gepool.common import model_config_pb2 as pb
 from gepool.common.errors import ConfigError
+from gepool.common.labels import read_labels
+from gepool.common.unsupported import refuse_unimplemented, refuse_unsupported
 from gepool.ipc import dtypes
 
 BACKEND_ONNX = "onnxruntime"
@@ -32,6 +34,9 @@ class TensorConfig:
     name: str
     datatype: str  # Triton name: "FP32", "INT64", ...
     dims: tuple[int, ...]  # without the batch dimension when max_batch_size > 0; -1 = variable
+    format: str = ""  # an input's declared layout (FORMAT_NHWC, FORMAT_NCHW), reported to clients; "" = none
+    label_filename: str = ""  # an output's labels file in the model folder, for classification
+    labels: tuple[str, ...] = ()  # its lines, read when the model loads
 
     @property
     def fixed(self) -> bool:
@@ -49,6 +54,7 @@ class InstanceGroup:
     kind: str  # "KIND_CPU", "KIND_GPU", "KIND_ASCEND", ...
     devices: tuple[int, ...] = ()
     policy: str = ""
+    name: str = ""  # as written; rendered as Triton names it (<model>_<index>) when empty
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,9 @@ class ModelConfig:
     parameters: dict[str, str] = field(default_factory=dict)
     default_model_filename: str = ""
     platform: str = ""
-    source: str = ""  # the config.pbtxt path, for messages
+    source: str = ""  # the config.pbtxt path (the model folder when auto-complete wrote the config), for messages
     model_warmup: tuple[WarmupSample, ...] = ()
+    response_cache: bool = False  # response_cache { enable }
 
     @property
     def model_filename(self) -> str:
@@ -145,20 +152,39 @@ class ModelConfig:
         return parse_size(self.parameters.get("memory_pool_size") or os.environ.get(POOL_SIZE_ENV) or "0")
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def parse_config(path: str, model_name: str) -> ModelConfig:
-    """Reads and checks one config.pbtxt; raises ConfigError naming file, line and field."""
+    """Reads and checks one config.pbtxt as written (no auto-complete); raises ConfigError naming file,
+    line and field."""
+    msg, text = read_message(path)
+    return check_message(msg, path, text, model_name)
+
+
+def read_message(path: str) -> tuple[pb.ModelConfig, str]:
+    """The config.pbtxt at ``path`` as a protobuf message, and its text (for locating fields in messages)."""
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(path, None, None, f"cannot read: {exc.strerror}") from None
+            text = f.read(MAX_CONFIG_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, None, None, f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(path, None, None, f"is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         msg = text_format.Parse(text, pb.ModelConfig())
     except text_format.ParseError as exc:
         line = exc.GetLine() if hasattr(exc, "GetLine") else None
         detail = re.sub(r"^\d+:\d+ : ", "", str(exc))
         raise ConfigError(path, line, _field_in(detail), detail) from None
-    return _Checker(path, text, model_name).check(msg)
+    return msg, text
+
+
+def check_message(msg: pb.ModelConfig, source: str, text: str, model_name: str,
+                  model_path: str | None = None) -> ModelConfig:
+    """The typed config of a parsed (and perhaps auto-completed) message; ``source`` names it in errors,
+    ``model_path`` is the model folder (label files are read there; default: the folder of ``source``)."""
+    return _Checker(source, text, model_name, model_path or os.path.dirname(source)).check(msg)
 
 
 def _field_in(detail: str) -> str | None:
@@ -169,8 +195,8 @@ def _field_in(detail: str) -> str | None:
 class _Checker:
     """Semantic checks; protobuf keeps no positions, so a field's line is found in the text."""
 
-    def __init__(self, path: str, text: str, model_name: str) -> None:
-        self.path, self.text, self.model_name = path, text, model_name
+    def __init__(self, path: str, text: str, model_name: str, model_path: str) -> None:
+        self.path, self.text, self.model_name, self.model_path = path, text, model_name, model_path
 
     def fail(self, fieldname: str, message: str) -> ConfigError:
         m = re.search(rf"\b{re.escape(fieldname)}\s*[:{{\[]", self.text) or re.search(
@@ -186,12 +212,13 @@ class _Checker:
             raise self.fail("max_batch_size", f"must be >= 0, got {msg.max_batch_size}")
         which = msg.WhichOneof("scheduling_choice")
         if which in ("sequence_batching", "ensemble_scheduling"):
-            raise self.fail(which, "is not supported by gepool yet")
+            raise self.fail(which, f"{which} is not supported by gepool yet")
+        refuse_unsupported(msg, backend, self.fail)
         inputs = self.tensors(msg.input, "input")
         outputs = self.tensors(msg.output, "output")
         params = {k: v.string_value for k, v in msg.parameters.items()}
         self.check_parameters(params)
-        return ModelConfig(
+        config = ModelConfig(
             name=self.model_name,
             backend=backend,
             platform=msg.platform,
@@ -205,7 +232,10 @@ class _Checker:
             parameters=params,
             default_model_filename=msg.default_model_filename,
             source=self.path,
+            response_cache=msg.response_cache.enable,
         )
+        refuse_unimplemented(config, self.fail)
+        return config
 
     def backend(self, msg: pb.ModelConfig) -> str:
         if msg.backend:
@@ -242,8 +272,20 @@ class _Checker:
                 raise self.fail("dims", f"{kind} '{t.name}': dims must be positive or -1, got {list(t.dims)}")
             if t.HasField("reshape"):
                 raise self.fail("reshape", f"{kind} '{t.name}': reshape is not supported yet")
-            out.append(TensorConfig(t.name, datatype, tuple(t.dims)))
+            if kind == "input":
+                fmt = pb.ModelInput.Format.Name(t.format) if t.format else ""
+                out.append(TensorConfig(t.name, datatype, tuple(t.dims), format=fmt))
+            else:
+                labels = self.labels(t.name, t.label_filename) if t.label_filename else ()
+                out.append(TensorConfig(t.name, datatype, tuple(t.dims), label_filename=t.label_filename,
+                                        labels=labels))
         return tuple(out)
+
+    def labels(self, output: str, filename: str) -> tuple[str, ...]:
+        try:
+            return read_labels(self.model_path, filename)
+        except ValueError as exc:
+            raise self.fail("label_filename", f"output '{output}': {exc}") from None
 
     def groups(self, msg: pb.ModelConfig, backend: str) -> tuple[InstanceGroup, ...]:
         if not msg.instance_group:
@@ -267,7 +309,7 @@ class _Checker:
             if any(d < 0 for d in devices):
                 raise self.fail("ascend_devices", f"device ids must be >= 0, got {list(devices)}")
             policy = pb.ModelInstanceGroup.Policy.Name(g.policy) if g.policy else ""
-            out.append(InstanceGroup(count=g.count or 1, kind=kind, devices=devices, policy=policy))
+            out.append(InstanceGroup(count=g.count or 1, kind=kind, devices=devices, policy=policy, name=g.name))
         return tuple(out)
 
     def batching(self, msg: pb.ModelConfig) -> DynamicBatching:
@@ -329,16 +371,24 @@ class _Checker:
                     parse_size(params[key])
                 except ValueError as exc:
                     raise self.fail(key, str(exc)) from None
+        for key in ("execution_timeout_ms", "intra_op_thread_count"):
+            if key in params and not (params[key].isdigit() and len(params[key]) <= 12):
+                raise self.fail(key, f"{key} must be a whole number >= 0, got '{params[key]}'")
 
     def versions(self, msg: pb.ModelConfig) -> VersionPolicy:
-        if not msg.HasField("version_policy"):
-            return VersionPolicy()
-        which = msg.version_policy.WhichOneof("policy_choice")
-        if which == "all":
-            return VersionPolicy("all")
-        if which == "specific":
-            return VersionPolicy("specific", versions=tuple(msg.version_policy.specific.versions))
-        return VersionPolicy("latest", num_versions=max(1, msg.version_policy.latest.num_versions))
+        return version_policy(msg)
+
+
+def version_policy(msg: pb.ModelConfig) -> VersionPolicy:
+    """The message's version_policy (Triton's default: the latest one version)."""
+    if not msg.HasField("version_policy"):
+        return VersionPolicy()
+    which = msg.version_policy.WhichOneof("policy_choice")
+    if which == "all":
+        return VersionPolicy("all")
+    if which == "specific":
+        return VersionPolicy("specific", versions=tuple(msg.version_policy.specific.versions))
+    return VersionPolicy("latest", num_versions=max(1, msg.version_policy.latest.num_versions))
 
 
 # "triton": wait for preferred sizes up to max_queue_delay_microseconds, as Triton does;

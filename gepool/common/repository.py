@@ -3,8 +3,18 @@
 import os
 from dataclasses import dataclass
 
-from gepool.common.config import ModelConfig, parse_config
+from gepool.common import model_config_pb2 as pb
+from gepool.common.autocomplete import (
+    check_onnx,
+    complete_backend_fields,
+    complete_om,
+    complete_onnx,
+    first_version_files,
+)
+from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, check_message, read_message, version_policy
 from gepool.common.errors import ConfigError
+from gepool.common.om_probe import OmProbeError, read_om_signature
+from gepool.common.onnx_io import OnnxFormatError, OnnxSignature, read_signature
 
 CONFIG_NAME = "config.pbtxt"
 
@@ -28,9 +38,9 @@ def model_names(repository: str) -> list[str]:
                   if not n.startswith(".") and os.path.isdir(os.path.join(repository, n)))
 
 
-def scan(repository: str) -> list[ModelSource]:
+def scan(repository: str, *, auto_complete: bool = True) -> list[ModelSource]:
     """Every model directory in the repository (its highest selected version), loadable or with its error."""
-    return [load_source(repository, name) for name in model_names(repository)]
+    return [load_source(repository, name, auto_complete=auto_complete) for name in model_names(repository)]
 
 
 def signature(repository: str, name: str) -> tuple:
@@ -51,18 +61,26 @@ def signature(repository: str, name: str) -> tuple:
     return tuple(out)
 
 
-def load_sources(repository: str, name: str) -> list[ModelSource]:
-    """One source per version the version_policy selects (highest first), or a single one with the error."""
-    first = load_source(repository, name)
+def load_sources(repository: str, name: str, *, auto_complete: bool = True) -> list[ModelSource]:
+    """One source per version the version_policy selects (highest first), or a single one with the error.
+    Each version's model file is checked against the one config (completed from the highest version)."""
+    first = load_source(repository, name, auto_complete=auto_complete)
     if first.error or first.config is None:
         return [first]
     path = os.path.dirname(first.version_dir)
-    versions = [int(v) for v in os.listdir(path) if v.isdigit() and os.path.isdir(os.path.join(path, v))]
     out = []
-    for version in first.config.version_policy.select(versions):
+    for version in first.config.version_policy.select(_versions(path)):
+        if version == first.version:
+            out.append(first)
+            continue
         version_dir = os.path.join(path, str(version))
         model_file = os.path.join(version_dir, first.config.model_filename)
         error = None if os.path.exists(model_file) else f"{model_file}: model file missing"
+        if error is None:
+            try:
+                check_model_file(first.config, model_file)
+            except ConfigError as exc:
+                error = str(exc)
         out.append(ModelSource(name, first.config, version, version_dir, error))
     return out
 
@@ -81,19 +99,18 @@ def model_dir(repository: str, name: object) -> str:
     return path
 
 
-def load_source(repository: str, name: str) -> ModelSource:
+def load_source(repository: str, name: str, *, auto_complete: bool = True) -> ModelSource:
+    """The model's highest selected version with its config (auto-completed unless told not to), or why
+    it cannot be served."""
     try:
         path = model_dir(repository, name)
     except ValueError as exc:
         return ModelSource(str(name), None, error=str(exc))
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(cfg_path):
-        return ModelSource(name, None, error=f"{cfg_path}: missing (gepool needs an explicit config)")
     try:
-        config = parse_config(cfg_path, name)
+        config = model_config(path, name, auto_complete=auto_complete)
     except ConfigError as exc:
         return ModelSource(name, None, error=str(exc))
-    versions = [int(v) for v in os.listdir(path) if v.isdigit() and os.path.isdir(os.path.join(path, v))]
+    versions = _versions(path)
     if not versions:
         return ModelSource(name, config, error=f"{path}: no version directory (e.g. {path}/1/)")
     selected = config.version_policy.select(versions)
@@ -105,3 +122,71 @@ def load_source(repository: str, name: str) -> ModelSource:
     if not os.path.exists(model_file):
         return ModelSource(name, config, version, version_dir, error=f"{model_file}: model file missing")
     return ModelSource(name, config, version, version_dir)
+
+
+def model_config(path: str, name: str, *, auto_complete: bool = True) -> ModelConfig:
+    """The typed config of the model in folder ``path``: its config.pbtxt (optional with auto-complete),
+    the backend fields Triton's server fills in, and for an ONNX model what Triton's onnxruntime backend
+    completes from the served version's file and checks against it. Raises ConfigError."""
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if os.path.exists(cfg_path) or not auto_complete:
+        if not os.path.isfile(cfg_path):
+            raise ConfigError(cfg_path, None, None, "missing (auto-complete is disabled, so every model needs one)")
+        msg, text = read_message(cfg_path)
+        source = cfg_path
+    else:
+        msg, text, source = pb.ModelConfig(), "", path
+    complete_backend_fields(msg, name, first_version_files(path))
+    if source == path and not msg.backend:
+        raise ConfigError(path, None, "backend", f"model '{name}' has no {CONFIG_NAME}, and its first version folder "
+                                                 f"holds no model.onnx, model.py or model.om to tell its backend by")
+    signature, model_file = None, ""
+    served = version_policy(msg).select(_versions(path))
+    if msg.backend == BACKEND_ONNX:
+        model_file = os.path.join(path, str(served[0]), msg.default_model_filename) if served else ""
+        if model_file and os.path.isfile(model_file):
+            signature = _signature(model_file, name)
+            if auto_complete:
+                complete_onnx(msg, signature, source)
+    elif msg.backend == BACKEND_GE and auto_complete and not (msg.input and msg.output) and served:
+        _complete_om(msg, os.path.join(path, str(served[0]), msg.default_model_filename or "model.om"), name, source)
+    config = check_message(msg, source, text, name, model_path=path)
+    if signature is not None:
+        check_onnx(config, signature, model_file)
+    return config
+
+
+def _complete_om(msg: pb.ModelConfig, om_file: str, name: str, source: str) -> None:
+    # Blocks the caller (the front's loop, when it loads a model) for the probe: seconds on a real NPU,
+    # paid only by a .om whose config lacks inputs or outputs.
+    if not os.path.isfile(om_file):
+        return  # reported as a missing model file
+    devices = [d for g in msg.instance_group for d in g.ascend_devices]
+    try:
+        om = read_om_signature(om_file, devices[0] if devices else 0)
+    except OmProbeError as exc:
+        raise ConfigError(om_file, None, None, f"model '{name}': cannot auto-complete from the .om: {exc}") from None
+    if om is None:
+        raise ConfigError(source, None, "input", f"model '{name}': the config lists no inputs or outputs, and "
+                                                 f"auto-complete from a .om needs pyACL, which is not installed")
+    complete_om(msg, om, source)
+
+
+def check_model_file(config: ModelConfig, model_file: str) -> None:
+    """Refuses a model file (of another version) that contradicts the config."""
+    if config.backend == BACKEND_ONNX:
+        check_onnx(config, _signature(model_file, config.name), model_file)
+
+
+def _signature(model_file: str, name: str) -> OnnxSignature:
+    try:
+        return read_signature(model_file)
+    except OnnxFormatError as exc:
+        raise ConfigError(model_file, None, None, f"model '{name}' is not a readable ONNX model: {exc}") from None
+
+
+def _versions(path: str) -> list[int]:
+    try:
+        return [int(v) for v in os.listdir(path) if v.isdigit() and os.path.isdir(os.path.join(path, v))]
+    except OSError:
+        return []
