@@ -381,8 +381,8 @@ def http_app(gw: Gateway) -> web.Application:
 
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
-                max_body: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    gw = Gateway(endpoint, curve_key, restrictions, max_body)
+                max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S) -> None:
+    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
     for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--curve-key", help="the pool's CURVE certificate, when its endpoint uses CURVE")
     p.add_argument("--http-max-body-bytes", "--http-max-input-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="the largest request body accepted (413 above it)")
+    p.add_argument("--http-body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                   help="a request body not complete this long after its headers is answered 408")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
     args = p.parse_args(argv)
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
-                      args.curve_key, restrictions, args.http_max_body_bytes))
+                      args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s))
     return 0
 
 
