@@ -276,7 +276,9 @@ def _infer(datatype: str, data, shape=(1, 16)) -> dict:
     ("/v2/models/tiny/infer", {"inputs": []}, "expected 1 inputs but got 0 inputs for model 'tiny'"),
     ("/v2/models/nosuch/infer", b"{garbage", "unknown model"),
     ("/v2/models/nosuch/infer", {"inputs": []}, "unknown model"),
-])
+], ids=["deep-json", "deep-data", "bytes-not-str", "str-for-fp32", "version-abc", "offset-abc", "size-lots",
+        "parameters-list", "key-nul", "key-dotdot", "size-str", "no-inputs", "unknown-model-garbage",
+        "unknown-model-no-inputs"])
 def test_bad_input_is_a_400_naming_it(hpool, path, body, words):
     code, reply = post(hpool.http_port, path, body)
     assert code == 400, reply
@@ -498,3 +500,57 @@ def _ready(port: int) -> bool:
         return request(port, "GET", "/v2/health/ready", timeout=5)[0] == 200
     except OSError:
         return False
+
+
+# -- fuzzing every endpoint ------------------------------------------------------------------------------
+ENDPOINTS = [("GET", "/v2"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/v2/models/tiny"),
+             ("GET", "/v2/models/tiny/ready"), ("GET", "/v2/models/tiny/config"), ("GET", "/v2/models/stats"),
+             ("GET", "/v2/models/{m}/versions/{v}"), ("POST", "/v2/models/{m}/infer"),
+             ("POST", "/v2/models/{m}/versions/{v}/infer"), ("POST", "/v2/repository/index"),
+             ("GET", "/v2/systemsharedmemory/status"),
+             ("POST", "/v2/systemsharedmemory/region/{m}/register"),
+             ("POST", "/v2/systemsharedmemory/region/{m}/unregister"), ("GET", "/v2/cudasharedmemory/status"),
+             ("POST", "/v2/cudasharedmemory/region/{m}/register")]
+
+
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+    tensor = st.fixed_dictionaries({"name": st.sampled_from(["INPUT0", "TEXT", "X"]) | values,
+                                    "datatype": st.sampled_from(["FP32", "INT8", "UINT8", "BYTES", "BOOL", "FP16",
+                                                                 "NOPE"]) | values,
+                                    "shape": st.lists(st.integers(-2, 2**40), max_size=3) | values},
+                                   optional={"data": values, "parameters": st.dictionaries(
+                                       st.sampled_from(["binary_data_size", "shared_memory_region",
+                                                        "shared_memory_offset", "shared_memory_byte_size",
+                                                        "binary_data"]), values, max_size=3) | values})
+    infer = st.fixed_dictionaries({"inputs": st.lists(tensor, max_size=2) | values},
+                                  optional={"outputs": st.lists(tensor, max_size=2) | values, "id": values,
+                                            "parameters": st.dictionaries(st.text(max_size=20), values) | values})
+    bodies = (infer.map(lambda d: json.dumps(d).encode()) | values.map(lambda d: json.dumps(d).encode())
+              | st.binary(max_size=200))
+    names = st.sampled_from(["tiny", "shout", "nosuch", "abc", "%00", "..", "x" * 300])
+    return st.tuples(st.sampled_from(ENDPOINTS), names, st.sampled_from(["1", "abc", "0", "-1", "99"]), bodies,
+                     st.none() | st.integers(-5, 5000).map(str) | st.from_regex(r"[!-~]{0,6}", fullmatch=True))
+
+
+def test_every_endpoint_survives_fuzzing_and_answers_4xx_at_worst(hpool):
+    from hypothesis import HealthCheck, given, settings
+
+    port, pid = hpool.http_port, sidecar_pid(hpool)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=_fuzz_strategies())
+    def fuzz(case):
+        (method, path), model, version, body, hlen = case
+        headers = {} if hlen is None else {"Inference-Header-Content-Length": hlen}
+        code, reply = request(port, method, path.format(m=model, v=version), body if method == "POST" else b"",
+                              headers)
+        assert code < 500, (method, path, model, body[:300], hlen, code, reply)
+
+    fuzz()
+    assert sidecar_pid(hpool) == pid
+    assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
