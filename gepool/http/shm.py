@@ -15,6 +15,8 @@ import stat
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from gepool.common.errors import InvalidArgument, PermissionDenied
 from gepool.ipc import naming
 
@@ -121,7 +123,7 @@ class Regions:
             if region.doomed and region.refs == 0:
                 os.close(region.fd)
 
-    def read(self, region: Region, offset, size, limit: int) -> bytearray:
+    def read(self, region: Region, offset, size, limit: int) -> memoryview:
         """A copy of [offset, offset + size) of the region (size None: to its end), at most ``limit`` bytes."""
         offset = _count("shared_memory_offset", offset, 0)
         size = region.byte_size - offset if size is None else _count("shared_memory_byte_size", size)
@@ -129,14 +131,13 @@ class Regions:
         if size > limit:
             raise InvalidArgument(f"{size} bytes from shared memory region '{region.name}' exceed the {limit}-byte "
                                   f"limit of one request")
-        buf = bytearray(size)
-        view, pos = memoryview(buf), 0
+        view, pos = memoryview(np.empty(size, np.uint8)), 0  # not zero-filled: preadv writes every byte
         while pos < size:
             n = os.preadv(region.fd, [view[pos:]], region.offset + offset + pos)
             if n == 0:
                 raise InvalidArgument(_truncated(region, offset + pos))
             pos += n
-        return buf
+        return view
 
     def write(self, region: Region, offset, size, data: bytes) -> None:
         offset, size = _count("shared_memory_offset", offset, 0), _count("shared_memory_byte_size", size, 0)
