@@ -9,10 +9,7 @@ plain zmq poll, and so that a slow HTTP client can never stall batching.
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
         [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
 
-Every body is hostile: its declared size is checked against ``--http-max-body-bytes`` before a byte
-is read, a body that stops arriving is answered 408 after ``BODY_TIMEOUT_S``, JSON above
-``MAX_JSON_BYTES`` is refused unparsed (the C parser holds the GIL, so a big document would stall
-every other client), and large bodies are parsed in a worker thread.
+What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
 """
 
 import argparse
@@ -26,8 +23,16 @@ from aiohttp import web
 import gepool
 from gepool.aio import AsyncClient
 from gepool.common import errors
-from gepool.http import kserve, metrics, peer
+from gepool.http import kserve, limits, metrics, peer
 from gepool.http.access import Restrictions
+from gepool.http.limits import (
+    BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    INLINE_PARSE_BYTES,
+    MAX_JSON_BYTES,
+    BodyTimeout,
+    BodyTooLarge,
+)
 from gepool.http.shm import Regions
 
 log = logging.getLogger("gepool.http")
@@ -35,32 +40,8 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system
               "model_repository", "parameters"]
 PARENT_CHECK_S = 1.0
 REQUEST_TIMEOUT_S = 300.0
-DEFAULT_MAX_BODY_BYTES = 64 << 20  # Triton's --http-max-input-size default; the pool passes its largest slot
-MAX_JSON_BYTES = 2 << 20  # about 50 ms of json.loads on this host's cores
-INLINE_PARSE_BYTES = 64 << 10  # bodies above this (or naming shared memory) are parsed off the event loop
-BODY_TIMEOUT_S = 30.0
-
-
-class BodyTooLarge(errors.RequestTooLarge):
-    http_status = 413
-
-
-class BodyTimeout(errors.GepoolError):
-    code, http_status = "TIMEOUT", 408
-
-
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
-
-
-def _version(request: web.Request) -> int | None:
-    text = request.match_info.get("version")
-    if not text:
-        return None
-    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
-        raise errors.InvalidArgument(f"failed to get model version from specified version string '{text}': "
-                                     f"version should be an integral value > 0")
-    return int(text)
 
 
 class Gateway:
@@ -114,20 +95,7 @@ class Gateway:
         return wrapped
 
     async def _body(self, request: web.Request) -> bytes:
-        """The whole body, its declared size checked before a byte is read, within BODY_TIMEOUT_S."""
-        length = request.content_length
-        if length is not None and length > self.max_body:
-            raise BodyTooLarge(f"the request body of {length} bytes is over the {self.max_body}-byte limit "
-                               f"(--http-max-body-bytes)")
-        try:
-            async with asyncio.timeout(self.body_timeout):
-                return await request.read()
-        except TimeoutError:
-            raise BodyTimeout(f"the request body did not arrive within {self.body_timeout:g} s (it declared "
-                              f"{length} bytes)") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise BodyTooLarge(f"the request body is over the {self.max_body}-byte limit "
-                               f"(--http-max-body-bytes)") from None
+        return await limits.read_body(request, self.max_body, self.body_timeout)
 
     async def _json_body(self, request: web.Request) -> dict:
         raw = await self._body(request)
@@ -149,7 +117,7 @@ class Gateway:
 
     async def _model_meta(self, request: web.Request) -> dict:
         meta = await (await self.front()).model_metadata(request.match_info["model"])
-        version = _version(request)
+        version = limits.version(request.match_info.get("version"))
         if version is not None and str(version) not in meta.get("versions", []):
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta
@@ -229,7 +197,7 @@ class Gateway:
     @route
     async def infer(self, request):
         model = request.match_info["model"]
-        version = _version(request)
+        version = limits.version(request.match_info.get("version"))
         body = await self._body(request)
         held: dict[str, object] = {}  # region name -> Region, referenced until the request has ended
         caller: list[int] = []
