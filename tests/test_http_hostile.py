@@ -554,3 +554,18 @@ def test_every_endpoint_survives_fuzzing_and_answers_4xx_at_worst(hpool):
     fuzz()
     assert sidecar_pid(hpool) == pid
     assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
+
+
+def test_large_json_is_parsed_in_a_helper_process(hpool):
+    """A JSON body above the inline threshold is parsed outside the sidecar's own process (json.loads holds
+    the GIL); its answer and its errors are the same as inline."""
+    port = hpool.http_port
+    pad = b" " * (200 << 10)
+    code, reply = post(port, "/v2/models/tiny/infer", json.dumps(GOOD).encode() + pad)
+    assert code == 200 and reply["outputs"][0]["data"][:3] == [1.0, 3.0, 5.0]
+    bad = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [True] * 16}]}
+    code, reply = post(port, "/v2/models/tiny/infer", json.dumps(bad).encode() + pad)
+    assert code == 400 and "FP32 data must be numbers" in reply["error"]
+    helpers = [p for p in _descendants(sidecar_pid(hpool)) if b"multiprocessing" in open(f"/proc/{p}/cmdline",
+                                                                                          "rb").read()]
+    assert helpers, "no helper process parsed the large body"

@@ -33,6 +33,7 @@ from gepool.http.limits import (
     BodyTimeout,
     BodyTooLarge,
 )
+from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
 
 log = logging.getLogger("gepool.http")
@@ -54,6 +55,7 @@ class Gateway:
         self.restrictions = restrictions or Restrictions()
         self.max_body, self.body_timeout = max_body, body_timeout
         self.owner_uid = os.geteuid()
+        self.offload = JSONOffload()
 
     async def connect(self) -> None:
         """Keeps trying: the gateway listens before the front is ready, and outlives nothing it needs."""
@@ -213,19 +215,22 @@ class Gateway:
             return self.regions.read(acquire(name), offset, size, limit)
 
         def parse():
-            req = kserve.parse_request(body, request.headers.get(kserve.HEADER_LENGTH), region_bytes,
-                                       max_json=MAX_JSON_BYTES, max_input=self.max_body)
-            for o in req.outputs or []:
-                if o.region is not None:  # an unknown region fails before the model runs, and stays held
-                    acquire(o.region)
-            return req
+            return kserve.parse_request(body, header_length, region_bytes, MAX_JSON_BYTES, self.max_body)
 
+        header_length = request.headers.get(kserve.HEADER_LENGTH)
         try:
             try:
-                if len(body) > INLINE_PARSE_BYTES or b"shared_memory_region" in body:
+                hlen = kserve.header_length(body, header_length)
+                shm = body.find(b"shared_memory_region", 0, hlen) >= 0
+                if INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
+                    req = await self.offload.parse(body, header_length, self.max_body)
+                elif len(body) > INLINE_PARSE_BYTES or shm:
                     req = await asyncio.to_thread(parse)
                 else:
                     req = parse()
+                for o in req.outputs or []:
+                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
+                        acquire(o.region)
             except errors.GepoolError:
                 await self._model_meta(request)  # an unknown model is what the caller hears first
                 raise
@@ -385,6 +390,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     if gw.client is not None:
         await gw.client.close()
     gw.regions.close()
+    gw.offload.close()
 
 
 def main(argv: list[str] | None = None) -> int:
