@@ -569,3 +569,21 @@ def test_large_json_is_parsed_in_a_helper_process(hpool):
     helpers = [p for p in _descendants(sidecar_pid(hpool)) if b"multiprocessing" in open(f"/proc/{p}/cmdline",
                                                                                           "rb").read()]
     assert helpers, "no helper process parsed the large body"
+
+
+def test_no_user_holds_more_than_its_share_of_regions(hpool):
+    from gepool.http.shm import MAX_REGIONS_PER_UID
+
+    port, key = hpool.http_port, f"/gepool_test_many_{os.getpid()}"
+    path = segment(key[1:], b"\0" * 64)
+    try:
+        for i in range(MAX_REGIONS_PER_UID):
+            assert post(port, f"/v2/systemsharedmemory/region/m{i}/register", {"key": key, "byte_size": 64})[0] == 200
+        code, reply = post(port, "/v2/systemsharedmemory/region/one_more/register", {"key": key, "byte_size": 64})
+        assert code == 400 and f"already has {MAX_REGIONS_PER_UID}" in reply["error"]
+        fds = len(os.listdir(f"/proc/{sidecar_pid(hpool)}/fd"))
+        post(port, "/v2/systemsharedmemory/unregister", b"")
+        assert len(os.listdir(f"/proc/{sidecar_pid(hpool)}/fd")) <= fds - MAX_REGIONS_PER_UID  # every fd closed
+    finally:
+        post(port, "/v2/systemsharedmemory/unregister", b"")
+        os.unlink(path)

@@ -21,6 +21,7 @@ from gepool.common.errors import InvalidArgument, PermissionDenied
 from gepool.ipc import naming
 
 SHM_DIR = "/dev/shm"
+MAX_REGIONS_PER_UID = 256  # each holds an open fd: no user may exhaust the sidecar's descriptors
 _RESERVED = (naming.PREFIX, "sem." + naming.PREFIX)
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
@@ -68,8 +69,7 @@ class Regions:
         offset, byte_size = _count("offset", offset, 0), _count("byte_size", byte_size)
         entry = _key_name(key)
         with self._lock:
-            if (uid, name) in self.regions:
-                raise InvalidArgument(f"shared memory region '{name}' already in manager")
+            self._room(uid, name)
         fd = _open(entry, key)
         try:
             st = os.fstat(fd)
@@ -85,12 +85,18 @@ class Regions:
                 raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args "
                                       f"(offset {offset} + byte_size {byte_size} > {st.st_size} bytes of '{key}')")
             with self._lock:
-                if (uid, name) in self.regions:
-                    raise InvalidArgument(f"shared memory region '{name}' already in manager")
+                self._room(uid, name)
                 self.regions[(uid, name)] = Region(uid, name, key, offset, byte_size, fd)
         except BaseException:
             os.close(fd)
             raise
+
+    def _room(self, uid: int, name: str) -> None:
+        if (uid, name) in self.regions:
+            raise InvalidArgument(f"shared memory region '{name}' already in manager")
+        if sum(owner == uid for owner, _ in self.regions) >= MAX_REGIONS_PER_UID:
+            raise InvalidArgument(f"uid {uid} already has {MAX_REGIONS_PER_UID} shared memory regions registered; "
+                                  f"unregister some first")
 
     def unregister(self, uid: int | None, name: str | None) -> None:
         """One region of the caller's, or (no name) all of them; a region in use closes when released."""
