@@ -388,6 +388,7 @@ def test_a_huge_shared_memory_declaration_is_refused_before_reading(hpool):
     assert reg[0] == 200
     assert infer[0] == 400 and "limit of one request" in infer[1]["error"]
     assert rss_kb(pid) - before < 50 * 1024
+    print(f"sidecar RSS {before} kB -> {rss_kb(pid)} kB after a 4 GiB shared-memory declaration")
 
 
 def test_unregistering_an_output_region_during_a_request_does_not_fail_it(hpool, gate):
