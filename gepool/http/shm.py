@@ -136,7 +136,7 @@ class Regions:
         _inside(region, offset, size)
         if size > limit:
             raise InvalidArgument(f"{size} bytes from shared memory region '{region.name}' exceed the {limit}-byte "
-                                  f"limit of one request")
+                                  f"limit of one request (--http-max-body-bytes)")
         view, pos = memoryview(np.empty(size, np.uint8)), 0  # not zero-filled: preadv writes every byte
         while pos < size:
             n = os.preadv(region.fd, [view[pos:]], region.offset + offset + pos)
