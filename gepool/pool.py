@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 from gepool.common import errors
 from gepool.ipc import naming
@@ -21,8 +23,12 @@ from gepool.ipc.sockets import default_endpoint, runtime_dir
 START_TIMEOUT_S = 300.0
 GATEWAY_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
+GATEWAY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # between restarts of a sidecar that keeps dying
+GATEWAY_STEADY_S = 60.0  # a sidecar that lived this long restarts from the first backoff again
+BODY_HEADROOM_BYTES = 1 << 20  # room in the default body limit for the JSON header around the tensors
 
 _spawn = multiprocessing.get_context("spawn")
+log = logging.getLogger("gepool.pool")
 
 
 def start_worker(**kwargs):
@@ -46,10 +52,16 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
           metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
-          poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True) -> int:
+          poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True,
+          http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
-    port, the sidecar process starts once the front is ready and stops after the front has drained."""
+    port, the sidecar process starts once the front is ready, is restarted (with backoff) if it dies,
+    and stops after the front has drained. ``http_restricted_api``: Triton's ``API[,API]:KEY=VALUE``
+    groups; ``http_max_body_bytes`` (0: the repository's largest slot plus room for the JSON header)."""
+    from gepool.http.access import Restrictions
     from gepool.scheduler.front import Front, FrontOptions
+
+    Restrictions.parse(http_restricted_api)  # a bad group fails the start, not a sidecar restart loop
 
     opts = FrontOptions(repository=os.path.abspath(repository), endpoint=endpoint or default_endpoint(),
                         owner_id=owner_id or naming.new_owner_id(), cpu_threads=cpu_threads, log_level=log_level,
@@ -57,12 +69,13 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
                         exit_grace_s=exit_grace_s, model_control_mode=model_control_mode,
                         load_models=tuple(load_models), poll_secs=poll_secs, busy_poll_us=busy_poll_us,
                         auto_complete_config=auto_complete_config)
-    gateway: list[subprocess.Popen] = []
+    gateway: list[_Sidecar] = []
 
     def ready(status: dict) -> None:
         if http_port or metrics_port:
-            gateway.append(_start_gateway(status["endpoint"], http_host, http_port, metrics_port, log_level,
-                                          curve_secret_key))
+            args = _gateway_args(status["endpoint"], http_host, http_port, metrics_port, log_level, curve_secret_key,
+                                 http_restricted_api, http_max_body_bytes or _default_max_body(opts.repository))
+            gateway.append(_Sidecar(args))
             status["http"] = f"http://{http_host}:{http_port}" if http_port else None
             status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
         if on_ready is not None:
@@ -71,20 +84,81 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
     try:
         return Front(opts, start_worker, ready, place=place_workers).run()
     finally:
-        for proc in gateway:
-            _stop(proc)
+        for sidecar in gateway:
+            sidecar.stop()
 
 
-def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
-                   curve_key: str | None = None) -> subprocess.Popen:
+def _default_max_body(repository: str) -> int:
+    """The largest slot of any model in the repository, plus room for a JSON header."""
+    from gepool.common.repository import scan
+    from gepool.scheduler.models import DEFAULT_VARIABLE_SLOT_BYTES, slot_bytes_for
+
+    slots = [slot_bytes_for(src.config) for src in scan(repository) if src.config is not None]
+    return max(slots, default=DEFAULT_VARIABLE_SLOT_BYTES) + BODY_HEADROOM_BYTES
+
+
+def _gateway_args(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
+                  curve_key: str | None = None, restricted: tuple[str, ...] = (), max_body: int = 0) -> list[str]:
+    return ["--endpoint", endpoint, "--http-host", host, "--http-port", str(http_port),
+            "--metrics-port", str(metrics_port), "--log-level", logging.getLevelName(log_level),
+            *(["--curve-key", curve_key] if curve_key else []),
+            *(["--http-max-body-bytes", str(max_body)] if max_body else []),
+            *(f"--http-restricted-api={group}" for group in restricted)]
+
+
+class _Sidecar:
+    """The HTTP sidecar, started now (failing the start if it cannot listen) and restarted with backoff
+    by a watcher thread whenever it dies, until stop()."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.proc = _start_gateway(args)
+        self.restarts = 0
+        self._watcher = threading.Thread(target=self._watch, name="gepool-sidecar-watcher", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            failures = 0 if time.monotonic() - started > GATEWAY_STEADY_S else failures
+            delay = GATEWAY_BACKOFF_S[min(failures, len(GATEWAY_BACKOFF_S) - 1)]
+            log.warning("the HTTP sidecar exited with code %s; restarting it in %.1f s", code, delay)
+            failures += 1
+            while not self._stopping.wait(delay):
+                try:
+                    proc = _start_gateway(self.args)
+                except errors.Unavailable as exc:
+                    log.warning("%s; trying again in %.1f s", exc, delay)
+                    delay = GATEWAY_BACKOFF_S[min(failures, len(GATEWAY_BACKOFF_S) - 1)]
+                    failures += 1
+                    continue
+                with self._lock:  # stop() may have run while it started: it must not outlive the pool
+                    if self._stopping.is_set():
+                        _stop(proc)
+                        return
+                    self.proc = proc
+                    self.restarts += 1
+                break
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            proc = self.proc
+        _stop(proc)
+        self._watcher.join(STOP_TIMEOUT_S)
+
+
+def _start_gateway(args: list[str]) -> subprocess.Popen:
     """The HTTP sidecar; returns once it listens (it reaches the front on its own, lazily)."""
     read_fd, write_fd = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _GATEWAY_BOOT, "--endpoint", endpoint,
-                                 "--http-host", host, "--http-port", str(http_port), "--metrics-port",
-                                 str(metrics_port), "--ready-fd", str(write_fd),
-                                 "--log-level", logging.getLevelName(log_level),
-                                 *(["--curve-key", curve_key] if curve_key else [])],
+        proc = subprocess.Popen([sys.executable, "-c", _GATEWAY_BOOT, *args, "--ready-fd", str(write_fd)],
                                 pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     finally:
         os.close(write_fd)
@@ -94,8 +168,8 @@ def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, 
     if line.strip() != "ready":
         _stop(proc)
         why = line.strip().removeprefix("failed ") or f"it exited with code {proc.returncode} and said nothing"
-        raise errors.Unavailable(f"the HTTP sidecar did not start on {host} (http port {http_port}, metrics port "
-                                 f"{metrics_port}): {why}")
+        where = " ".join(args[args.index("--http-host"):args.index("--log-level")])
+        raise errors.Unavailable(f"the HTTP sidecar did not start ({where}): {why}")
     return proc
 
 
@@ -150,7 +224,9 @@ def _front_process(argv: list[str]) -> int:
                      exit_grace_s=args["exit_grace_s"], model_control_mode=args["model_control_mode"],
                      load_models=tuple(args["load_models"]), poll_secs=args["poll_secs"],
                      busy_poll_us=args.get("busy_poll_us", 0),
-                     auto_complete_config=args.get("auto_complete_config", True))
+                     auto_complete_config=args.get("auto_complete_config", True),
+                     http_restricted_api=tuple(args.get("http_restricted_api", ())),
+                     http_max_body_bytes=args.get("http_max_body_bytes", 0))
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -169,7 +245,8 @@ class Pool:
                  http_host: str = "127.0.0.1", metrics_port: int = 0, curve_secret_key: str | None = None,
                  curve_authorized_keys: str | None = None, exit_grace_s: float = 0.0,
                  model_control_mode: str = "none", load_models: tuple[str, ...] = (), poll_secs: float = 15.0,
-                 busy_poll_us: int = 0, auto_complete_config: bool = True) -> None:
+                 busy_poll_us: int = 0, auto_complete_config: bool = True, http_restricted_api: tuple[str, ...] = (),
+                 http_max_body_bytes: int = 0) -> None:
         """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
         ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
         public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key.
@@ -185,6 +262,7 @@ class Pool:
         self.exit_grace_s = exit_grace_s
         self.model_control_mode, self.load_models, self.poll_secs = model_control_mode, list(load_models), poll_secs
         self.busy_poll_us, self.auto_complete_config = busy_poll_us, auto_complete_config
+        self.http_restricted_api, self.http_max_body_bytes = list(http_restricted_api), http_max_body_bytes
         self.process = None
         self.status: dict = {}
         self._clients: list = []
@@ -199,7 +277,8 @@ class Pool:
                 "curve_authorized_keys": self.curve_authorized_keys, "exit_grace_s": self.exit_grace_s,
                 "model_control_mode": self.model_control_mode, "load_models": self.load_models,
                 "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us,
-                "auto_complete_config": self.auto_complete_config}
+                "auto_complete_config": self.auto_complete_config,
+                "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes}
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
                                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)

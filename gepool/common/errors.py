@@ -30,6 +30,12 @@ class ModelNotReady(GepoolError):
     code, http_status = "MODEL_NOT_READY", 503
 
 
+class PermissionDenied(GepoolError):
+    """The caller may not do this (someone else's memory, a restricted API, an unidentified caller)."""
+
+    code, http_status = "PERMISSION_DENIED", 403
+
+
 class RequestTooLarge(GepoolError):
     code, http_status = "REQUEST_TOO_LARGE", 400
 

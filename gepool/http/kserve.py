@@ -13,10 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gepool.common.errors import InvalidArgument
+from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class JSONTooLarge(RequestTooLarge):
+    http_status = 413
 
 
 @dataclass
@@ -45,9 +49,16 @@ def numpy_dtype(datatype: str) -> np.dtype:
     return dtypes.to_numpy(datatype)
 
 
+MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
+_INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+
+
 def tensor_from_bytes(name: str, datatype: str, shape: list[int], buf) -> np.ndarray:
     count = math.prod(shape)
     if datatype == "BYTES":
+        if count * 4 > len(buf):  # every element carries a 4-byte length: refuse before allocating for it
+            raise InvalidArgument(f"input '{name}': shape {shape} declares {count} BYTES elements, but "
+                                  f"{len(buf)} bytes of data hold at most {len(buf) // 4}")
         try:
             return dtypes.deserialize_bytes(buf, tuple(shape))
         except ValueError as exc:
@@ -57,6 +68,11 @@ def tensor_from_bytes(name: str, datatype: str, shape: list[int], buf) -> np.nda
         raise InvalidArgument(f"input '{name}': {len(buf)} bytes of data, but shape {shape} of {datatype} "
                               f"needs {count * dtype.itemsize}")
     return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def expected_bytes(datatype: str, shape: list[int]) -> int | None:
+    """The byte size a fixed-size tensor of this shape has (None for BYTES)."""
+    return None if datatype == "BYTES" else math.prod(shape) * numpy_dtype(datatype).itemsize
 
 
 def _shape(name: str, shape) -> list[int]:
@@ -70,67 +86,139 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     if datatype in ("FP16", "BF16"):
         raise InvalidArgument(f"input '{name}': receiving {datatype} data via JSON is not supported")
     dtype = numpy_dtype(datatype)
+    flat = _flatten(name, data)
+    if len(flat) != math.prod(shape):
+        raise InvalidArgument(f"input '{name}': {len(flat)} values of data for shape {shape}")
+    kinds = set(map(type, flat))  # C speed; decides before numpy may build a huge string array
+    if datatype == "BYTES":
+        if not kinds <= {str}:
+            raise InvalidArgument(f"input '{name}': BYTES data in JSON must be strings")
+        return np.array([d.encode("utf-8") for d in flat], dtype=object).reshape(shape)
+    if datatype == "BOOL":
+        if not kinds <= {bool}:
+            raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
+        return np.array(flat, dtype=np.bool_).reshape(shape)
+    if datatype in _INT_KINDS:
+        if not kinds <= {int}:
+            raise InvalidArgument(f"input '{name}': {datatype} data must be integers")
+        info = np.iinfo(dtype)
+        if flat and (min(flat) < info.min or max(flat) > info.max):
+            bad = next(v for v in flat if v < info.min or v > info.max)
+            raise InvalidArgument(f"input '{name}': value {bad} is out of range for {datatype} "
+                                  f"[{info.min}, {info.max}]")
+        return np.array(flat, dtype=dtype).reshape(shape)
+    if not kinds <= {int, float}:
+        raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
     try:
-        if datatype == "BYTES":
-            flat = np.array([d.encode("utf-8") if isinstance(d, str) else bytes(d) for d in _flatten(data)],
-                            dtype=object)
-        else:
-            flat = np.asarray(list(_flatten(data)), dtype=dtype)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"input '{name}': data is not {datatype}: {exc}") from None
-    if flat.size != math.prod(shape):
-        raise InvalidArgument(f"input '{name}': {flat.size} values of data for shape {shape}")
-    return flat.reshape(shape)
+        with np.errstate(over="ignore"):
+            return np.array(flat, dtype=np.float64).astype(dtype).reshape(shape)
+    except OverflowError:
+        raise InvalidArgument(f"input '{name}': a value is out of range for {datatype}") from None
 
 
-def _flatten(data):
-    if isinstance(data, list):
-        for item in data:
-            yield from _flatten(item)
-    else:
-        yield data
+def _flatten(name: str, data) -> list:
+    """Tensor data given flat or nested row by row -> one flat list, level by level (no recursion)."""
+    flat = data if isinstance(data, list) else [data]
+    for _ in range(MAX_NESTING):
+        if list not in set(map(type, flat)):
+            return flat
+        flat = [x for item in flat for x in (item if isinstance(item, list) else (item,))]
+    raise InvalidArgument(f"input '{name}': data is nested more than {MAX_NESTING} levels deep")
 
 
-def parse_request(body: bytes, header_length: str | None, regions=None) -> InferRequest:
-    """A request body -> numpy inputs and what to return; InvalidArgument names whatever is wrong.
-    ``regions(name, offset, size) -> memoryview`` resolves system shared-memory inputs."""
-    if header_length is not None:
-        try:
-            hlen = int(header_length)
-        except ValueError:
-            raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got '{header_length}'") from None
-        if hlen < 0 or hlen > len(body):
-            raise InvalidArgument(f"{HEADER_LENGTH} {hlen} does not fit the {len(body)}-byte body")
-    else:
-        hlen = len(body)
+def _param_int(what: str, params: dict, key: str, default: int | None = None) -> int | None:
+    value = params.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what}: '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _params(what: str, item: dict) -> dict:
+    p = item.get("parameters")
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise InvalidArgument(f"{what}: 'parameters' must be an object")
+    return p
+
+
+def _region_name(what: str, params: dict) -> str:
+    region = params["shared_memory_region"]
+    if not isinstance(region, str) or not region:
+        raise InvalidArgument(f"{what}: 'shared_memory_region' must be a region name, got {region!r}")
+    return region
+
+
+def load_header(raw) -> dict:
+    """The JSON header of a request as an object; InvalidArgument for anything else."""
     try:
-        header = json.loads(bytes(body[:hlen]))
+        header = json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
+    except RecursionError:
+        raise InvalidArgument("failed to parse the request JSON: it is nested too deeply") from None
+    if not isinstance(header, dict):
+        raise InvalidArgument("the request JSON must be an object")
+    return header
+
+
+def header_length(body, header_length: str | None) -> int:
+    if header_length is None:
+        return len(body)
+    try:
+        hlen = int(header_length)
+    except ValueError:
+        raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got '{header_length}'") from None
+    if hlen < 0 or hlen > len(body):
+        raise InvalidArgument(f"{HEADER_LENGTH} {hlen} does not fit the {len(body)}-byte body")
+    return hlen
+
+
+def parse_request(body: bytes, header_length_text: str | None, regions=None, max_json: int | None = None,
+                  max_input: int | None = None) -> InferRequest:
+    """A request body -> numpy inputs and what to return; InvalidArgument names whatever is wrong.
+    ``regions(name, offset, size, limit) -> bytes`` resolves system shared-memory inputs (at most
+    ``limit`` bytes); ``max_json`` bounds the JSON header, ``max_input`` the bytes of any one input."""
+    hlen = header_length(body, header_length_text)
+    if max_json is not None and hlen > max_json:
+        raise JSONTooLarge(f"the request JSON of {hlen} bytes is over the {max_json}-byte limit for JSON; send "
+                           f"large tensors as binary data (binary_data=True) or through shared memory")
+    header = load_header(memoryview(body)[:hlen])
+    if not isinstance(header.get("inputs"), list):
         raise InvalidArgument("the request JSON must be an object with an 'inputs' list")
-    params = header.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidArgument("'parameters' must be an object")
+    params = _params("the request", header)
+    if header.get("id") is not None and not isinstance(header["id"], str):
+        raise InvalidArgument("'id' must be a string")
+    limit = len(body) if max_input is None else max_input
     blob = memoryview(body)[hlen:]
     pos = 0
     inputs: dict[str, np.ndarray] = {}
     for item in header["inputs"]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise InvalidArgument(f"each input needs a 'name', got {item!r}")
+            raise InvalidArgument(f"each input needs a 'name', got {str(item)[:200]}")
         name, datatype = item["name"], item.get("datatype")
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' is given twice")
         shape = _shape(name, item.get("shape"))
         numpy_dtype(datatype)
-        p = item.get("parameters") or {}
+        p = _params(f"input '{name}'", item)
         if "shared_memory_region" in p:
             if regions is None:
                 raise InvalidArgument("system shared memory is not available here")
-            buf = regions(p["shared_memory_region"], int(p.get("shared_memory_offset", 0)),
-                          p.get("shared_memory_byte_size"))
+            what = f"input '{name}'"
+            size = _param_int(what, p, "shared_memory_byte_size")
+            want = expected_bytes(datatype, shape)
+            if want is not None and size is not None and size != want:
+                raise InvalidArgument(f"{what}: shared_memory_byte_size {size}, but shape {shape} of {datatype} "
+                                      f"needs {want}")
+            buf = regions(_region_name(what, p), _param_int(what, p, "shared_memory_offset", 0),
+                          size if size is not None else want, limit)
             inputs[name] = tensor_from_bytes(name, datatype, shape, buf)
         elif "binary_data_size" in p:
             size = p["binary_data_size"]
-            if not isinstance(size, int) or size < 0 or pos + size > len(blob):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or pos + size > len(blob):
                 raise InvalidArgument(f"input '{name}': binary_data_size {size!r} runs past the "
                                       f"{len(blob)} bytes of binary data")
             inputs[name] = tensor_from_bytes(name, datatype, shape, blob[pos:pos + size])
@@ -149,11 +237,13 @@ def parse_request(body: bytes, header_length: str | None, regions=None) -> Infer
         outputs = []
         for o in header["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                raise InvalidArgument(f"each requested output needs a 'name', got {o!r}")
-            op = o.get("parameters") or {}
+                raise InvalidArgument(f"each requested output needs a 'name', got {str(o)[:200]}")
+            what = f"output '{o['name']}'"
+            op = _params(what, o)
+            region = _region_name(what, op) if "shared_memory_region" in op else None
             outputs.append(OutputRequest(
-                o["name"], bool(op.get("binary_data", binary_output)), op.get("shared_memory_region"),
-                int(op.get("shared_memory_byte_size", 0) or 0), int(op.get("shared_memory_offset", 0) or 0)))
+                o["name"], bool(op.get("binary_data", binary_output)), region,
+                _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0)))
     return InferRequest(inputs, outputs, binary_output, header.get("id"), params)
 
 

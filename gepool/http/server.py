@@ -7,11 +7,13 @@ routing, where the other needs three. It runs in its own process so the front's 
 plain zmq poll, and so that a slow HTTP client can never stall batching.
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
+        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
+
+What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
 """
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -21,7 +23,17 @@ from aiohttp import web
 import gepool
 from gepool.aio import AsyncClient
 from gepool.common import errors
-from gepool.http import kserve, metrics
+from gepool.http import kserve, limits, metrics, peer
+from gepool.http.access import Restrictions
+from gepool.http.limits import (
+    BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    INLINE_PARSE_BYTES,
+    MAX_JSON_BYTES,
+    BodyTimeout,
+    BodyTooLarge,
+)
+from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
 from gepool.scheduler.states import ModelState
 
@@ -30,18 +42,21 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system
               "model_repository", "parameters"]
 PARENT_CHECK_S = 1.0
 REQUEST_TIMEOUT_S = 300.0
-
-
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
 class Gateway:
-    def __init__(self, endpoint: str, curve_key: str | None = None) -> None:
+    def __init__(self, endpoint: str, curve_key: str | None = None, restrictions: Restrictions | None = None,
+                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S) -> None:
         self.endpoint, self.curve_key = endpoint, curve_key
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
         self.regions = Regions()
+        self.restrictions = restrictions or Restrictions()
+        self.max_body, self.body_timeout = max_body, body_timeout
+        self.owner_uid = os.geteuid()
+        self.offload = JSONOffload()
 
     async def connect(self) -> None:
         """Keeps trying: the gateway listens before the front is ready, and outlives nothing it needs."""
@@ -64,31 +79,49 @@ class Gateway:
     @staticmethod
     def route(handler):
         async def wrapped(self, request: web.Request) -> web.Response:
+            refusal = self.restrictions.refusal(request.path, request.headers)
+            if refusal is not None:  # before anything else, as Triton does
+                return _error(403, refusal)
             try:
                 return await handler(self, request)
+            except BodyTimeout as exc:
+                response = _error(exc.http_status, exc.message)
+                response.force_close()  # the rest of the body may still come: never read it as a request
+                return response
             except errors.GepoolError as exc:
                 return _error(exc.http_status, exc.message)
-            except Exception as exc:  # the traceback stays here; the client hears a 500
+            except web.HTTPException as exc:
+                return _error(exc.status, exc.reason)
+            except Exception:  # the traceback stays here; the client hears a 500 without Python in it
                 log.exception("internal error on %s %s", request.method, request.path)
-                return _error(500, f"internal error: {exc}")
+                return _error(500, "internal error (the sidecar's log has the details)")
         return wrapped
 
+    async def _body(self, request: web.Request) -> bytes:
+        return await limits.read_body(request, self.max_body, self.body_timeout)
+
     async def _json_body(self, request: web.Request) -> dict:
-        raw = await request.read()
+        raw = await self._body(request)
         if not raw.strip():
             return {}
+        if len(raw) > MAX_JSON_BYTES:
+            raise BodyTooLarge(f"the request JSON of {len(raw)} bytes is over the {MAX_JSON_BYTES}-byte limit")
+        return kserve.load_header(raw)
+
+    def _caller(self, request: web.Request, why: str) -> int:
+        """The uid of the local process on the other end, or PermissionDenied saying why it is unknown."""
+        transport = request.transport
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise errors.InvalidArgument(f"failed to parse the request JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise errors.InvalidArgument("the request body must be a JSON object")
-        return body
+            return peer.peer_uid(transport.get_extra_info("peername") if transport else None,
+                                 transport.get_extra_info("sockname") if transport else None)
+        except (peer.Unidentified, ValueError) as exc:
+            raise errors.PermissionDenied(f"{why} needs a caller on this host's loopback whose user the kernel can "
+                                          f"name, and this one cannot be identified: {exc}") from None
 
     async def _model_meta(self, request: web.Request) -> dict:
         meta = await (await self.front()).model_metadata(request.match_info["model"])
-        version = request.match_info.get("version")
-        if version is not None and version not in meta.get("versions", []):
+        version = limits.version(request.match_info.get("version"))
+        if version is not None and str(version) not in meta.get("versions", []):
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta
 
@@ -167,35 +200,55 @@ class Gateway:
     @route
     async def infer(self, request):
         model = request.match_info["model"]
-        version = request.match_info.get("version")
-        body = await request.read()
-        held = []
+        version = limits.version(request.match_info.get("version"))
+        body = await self._body(request)
+        held: dict[str, object] = {}  # region name -> Region, referenced until the request has ended
+        caller: list[int] = []
 
-        def region_bytes(name, offset, size):
-            region = self.regions.acquire(name)
-            held.append(region)
-            return self.regions.read(region, offset, size)
+        def acquire(name):
+            if name not in held:
+                if not caller:
+                    caller.append(self._caller(request, "system shared memory"))
+                held[name] = self.regions.acquire(caller[0], name)
+            return held[name]
 
-        def write_region(name, offset, size, data):
-            region = self.regions.acquire(name)
-            held.append(region)
-            self.regions.write(region, offset, size, data)
+        def region_bytes(name, offset, size, limit):
+            return self.regions.read(acquire(name), offset, size, limit)
 
+        def parse():
+            return kserve.parse_request(body, header_length, region_bytes, MAX_JSON_BYTES, self.max_body)
+
+        header_length = request.headers.get(kserve.HEADER_LENGTH)
         try:
-            req = kserve.parse_request(body, request.headers.get(kserve.HEADER_LENGTH), region_bytes)
-            for o in req.outputs or []:
-                if o.region is not None:  # an unknown region fails before the model runs
-                    self.regions.release(self.regions.acquire(o.region))
+            try:
+                hlen = kserve.header_length(body, header_length)
+                shm = body.find(b"shared_memory_region", 0, hlen) >= 0
+                if INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
+                    req = await self.offload.parse(body, header_length, self.max_body)
+                elif len(body) > INLINE_PARSE_BYTES or shm:
+                    req = await asyncio.to_thread(parse)
+                else:
+                    req = parse()
+                for o in req.outputs or []:
+                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
+                        acquire(o.region)
+            except errors.GepoolError:
+                await self._model_meta(request)  # an unknown model is what the caller hears first
+                raise
+            if not req.inputs:
+                meta = await self._model_meta(request)
+                raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
+                                             f"model '{model}'")
             names = [o.name for o in req.outputs] if req.outputs is not None else None
-            outputs = await (await self.front()).infer(model, req.inputs, names,
-                                                       version=int(version) if version else None)
+            outputs = await (await self.front()).infer(model, req.inputs, names, version=version)
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
             served = getattr(outputs, "model_version", None)
-            payload, headers = kserve.encode_response(model, str(served) if served is not None else (version or ""),
-                                                      req, outputs, write_region)
+            payload, headers = kserve.encode_response(
+                model, str(served) if served is not None else (str(version) if version else ""), req, outputs,
+                lambda name, offset, size, data: self.regions.write(held[name], offset, size, data))
         finally:
-            for region in held:
+            for region in held.values():
                 self.regions.release(region)
         return web.Response(body=payload, headers=headers)
 
@@ -217,6 +270,13 @@ class Gateway:
                                                                  (body.get("parameters") or {})):
             raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
                                          "repository and load again")
+        if not self.restrictions.restricts("model-repository"):
+            uid = self._caller(request, "loading and unloading models")
+            if uid not in (self.owner_uid, 0):
+                raise errors.PermissionDenied(
+                    f"loading and unloading models is allowed only to the pool's own user (uid {self.owner_uid}) "
+                    f"and root, not to uid {uid}; a pool started with --http-restricted-api "
+                    f"model-repository:KEY=VALUE lets requests carrying that header do it")
         client = await self.front()
         model = request.match_info["model"]
         if request.match_info["action"] == "load":
@@ -228,18 +288,21 @@ class Gateway:
     # -- shared memory ---------------------------------------------------------------------
     @route
     async def shm_status(self, request):
-        return web.json_response(self.regions.status(request.match_info.get("region")))
+        uid = self._caller(request, "system shared memory")
+        return web.json_response(self.regions.status(uid, request.match_info.get("region")))
 
     @route
     async def shm_register(self, request):
         body = await self._json_body(request)
-        self.regions.register(request.match_info["region"], body.get("key"), body.get("offset", 0),
+        uid = self._caller(request, "registering system shared memory")
+        self.regions.register(uid, request.match_info["region"], body.get("key"), body.get("offset", 0),
                               body.get("byte_size"))
         return web.Response(status=200)
 
     @route
     async def shm_unregister(self, request):
-        self.regions.unregister(request.match_info.get("region"))
+        await self._body(request)
+        self.regions.unregister(self._caller(request, "system shared memory"), request.match_info.get("region"))
         return web.Response(status=200)
 
     @route
@@ -260,7 +323,7 @@ class Gateway:
 
 
 def http_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=gw.max_body)
     r = app.router
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
@@ -291,8 +354,9 @@ def http_app(gw: Gateway) -> web.Application:
 
 
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
-                curve_key: str | None = None) -> None:
-    gw = Gateway(endpoint, curve_key)
+                curve_key: str | None = None, restrictions: Restrictions | None = None,
+                max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S) -> None:
+    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
     for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
@@ -327,6 +391,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     if gw.client is not None:
         await gw.client.close()
     gw.regions.close()
+    gw.offload.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +403,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--curve-key", help="the pool's CURVE certificate, when its endpoint uses CURVE")
+    p.add_argument("--http-max-body-bytes", "--http-max-input-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="the largest request body accepted (413 above it)")
+    p.add_argument("--http-body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                   help="a request body not complete this long after its headers is answered 408")
+    p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+                   help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
     args = p.parse_args(argv)
+    try:
+        restrictions = Restrictions.parse(args.http_restricted_api)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.http_max_body_bytes <= 0:
+        p.error(f"--http-max-body-bytes must be positive, got {args.http_max_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
         import uvloop
@@ -347,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
-                      args.curve_key))
+                      args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s))
     return 0
 
 

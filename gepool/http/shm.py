@@ -1,105 +1,192 @@
 """System shared-memory regions registered by HTTP clients (Triton's system_shared_memory extension).
 
-A region is opened by the exact key the client gives (``/dev/shm/<key without leading slashes>``),
-checked against its size at registration, and reference-counted by the requests using it, so an
-unregister during a request takes effect when the request ends instead of unmapping under it.
+A caller may register only memory it could open itself, and never the pool's own: the key names one
+regular file directly in /dev/shm, opened without following links, owned by the caller's uid (the
+peer of the loopback connection, see ``peer.py``) with owner read and write in its mode, and not
+one of gepool's segments. Regions live in one namespace per uid, so no caller sees, uses or
+unregisters another's. Data moves with ``os.preadv``/``os.pwritev`` on the region's fd, never
+through a mapping: a client that truncates its segment under a request gets an error for that
+request instead of killing this process with SIGBUS. A request holds a reference on each region it
+names, so an unregister during the request takes effect when the request ends.
 """
 
-import mmap
 import os
+import stat
+import threading
 from dataclasses import dataclass
 
-from gepool.common.errors import InvalidArgument
+import numpy as np
+
+from gepool.common.errors import InvalidArgument, PermissionDenied
+from gepool.ipc import naming
 
 SHM_DIR = "/dev/shm"
+MAX_REGIONS_PER_UID = 256  # each holds an open fd: no user may exhaust the sidecar's descriptors
+_RESERVED = (naming.PREFIX, "sem." + naming.PREFIX)
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
 @dataclass
 class Region:
+    uid: int
     name: str
     key: str
     offset: int
     byte_size: int
-    map: mmap.mmap
+    fd: int
     refs: int = 0
     doomed: bool = False
 
 
+def _count(what: str, value, default: int | None = None) -> int:
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _key_name(key) -> str:
+    if not isinstance(key, str):
+        raise InvalidArgument(f"shared memory key must be a string naming an object in {SHM_DIR}, got {key!r}")
+    name = key.lstrip("/")
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise InvalidArgument(f"shared memory key must name one object directly in {SHM_DIR}, got {key!r}")
+    if name.startswith(_RESERVED):
+        raise PermissionDenied(f"shared memory key '{key}' names one of gepool's own segments; register a "
+                               f"segment of your own")
+    return name
+
+
 class Regions:
+    """Every registered region by (uid, name); safe to use from the event loop and worker threads."""
+
     def __init__(self) -> None:
-        self.regions: dict[str, Region] = {}
+        self.regions: dict[tuple[int, str], Region] = {}
+        self._lock = threading.Lock()
 
-    def register(self, name: str, key, offset, byte_size) -> None:
-        if name in self.regions:
-            raise InvalidArgument(f"shared memory region '{name}' already in manager")
-        if not isinstance(key, str) or not key.strip("/") or "/" in key.strip("/"):
-            raise InvalidArgument(f"shared memory key must name an object in {SHM_DIR}, got {key!r}")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, byte_size)):
-            raise InvalidArgument("offset and byte_size must be non-negative integers")
-        path = os.path.join(SHM_DIR, key.lstrip("/"))
+    def register(self, uid: int, name: str, key, offset, byte_size) -> None:
+        offset, byte_size = _count("offset", offset, 0), _count("byte_size", byte_size)
+        entry = _key_name(key)
+        with self._lock:
+            self._room(uid, name)
+        fd = _open(entry, key)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise InvalidArgument(f"Unable to open shared memory region: '{key}': {exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if offset + byte_size > size or byte_size == 0:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise PermissionDenied(f"shared memory key '{key}' is not a regular file")
+            if st.st_uid != uid:
+                raise PermissionDenied(f"shared memory key '{key}' belongs to uid {st.st_uid}, not to the caller "
+                                       f"(uid {uid}): register only segments you own")
+            if st.st_mode & (stat.S_IRUSR | stat.S_IWUSR) != stat.S_IRUSR | stat.S_IWUSR:
+                raise PermissionDenied(f"shared memory key '{key}' is not readable and writable by its owner "
+                                       f"(mode {stat.S_IMODE(st.st_mode):o})")
+            if byte_size == 0 or offset + byte_size > st.st_size:
                 raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args "
-                                      f"(offset {offset} + byte_size {byte_size} > {size} bytes of '{key}')")
-            mapped = mmap.mmap(fd, size)
-        finally:
+                                      f"(offset {offset} + byte_size {byte_size} > {st.st_size} bytes of '{key}')")
+            with self._lock:
+                self._room(uid, name)
+                self.regions[(uid, name)] = Region(uid, name, key, offset, byte_size, fd)
+        except BaseException:
             os.close(fd)
-        self.regions[name] = Region(name, key, offset, byte_size, mapped)
+            raise
 
-    def unregister(self, name: str | None) -> None:
-        for region in ([self.regions[name]] if name in self.regions else [] if name else list(self.regions.values())):
-            region.doomed = True
-            self._maybe_close(region)
+    def _room(self, uid: int, name: str) -> None:
+        if (uid, name) in self.regions:
+            raise InvalidArgument(f"shared memory region '{name}' already in manager")
+        if sum(owner == uid for owner, _ in self.regions) >= MAX_REGIONS_PER_UID:
+            raise InvalidArgument(f"uid {uid} already has {MAX_REGIONS_PER_UID} shared memory regions registered; "
+                                  f"unregister some first")
 
-    def status(self, name: str | None = None) -> list[dict]:
-        if name is not None and name not in self.regions:
-            raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
-        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                for r in self.regions.values() if name is None or r.name == name]
+    def unregister(self, uid: int | None, name: str | None) -> None:
+        """One region of the caller's, or (no name) all of them; a region in use closes when released."""
+        with self._lock:
+            mine = [k for k in self.regions if k[0] == uid and (name is None or k[1] == name)]
+            for k in mine:
+                region = self.regions.pop(k)
+                region.doomed = True
+                if region.refs == 0:
+                    os.close(region.fd)
 
-    def acquire(self, name: str) -> Region:
-        region = self.regions.get(name)
-        if region is None or region.doomed:
-            raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
-        region.refs += 1
-        return region
+    def status(self, uid: int | None, name: str | None = None) -> list[dict]:
+        with self._lock:
+            if name is not None and (uid, name) not in self.regions:
+                raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
+            return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                    for (owner, n), r in sorted(self.regions.items()) if owner == uid and name in (None, n)]
+
+    def acquire(self, uid: int | None, name) -> Region:
+        with self._lock:
+            region = self.regions.get((uid, name)) if isinstance(name, str) else None
+            if region is None:
+                raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
+            region.refs += 1
+            return region
 
     def release(self, region: Region) -> None:
-        region.refs -= 1
-        self._maybe_close(region)
+        with self._lock:
+            region.refs -= 1
+            if region.doomed and region.refs == 0:
+                os.close(region.fd)
 
-    def read(self, region: Region, offset: int, size) -> bytes:
-        """A copy of [offset, offset + size) of the region (the region is the client's: keep no view)."""
-        size = region.byte_size - offset if size is None else size
-        self._check(region, offset, size)
-        start = region.offset + offset
-        return region.map[start:start + size]
+    def read(self, region: Region, offset, size, limit: int) -> memoryview:
+        """A copy of [offset, offset + size) of the region (size None: to its end), at most ``limit`` bytes."""
+        offset = _count("shared_memory_offset", offset, 0)
+        size = region.byte_size - offset if size is None else _count("shared_memory_byte_size", size)
+        _inside(region, offset, size)
+        if size > limit:
+            raise InvalidArgument(f"{size} bytes from shared memory region '{region.name}' exceed the {limit}-byte "
+                                  f"limit of one request (--http-max-body-bytes)")
+        view, pos = memoryview(np.empty(size, np.uint8)), 0  # not zero-filled: preadv writes every byte
+        while pos < size:
+            n = os.preadv(region.fd, [view[pos:]], region.offset + offset + pos)
+            if n == 0:
+                raise InvalidArgument(_truncated(region, offset + pos))
+            pos += n
+        return view
 
-    def write(self, region: Region, offset: int, size: int, data: bytes) -> None:
+    def write(self, region: Region, offset, size, data: bytes) -> None:
+        offset, size = _count("shared_memory_offset", offset, 0), _count("shared_memory_byte_size", size, 0)
         limit = size or region.byte_size - offset
-        self._check(region, offset, len(data))
+        _inside(region, offset, len(data))
         if len(data) > limit:
             raise InvalidArgument(f"output of {len(data)} bytes does not fit the {limit} bytes given in "
                                   f"region '{region.name}'")
         start = region.offset + offset
-        region.map[start:start + len(data)] = data
-
-    def _check(self, region: Region, offset: int, size: int) -> None:
-        if not isinstance(offset, int) or offset < 0 or size < 0 or offset + size > region.byte_size:
-            raise InvalidArgument(f"[{offset}, {offset + size}) lies outside shared memory region '{region.name}' "
-                                  f"of {region.byte_size} bytes")
-
-    def _maybe_close(self, region: Region) -> None:
-        if region.doomed and region.refs == 0 and self.regions.get(region.name) is region:
-            del self.regions[region.name]
-            region.map.close()
+        if os.fstat(region.fd).st_size < start + len(data):  # never grow a segment its owner shrank
+            raise InvalidArgument(_truncated(region, offset))
+        view, pos = memoryview(data).cast("B"), 0
+        while pos < len(view):
+            pos += os.pwritev(region.fd, [view[pos:]], start + pos)
 
     def close(self) -> None:
-        for region in list(self.regions.values()):
-            region.map.close()
-        self.regions.clear()
+        with self._lock:
+            for region in self.regions.values():
+                if region.refs == 0:
+                    os.close(region.fd)
+                region.doomed = True
+            self.regions.clear()
+
+
+def _open(entry: str, key: str) -> int:
+    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.open(entry, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if os.path.islink(os.path.join(SHM_DIR, entry)):
+            raise PermissionDenied(f"shared memory key '{key}' is a symbolic link; register the segment "
+                                   f"itself") from None
+        raise InvalidArgument(f"Unable to open shared memory region: '{key}': {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
+
+
+def _inside(region: Region, offset: int, size: int) -> None:
+    if offset + size > region.byte_size:
+        raise InvalidArgument(f"[{offset}, {offset + size}) lies outside shared memory region '{region.name}' "
+                              f"of {region.byte_size} bytes")
+
+
+def _truncated(region: Region, at: int) -> str:
+    return (f"shared memory region '{region.name}' (key '{region.key}') ends before byte {at} of the region: "
+            f"its segment was truncated after it was registered")

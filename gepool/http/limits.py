@@ -1,0 +1,52 @@
+"""What one HTTP request may cost the sidecar: its body's size, the time the body takes to arrive, its JSON.
+
+Every body is hostile: its declared size is checked against ``--http-max-body-bytes`` before a byte
+is read, a body that stops arriving is answered 408 after ``BODY_TIMEOUT_S``, JSON above
+``MAX_JSON_BYTES`` is refused unparsed (the C parser holds the GIL, so a big document would stall
+every other client), and bodies above ``INLINE_PARSE_BYTES`` are parsed in a worker thread.
+"""
+
+import asyncio
+
+from aiohttp import web
+
+from gepool.common import errors
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20  # Triton's --http-max-input-size default; the pool passes its largest slot
+MAX_JSON_BYTES = 2 << 20  # about 50 ms of json.loads on this host's cores
+INLINE_PARSE_BYTES = 64 << 10  # bodies above this (or naming shared memory) are parsed off the event loop
+BODY_TIMEOUT_S = 30.0
+
+
+class BodyTooLarge(errors.RequestTooLarge):
+    http_status = 413
+
+
+class BodyTimeout(errors.GepoolError):
+    code, http_status = "TIMEOUT", 408
+
+
+async def read_body(request: web.Request, max_body: int, timeout: float) -> bytes:
+    """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds."""
+    length = request.content_length
+    if length is not None and length > max_body:
+        raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
+                           f"(--http-max-body-bytes)")
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s (it declared {length} "
+                          f"bytes)") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)") from None
+
+
+def version(text: str | None) -> int | None:
+    """A version from the URL: None when absent, else a positive integer or InvalidArgument."""
+    if not text:
+        return None
+    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
+        raise errors.InvalidArgument(f"failed to get model version from specified version string '{text}': "
+                                     f"version should be an integral value > 0")
+    return int(text)

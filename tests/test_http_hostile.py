@@ -1,0 +1,590 @@
+"""The HTTP sidecar against a hostile local user (a real second uid, forked and setuid) and hostile bytes."""
+
+import encodings.idna  # noqa: F401  (http.client imports it lazily; after setuid the child may not read it)
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gepool import Pool
+from gepool.http import peer
+from tests import repo as test_repo
+from tests.conftest import _descendants, free_port, rss_kb, wait_until
+
+NOBODY = 65534
+GOOD = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": list(range(16))}]}
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="attacking as a second user needs root to setuid(65534)")
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("gate") / "gate")
+
+
+@pytest.fixture(scope="module")
+def hpool(tmp_path_factory, gate):
+    repo = str(tmp_path_factory.mktemp("hostile-models"))
+    test_repo.make_models.make_tiny(repo)
+    test_repo.bytes_model(repo)
+    test_repo.recorder(repo, "recorder", gate=gate, delay_us=0, preferred="1")
+    with Pool(repo, http_port=free_port(), model_control_mode="explicit",
+              load_models=("tiny", "shout", "recorder")) as pool:
+        yield pool
+
+
+def request(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None,
+            timeout: float = 60) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        try:
+            return resp.status, json.loads(data) if data else {}
+        except ValueError:
+            return resp.status, {"raw": data[:200].decode("latin-1")}
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    return request(port, "POST", path, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
+
+
+def sidecar_pid(pool) -> int:
+    pids = [pid for pid in _descendants(pool.process.pid)
+            if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def as_nobody(fn, *args):
+    """Runs fn(*args) in a forked child that has become uid/gid 65534; returns what it returned (JSON)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 0
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            out = json.dumps(fn(*args)).encode()
+        except BaseException as exc:
+            out, code = json.dumps({"child_error": repr(exc)}).encode(), 1
+        with os.fdopen(write_fd, "wb") as w:
+            w.write(out)
+        os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as r:
+        data = r.read()
+    os.waitpid(pid, 0)
+    result = json.loads(data)
+    assert not (isinstance(result, dict) and "child_error" in result), result
+    return result
+
+
+def segment(name: str, data: bytes, mode: int = 0o600) -> str:
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+    return path
+
+
+SECRET = b"S" * 64
+
+
+@root_only
+def test_another_users_memory_cannot_be_registered(hpool, tmp_path):
+    """Root's owner-only segment, names of gepool's arena and ring segments, and a symbolic link planted
+    in /dev/shm to an owner-only file: every registration refused with a 4xx, nothing read or written."""
+    port, tag = hpool.http_port, f"{os.getpid()}"
+    victim = segment(f"victim_{tag}", SECRET)
+    arena = segment(f"gepool.{tag}x0bad.arena", SECRET)
+    ring = segment(f"gepool.{tag}x0bad.w0.0", SECRET)
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    os.chmod(secret_file, 0o600)
+    os.chmod(tmp_path, 0o755)
+    link = f"/dev/shm/link_{tag}"
+
+    def attack():
+        os.symlink(str(secret_file), link)
+        own = segment(f"nobody_gepool.{tag}", b"\0" * 64)  # a segment of the attacker's own, named like ours
+        os.rename(own, f"/dev/shm/gepool.{tag}x0own.arena")
+        out = {}
+        for i, key in enumerate([f"/victim_{tag}", f"/gepool.{tag}x0bad.arena", f"gepool.{tag}x0bad.w0.0",
+                                 f"/link_{tag}", f"/gepool.{tag}x0own.arena"]):
+            out[key] = post(port, f"/v2/systemsharedmemory/region/r{i}/register",
+                            {"key": key, "offset": 0, "byte_size": 64})
+        out["status"] = request(port, "GET", "/v2/systemsharedmemory/status")
+        return out
+
+    try:
+        result = as_nobody(attack)
+    finally:
+        for path in (victim, arena, ring, link, f"/dev/shm/gepool.{tag}x0own.arena"):
+            if os.path.lexists(path):
+                os.unlink(path)
+    status = result.pop("status")
+    for key, (code, reply) in result.items():
+        assert 400 <= code < 500, (key, code, reply)
+    assert "belongs to uid 0" in result[f"/victim_{tag}"][1]["error"]
+    assert "gepool's own segments" in result[f"/gepool.{tag}x0bad.arena"][1]["error"]
+    assert "gepool's own segments" in result[f"gepool.{tag}x0bad.w0.0"][1]["error"]
+    assert "gepool's own segments" in result[f"/gepool.{tag}x0own.arena"][1]["error"]
+    assert "symbolic link" in result[f"/link_{tag}"][1]["error"]
+    assert status == [200, []]
+    assert secret_file.read_bytes() == SECRET
+
+
+@root_only
+def test_a_user_uses_only_its_own_regions_and_a_truncated_one_is_a_400(hpool):
+    """The second user registers and uses its own segment (so it is identified); it cannot use, list or
+    unregister root's region of the same name; truncating its segment under use is a 400 and the
+    sidecar lives on."""
+    port, tag = hpool.http_port, f"{os.getpid()}"
+    x = np.arange(16, dtype=np.float32)[None]
+    root_key = f"/root_in_{tag}"
+    segment(root_key[1:], SECRET)
+    assert post(port, "/v2/systemsharedmemory/region/in/register", {"key": root_key, "byte_size": 64})[0] == 200
+    before = sidecar_pid(hpool)
+
+    def attack():
+        path = segment(f"nobody_in_{tag}", x.tobytes())
+        segment(f"nobody_out_{tag}", b"\0" * 64)
+        out = {"list": request(port, "GET", "/v2/systemsharedmemory/status"),
+               "root_in": post(port, "/v2/models/tiny/infer", {"inputs": [{
+                   "name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                   "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 64}}]}),
+               "unregister_all": post(port, "/v2/systemsharedmemory/unregister", b"")}
+        for name in ("mine_in", "mine_out"):
+            key = f"/nobody_{name[5:]}_{tag}"
+            out[name] = post(port, f"/v2/systemsharedmemory/region/{name}/register", {"key": key, "byte_size": 64})
+        body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": {
+            "shared_memory_region": "mine_in", "shared_memory_byte_size": 64}}],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"shared_memory_region": "mine_out",
+                                                           "shared_memory_byte_size": 64}}]}
+        out["own"] = post(port, "/v2/models/tiny/infer", body)
+        with open(f"/dev/shm/nobody_out_{tag}", "rb") as f:
+            out["own_output"] = np.frombuffer(f.read(), np.float32).tolist()
+        os.truncate(path, 0)
+        out["truncated_in"] = post(port, "/v2/models/tiny/infer", body)
+        with open(path, "wb") as f:
+            f.write(x.tobytes())
+        os.truncate(f"/dev/shm/nobody_out_{tag}", 8)
+        out["truncated_out"] = post(port, "/v2/models/tiny/infer", body)
+        out["after"] = post(port, "/v2/models/tiny/infer", GOOD)
+        out["mine"] = request(port, "GET", "/v2/systemsharedmemory/status")
+        post(port, "/v2/systemsharedmemory/unregister", b"")
+        for p in (path, f"/dev/shm/nobody_out_{tag}"):
+            os.unlink(p)
+        return out
+
+    try:
+        out = as_nobody(attack)
+        assert out["list"] == [200, []]  # root's region is not listed to another user
+        assert out["root_in"][0] == 400 and "Unable to find system shared memory region: 'in'" in out["root_in"][1][
+            "error"]
+        assert out["mine_in"][0] == out["mine_out"][0] == 200, out
+        assert out["own"][0] == 200, out["own"]
+        np.testing.assert_array_equal(out["own_output"], (2 * x + 1)[0])
+        for case in ("truncated_in", "truncated_out"):
+            assert out[case][0] == 400 and "was truncated" in out[case][1]["error"], out[case]
+        assert out["after"][0] == 200
+        assert [r["name"] for r in out["mine"][1]] == ["mine_in", "mine_out"]
+        assert sidecar_pid(hpool) == before  # no SIGBUS, no restart
+        code, regions = request(port, "GET", "/v2/systemsharedmemory/status")  # root's survived the unregister
+        assert [r["name"] for r in regions] == ["in"]
+    finally:
+        post(port, "/v2/systemsharedmemory/unregister", b"")
+        os.unlink(f"/dev/shm/{root_key[1:]}")
+
+
+@root_only
+def test_only_the_pools_user_loads_and_unloads(hpool):
+    port = hpool.http_port
+    code, reply = as_nobody(post, port, "/v2/repository/models/tiny/unload", b"")
+    assert code == 403 and "allowed only to the pool's own user" in reply["error"]
+    assert request(port, "GET", "/v2/models/tiny/ready")[0] == 200
+    assert as_nobody(post, port, "/v2/repository/index", b"")[0] == 200  # reading the index stays open
+
+
+def test_the_peer_of_a_closed_connection_is_not_root():
+    """Once a client closes its socket the kernel reports uid 0 for it: that must read as unidentified."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        client = socket.socket()
+        client.connect(srv.getsockname())
+        conn, _ = srv.accept()
+        with conn:
+            assert peer.peer_uid(conn.getpeername(), conn.getsockname()) == os.geteuid()
+            assert peer._proc(*map(peer._ip, (conn.getpeername()[0],)), conn.getpeername()[1],
+                              peer._ip(conn.getsockname()[0]), conn.getsockname()[1]) == os.geteuid()
+            client.close()
+            assert wait_until(lambda: _unidentified(conn), 10)
+    with pytest.raises(peer.Unidentified, match="not on this host's loopback"):
+        peer.peer_uid(("10.1.2.3", 5000), ("127.0.0.1", 8000))
+
+
+def _unidentified(conn) -> bool:
+    try:
+        peer.peer_uid(conn.getpeername(), conn.getsockname())
+    except peer.Unidentified:
+        return True
+    return False
+
+
+# -- bad input is a 400 that says what was wrong ------------------------------------------------------
+def _infer(datatype: str, data, shape=(1, 16)) -> dict:
+    return {"inputs": [{"name": "INPUT0", "shape": list(shape), "datatype": datatype, "data": data}]}
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/v2/models/tiny/infer", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("/v2/models/tiny/infer", _infer("FP32", [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],
+                                                [1, 1]), "nested more than"),
+    ("/v2/models/shout/infer", {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [3]}]},
+     "must be strings"),
+    ("/v2/models/tiny/infer", _infer("FP32", ["1"] * 16), "must be numbers"),
+    ("/v2/models/tiny/versions/abc/infer", GOOD, "version should be an integral value > 0"),
+    ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                                           "parameters": {"shared_memory_region": "r",
+                                                          "shared_memory_offset": "abc",
+                                                          "shared_memory_byte_size": 64}}]},
+     "'shared_memory_offset' must be a non-negative integer"),
+    ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                                           "parameters": {"shared_memory_region": "r",
+                                                          "shared_memory_byte_size": "lots"}}]},
+     "'shared_memory_byte_size' must be a non-negative integer"),
+    ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                                           "parameters": [1]}]}, "'parameters' must be an object"),
+    ("/v2/systemsharedmemory/region/x/register", {"key": "/a\u0000b", "byte_size": 64}, "must name one object"),
+    ("/v2/systemsharedmemory/region/x/register", {"key": "/..", "byte_size": 64}, "must name one object"),
+    ("/v2/systemsharedmemory/region/x/register", {"key": "/k", "byte_size": "64"}, "byte_size must be"),
+    ("/v2/models/tiny/infer", {"inputs": []}, "expected 1 inputs but got 0 inputs for model 'tiny'"),
+    ("/v2/models/nosuch/infer", b"{garbage", "unknown model"),
+    ("/v2/models/nosuch/infer", {"inputs": []}, "unknown model"),
+], ids=["deep-json", "deep-data", "bytes-not-str", "str-for-fp32", "version-abc", "offset-abc", "size-lots",
+        "parameters-list", "key-nul", "key-dotdot", "size-str", "no-inputs", "unknown-model-garbage",
+        "unknown-model-no-inputs"])
+def test_bad_input_is_a_400_naming_it(hpool, path, body, words):
+    code, reply = post(hpool.http_port, path, body)
+    assert code == 400, reply
+    assert words in reply["error"] and "Traceback" not in reply["error"]
+    assert post(hpool.http_port, "/v2/models/tiny/infer", GOOD)[0] == 200
+
+
+@pytest.mark.parametrize("datatype, value, words", [
+    ("INT8", 300, "value 300 is out of range for INT8"),
+    ("UINT8", -1, "value -1 is out of range for UINT8"),
+    ("INT32", 1.5, "INT32 data must be integers"),
+    ("INT64", 2**70, "out of range for INT64"),
+    ("BOOL", 1, "BOOL data must be true or false"),
+])
+def test_json_values_are_checked_against_their_datatype(datatype, value, words):
+    from gepool.common.errors import InvalidArgument
+    from gepool.http import kserve
+
+    body = json.dumps({"inputs": [{"name": "X", "shape": [2], "datatype": datatype, "data": [0, value]}]})
+    with pytest.raises(InvalidArgument, match=words.replace("[", r"\[")):
+        kserve.parse_request(body.encode(), None)
+
+
+# -- declared sizes ------------------------------------------------------------------------------------
+def _raw(port: int, head: bytes, body: bytes, wait: float = 60) -> tuple[int, bytes]:
+    """Sends exactly these bytes and returns the status and reply (0 if the sidecar closed silently)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        s.sendall(head + body)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except ConnectionResetError:
+            pass
+    return (int(data.split()[1]) if data else 0), data
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def test_oversized_declarations_cost_no_memory_and_stall_no_one(hpool):
+    port = hpool.http_port
+    pid = sidecar_pid(hpool)
+    served, stop = [], threading.Event()
+
+    def others():
+        while not stop.is_set():
+            served.append(post(port, "/v2/models/tiny/infer", GOOD)[0])
+
+    before = rss_kb(pid)
+    bystander = threading.Thread(target=others)
+    bystander.start()
+    try:
+        bytes_header = json.dumps({"inputs": [{"name": "TEXT", "shape": [300_000_000, 1], "datatype": "BYTES",
+                                               "parameters": {"binary_data_size": 8}}]}).encode()
+        code, reply = post(port, "/v2/models/shout/infer", bytes_header + b"\0" * 8,
+                           {"Inference-Header-Content-Length": str(len(bytes_header))})
+        assert code == 400 and "hold at most 2" in reply["error"]
+        code, data = _raw(port, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2147483648\r\n"
+                          b"\r\n", b"{}" * 50)
+        assert code == 413 and b"--http-max-body-bytes" in data
+        big_json = (b'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":['
+                    + b"0," * 9_500_000 + b"0]}]}")
+        code, data = _raw(port, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                          % len(big_json), big_json)
+        assert code == 413, data[:300]
+        code, data = _raw(port, b"POST /v2/systemsharedmemory/region/r/register HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(big_json), big_json)
+        assert code == 413, data[:300]
+        assert rss_kb(pid) - before < 50 * 1024, (before, rss_kb(pid))
+    finally:
+        stop.set()
+        bystander.join()
+    assert served and set(served) == {200}
+    print(f"sidecar RSS {before} kB -> {rss_kb(pid)} kB; {len(served)} other requests answered meanwhile")
+
+
+@root_only
+def test_a_huge_shared_memory_declaration_is_refused_before_reading(hpool):
+    port, tag = hpool.http_port, os.getpid()
+    pid = sidecar_pid(hpool)
+    before = rss_kb(pid)
+
+    def attack():
+        path = f"/dev/shm/nobody_huge_{tag}"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4 << 30)  # sparse: costs the attacker nothing
+        os.close(fd)
+        try:
+            reg = post(port, "/v2/systemsharedmemory/region/huge/register", {"key": path[8:], "byte_size": 4 << 30})
+            infer = post(port, "/v2/models/shout/infer", {"inputs": [{
+                "name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                "parameters": {"shared_memory_region": "huge", "shared_memory_byte_size": 4 << 30}}]})
+            post(port, "/v2/systemsharedmemory/unregister", b"")
+        finally:
+            os.unlink(path)
+        return [reg, infer]
+
+    reg, infer = as_nobody(attack)
+    assert reg[0] == 200
+    assert infer[0] == 400 and "limit of one request" in infer[1]["error"]
+    assert rss_kb(pid) - before < 50 * 1024
+    print(f"sidecar RSS {before} kB -> {rss_kb(pid)} kB after a 4 GiB shared-memory declaration")
+
+
+def test_unregistering_an_output_region_during_a_request_does_not_fail_it(hpool, gate):
+    import tritonclient.utils.shared_memory as shm
+
+    port = hpool.http_port
+    x = np.full((1, 4), -1, np.float32)  # negative: the recorder holds the batch while the gate exists
+    key = f"/gepool_test_hold_{os.getpid()}"
+    handle = shm.create_shared_memory_region("hold", key, 64)
+    open(gate, "w").close()
+    try:
+        assert post(port, "/v2/systemsharedmemory/region/hold/register", {"key": key, "byte_size": 64})[0] == 200
+        body = {"inputs": [{"name": "INPUT", "shape": [1, 4], "datatype": "FP32", "data": x.ravel().tolist()}],
+                "outputs": [{"name": "OUTPUT", "parameters": {"shared_memory_region": "hold",
+                                                              "shared_memory_byte_size": 16}}]}
+        result = []
+        t = threading.Thread(target=lambda: result.append(post(port, "/v2/models/recorder/infer", body)))
+        t.start()
+        assert wait_until(lambda: hpool.client().status()["models"]["recorder"]["slots_busy"] > 0)
+        assert post(port, "/v2/systemsharedmemory/region/hold/unregister", b"")[0] == 200  # while it runs
+        assert request(port, "GET", "/v2/systemsharedmemory/status") == (200, [])
+        os.unlink(gate)
+        t.join(60)
+        assert result and result[0][0] == 200, result
+        assert result[0][1]["outputs"][0]["parameters"]["shared_memory_region"] == "hold"
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [1, 4]), x)
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+        shm.destroy_shared_memory_region(handle)
+
+
+# -- Triton's --http-restricted-api, and a body that never arrives ----------------------------------------
+@pytest.fixture(scope="module")
+def restricted(hpool):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gepool.http.server", "--endpoint", hpool.endpoint,
+                             "--http-port", str(port), "--metrics-port", "0", "--http-body-timeout-s", "2",
+                             "--http-restricted-api=model-repository,shared-memory:admin-key=s3cret",
+                             "--http-restricted-api", "statistics:stats-key=v"])
+    try:
+        assert wait_until(lambda: _listening(port), 60)
+        yield port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_restricted_apis_need_their_header(restricted):
+    port = restricted
+    code, reply = post(port, "/v2/repository/models/tiny/unload", b"")
+    assert (code, reply) == (403, {"error": "This API is restricted, expecting header 'admin-key'"})
+    assert request(port, "GET", "/v2/systemsharedmemory/status")[0] == 403
+    assert request(port, "GET", "/v2/models/stats", headers={"admin-key": "s3cret"})[0] == 403  # its own key
+    assert request(port, "GET", "/v2/models/stats", headers={"stats-key": "v"})[0] == 200
+    assert post(port, "/v2/repository/index", b"", {"admin-key": "wrong"})[0] == 403
+    assert post(port, "/v2/repository/index", b"", {"admin-key": "s3cret"})[0] == 200
+    assert request(port, "GET", "/v2/systemsharedmemory/status", headers={"admin-key": "s3cret"}) == (200, [])
+    assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200  # inference is not restricted here
+    assert request(port, "GET", "/v2/health/ready")[0] == 200
+
+
+@pytest.mark.parametrize("group, words", [
+    ("model-repository", "option format is '<config name>:<setting>=<value>'. Got model-repository"),
+    ("model-reposit:k=v", "unknown restricted api 'model-reposit'"),
+    ("health,model-repository:k=v --http-restricted-api=health:k2=v2",
+     "restricted api 'health' can not be specified in multiple config groups"),
+])
+def test_bad_restricted_api_groups_are_refused(group, words):
+    args = [f"--http-restricted-api={g}" for g in group.split(" --http-restricted-api=")]
+    proc = subprocess.run([sys.executable, "-m", "gepool.http.server", "--endpoint", "ipc:///nowhere",
+                           "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def test_a_body_that_never_arrives_is_answered_and_others_are_not_stalled(restricted):
+    port = restricted
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as liar:
+        liar.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"in")
+        start = time.monotonic()
+        assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200  # answered while the liar waits
+        reply = liar.recv(65536)
+        assert reply.split()[1] == b"408" and b"did not arrive within 2 s" in reply
+        assert time.monotonic() - start < 50
+        assert liar.recv(65536) == b""  # and the connection is closed
+
+
+def test_a_dead_sidecar_is_restarted(tmp_path):
+    repo = str(tmp_path / "models")
+    test_repo.make_models.make_tiny(repo)
+    port = free_port()
+    with Pool(repo, http_port=port) as pool:
+        first = sidecar_pid(pool)
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: _ready(port) and sidecar_pid(pool) != first, 60)
+        assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
+
+
+def _ready(port: int) -> bool:
+    try:
+        return request(port, "GET", "/v2/health/ready", timeout=5)[0] == 200
+    except OSError:
+        return False
+
+
+# -- fuzzing every endpoint ------------------------------------------------------------------------------
+ENDPOINTS = [("GET", "/v2"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/v2/models/tiny"),
+             ("GET", "/v2/models/tiny/ready"), ("GET", "/v2/models/tiny/config"), ("GET", "/v2/models/stats"),
+             ("GET", "/v2/models/{m}/versions/{v}"), ("POST", "/v2/models/{m}/infer"),
+             ("POST", "/v2/models/{m}/versions/{v}/infer"), ("POST", "/v2/repository/index"),
+             ("GET", "/v2/systemsharedmemory/status"),
+             ("POST", "/v2/systemsharedmemory/region/{m}/register"),
+             ("POST", "/v2/systemsharedmemory/region/{m}/unregister"), ("GET", "/v2/cudasharedmemory/status"),
+             ("POST", "/v2/cudasharedmemory/region/{m}/register")]
+
+
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+    tensor = st.fixed_dictionaries({"name": st.sampled_from(["INPUT0", "TEXT", "X"]) | values,
+                                    "datatype": st.sampled_from(["FP32", "INT8", "UINT8", "BYTES", "BOOL", "FP16",
+                                                                 "NOPE"]) | values,
+                                    "shape": st.lists(st.integers(-2, 2**40), max_size=3) | values},
+                                   optional={"data": values, "parameters": st.dictionaries(
+                                       st.sampled_from(["binary_data_size", "shared_memory_region",
+                                                        "shared_memory_offset", "shared_memory_byte_size",
+                                                        "binary_data"]), values, max_size=3) | values})
+    infer = st.fixed_dictionaries({"inputs": st.lists(tensor, max_size=2) | values},
+                                  optional={"outputs": st.lists(tensor, max_size=2) | values, "id": values,
+                                            "parameters": st.dictionaries(st.text(max_size=20), values) | values})
+    bodies = (infer.map(lambda d: json.dumps(d).encode()) | values.map(lambda d: json.dumps(d).encode())
+              | st.binary(max_size=200))
+    names = st.sampled_from(["tiny", "shout", "nosuch", "abc", "%00", "..", "x" * 300])
+    return st.tuples(st.sampled_from(ENDPOINTS), names, st.sampled_from(["1", "abc", "0", "-1", "99"]), bodies,
+                     st.none() | st.integers(-5, 5000).map(str) | st.from_regex(r"[!-~]{0,6}", fullmatch=True))
+
+
+def test_every_endpoint_survives_fuzzing_and_answers_4xx_at_worst(hpool):
+    from hypothesis import HealthCheck, given, settings
+
+    port, pid = hpool.http_port, sidecar_pid(hpool)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=_fuzz_strategies())
+    def fuzz(case):
+        (method, path), model, version, body, hlen = case
+        headers = {} if hlen is None else {"Inference-Header-Content-Length": hlen}
+        code, reply = request(port, method, path.format(m=model, v=version), body if method == "POST" else b"",
+                              headers)
+        assert code < 500, (method, path, model, body[:300], hlen, code, reply)
+
+    fuzz()
+    assert sidecar_pid(hpool) == pid
+    assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
+
+
+def test_large_json_is_parsed_in_a_helper_process(hpool):
+    """A JSON body above the inline threshold is parsed outside the sidecar's own process (json.loads holds
+    the GIL); its answer and its errors are the same as inline."""
+    port = hpool.http_port
+    pad = b" " * (200 << 10)
+    code, reply = post(port, "/v2/models/tiny/infer", json.dumps(GOOD).encode() + pad)
+    assert code == 200 and reply["outputs"][0]["data"][:3] == [1.0, 3.0, 5.0]
+    bad = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [True] * 16}]}
+    code, reply = post(port, "/v2/models/tiny/infer", json.dumps(bad).encode() + pad)
+    assert code == 400 and "FP32 data must be numbers" in reply["error"]
+    helpers = [p for p in _descendants(sidecar_pid(hpool)) if b"multiprocessing" in open(f"/proc/{p}/cmdline",
+                                                                                          "rb").read()]
+    assert helpers, "no helper process parsed the large body"
+
+
+def test_no_user_holds_more_than_its_share_of_regions(hpool):
+    from gepool.http.shm import MAX_REGIONS_PER_UID
+
+    port, key = hpool.http_port, f"/gepool_test_many_{os.getpid()}"
+    path = segment(key[1:], b"\0" * 64)
+    try:
+        for i in range(MAX_REGIONS_PER_UID):
+            assert post(port, f"/v2/systemsharedmemory/region/m{i}/register", {"key": key, "byte_size": 64})[0] == 200
+        code, reply = post(port, "/v2/systemsharedmemory/region/one_more/register", {"key": key, "byte_size": 64})
+        assert code == 400 and f"already has {MAX_REGIONS_PER_UID}" in reply["error"]
+        fds = len(os.listdir(f"/proc/{sidecar_pid(hpool)}/fd"))
+        post(port, "/v2/systemsharedmemory/unregister", b"")
+        assert len(os.listdir(f"/proc/{sidecar_pid(hpool)}/fd")) <= fds - MAX_REGIONS_PER_UID  # every fd closed
+    finally:
+        post(port, "/v2/systemsharedmemory/unregister", b"")
+        os.unlink(path)
