@@ -242,25 +242,25 @@ class AsyncClient(ClientCore):
                 await self._call(unregister, 2.0)
             except errors.GepoolError:
                 pass
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_at = None
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        if self._lane is not None:
-            asyncio.get_running_loop().remove_reader(self._lane.fileno())
-            self._lane.close()
-            self._lane = None
-        if not self._sock.closed:
-            self._sock.close(0)
-            self._ctx.term()
+        try:
+            if self._reader is not None:
+                self._reader.cancel()
+                # wait() neither raises the reader's CancelledError nor swallows one aimed at this task
+                await asyncio.wait([self._reader])
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = self._timer_at = None
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+            if self._lane is not None:
+                asyncio.get_running_loop().remove_reader(self._lane.fileno())
+                self._lane.close()
+                self._lane = None
+            if not self._sock.closed:
+                self._sock.close(0)
+                self._ctx.term()
 
     async def __aenter__(self) -> "AsyncClient":
         await self.start()

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 from gepool.common import errors
 from gepool.ipc import naming
@@ -23,6 +24,7 @@ GATEWAY_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
 _spawn = multiprocessing.get_context("spawn")
+log = logging.getLogger("gepool.pool")
 
 
 def start_worker(**kwargs):
@@ -124,10 +126,13 @@ def _stop(proc: subprocess.Popen) -> int | None:
 
 
 def _front_process(argv: list[str]) -> int:
-    """`python -m gepool.pool ARGS_JSON READY_FD`: a front whose readiness is one JSON line on READY_FD."""
+    """`python -m gepool.pool ARGS_JSON READY_FD [DEATH_FD]`: a front whose readiness is one JSON line on
+    READY_FD, and that stops (as on SIGTERM) once DEATH_FD reads end of file: its Pool's process is gone."""
     args, fd = json.loads(argv[0]), int(argv[1])
     logging.basicConfig(level=args["log_level"], format="%(asctime)s front %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the Pool's owner stops us with SIGTERM
+    if len(argv) > 2:
+        _watch_owner(int(argv[2]))
     out = os.fdopen(fd, "w")
 
     def report(kind: str, body) -> None:
@@ -146,6 +151,27 @@ def _front_process(argv: list[str]) -> int:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
     return code
+
+
+def _watch_owner(death_fd: int) -> None:
+    """The Pool holds the other end of this pipe and never writes: end of file means its process died (or
+    closed it). The front then stops as on SIGTERM, draining; before its handler is installed, SIGTERM's
+    default ends the process, which has nothing to clean up yet."""
+    os.set_inheritable(death_fd, False)  # the front's own children (workers, the sidecar) must not hold it
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(death_fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        log.warning("the process that started this pool is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gepool-owner-watch", daemon=True).start()
 
 
 class Pool:
@@ -175,6 +201,7 @@ class Pool:
         self.model_control_mode, self.load_models, self.poll_secs = model_control_mode, list(load_models), poll_secs
         self.busy_poll_us = busy_poll_us
         self.process = None
+        self._death_w: int | None = None
         self.status: dict = {}
         self._clients: list = []
 
@@ -188,11 +215,19 @@ class Pool:
                 "curve_authorized_keys": self.curve_authorized_keys, "exit_grace_s": self.exit_grace_s,
                 "model_control_mode": self.model_control_mode, "load_models": self.load_models,
                 "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us}
+        # the death pipe: the front holds the read end, this process the write end (not inheritable, so no
+        # other child keeps the front alive); when this process dies the front reads end of file and stops
+        death_r, self._death_w = os.pipe()
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
-                                            pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd),
+                                             str(death_r)], pass_fds=(write_fd, death_r), stdin=subprocess.DEVNULL)
+        except BaseException:
+            os.close(self._death_w)
+            self._death_w = None
+            raise
         finally:
             os.close(write_fd)
+            os.close(death_r)
         with os.fdopen(read_fd) as reader:
             ready, _, _ = select.select([reader], [], [], self.start_timeout)
             line = reader.readline() if ready else ""
@@ -223,6 +258,9 @@ class Pool:
         if self.process is None:
             return None
         code = _stop(self.process)
+        if self._death_w is not None:
+            os.close(self._death_w)
+            self._death_w = None
         if code is not None and code < 0:  # killed by a signal: the front could not remove its files
             self._remove_leftovers()
         return code
