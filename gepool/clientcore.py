@@ -37,6 +37,7 @@ class ClientCore:
         self._shared_memory, self._arena_bytes = shared_memory, arena_bytes
         self._meta: dict[str, dict] = {}
         self._orphans: dict[int, _wire.Outgoing] = {}
+        self._stale: list[int] = []  # orphans of an earlier pool, freed once a new one registers the arena
         self._lock = threading.Lock()
         self._closed = False
         self.arena: ClientArena | None = None
@@ -83,16 +84,20 @@ class ClientCore:
         """The arena's registration (made on first use): at start, and again for a new pool on the endpoint."""
         if self.arena is None:
             self.arena = ClientArena(self._arena_bytes)
+        elif self._arena_id != protocol.NO_ARENA:
+            # a pool that never knew the arena answered: what timed out before now went to an earlier
+            # pool, gone for good, and is freed once this one has the arena
+            with self._lock:
+                self._stale = list(self._orphans)
         return protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size)
 
     def _registered(self, body: dict) -> None:
-        again = self._arena_id != protocol.NO_ARENA
         self._arena_id = body["arena"]
-        if again:  # a pool that never knew the arena answered: no earlier pool can still write into it
-            with self._lock:
-                orphans, self._orphans = list(self._orphans.values()), {}
-            for out in orphans:
-                out.release(self.arena)
+        with self._lock:
+            stale = [self._orphans.pop(req_id) for req_id in self._stale if req_id in self._orphans]
+            self._stale = []
+        for out in stale:
+            out.release(self.arena)
 
     def _unregister(self) -> protocol.UnregisterArena | None:
         if self.arena is None or self._arena_id == protocol.NO_ARENA:

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from gepool import _wire
+from gepool import Client, _wire
 from gepool.arena import ClientArena
 from gepool.common import errors
 from tests.conftest import wait_until
@@ -237,3 +237,34 @@ def test_the_asyncio_clients_timed_out_range_returns_with_its_late_reply(pool, g
             assert whole(c.arena)
 
     asyncio.run(run())
+
+
+def test_a_new_pool_on_the_endpoint_frees_what_timed_out_on_the_old_one(tmp_path):
+    """The old pool was killed holding a request: its late reply will never come. Once a new pool on the
+    same endpoint has the arena registered, nothing earlier can write into it, and the range returns."""
+    from gepool import Pool
+    from tests import repo as test_repo
+
+    models, gate = str(tmp_path / "models"), str(tmp_path / "gate")
+    test_repo.make_models.make_tiny(models)
+    test_repo.recorder(models, "gated", gate=gate, delay_us=1000)
+    endpoint = f"ipc://{tmp_path}/p.sock"
+    open(gate, "w").close()
+    old = Pool(models, endpoint=endpoint).start()
+    c = None
+    try:
+        c = Client(endpoint, shared_memory=True, arena_bytes=1 << 20, arena_min_bytes=0)
+        with pytest.raises(errors.PoolUnavailable):
+            c.infer("gated", {"INPUT": np.full((8, 4), -1, np.float32)}, timeout=0.5)
+        assert not whole(c.arena)
+        old.process.kill()
+        old.stop()  # removes the killed front's socket files
+        os.unlink(gate)
+        with Pool(models, endpoint=endpoint):
+            x = np.ones((1, 16), np.float32)
+            np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+            assert whole(c.arena), c.arena.free_ranges()
+    finally:
+        if c is not None:
+            c.close()
+        old.stop()
