@@ -1,47 +1,43 @@
 """The asyncio client: ``await client.infer(...)``, many requests in flight on one socket."""
 
 import asyncio
-import os
 import socket
+import time
 
 import zmq
 import zmq.asyncio
 
 from gepool import _wire
-from gepool.arena import ClientArena
-from gepool.client import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S
+from gepool.clientcore import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S, WATCH_S, ClientCore, Inflight
 from gepool.common import errors
 from gepool.ipc import lane as _lane
 from gepool.ipc import protocol
-from gepool.ipc.sockets import default_endpoint, ipc_path, make_socket
+from gepool.ipc.sockets import make_socket
 
 
-class AsyncClient:
+class AsyncClient(ClientCore):
     """Use ``async with AsyncClient(endpoint) as c:`` or ``await AsyncClient.connect(...)``.
 
-    On an ipc endpoint it talks over a lane (see ``Client``) unless ``lane=False``."""
+    On an ipc endpoint it talks over a lane (see ``Client``) unless ``lane=False``. One timer, not one
+    per request, fires at the earliest deadline (and, while a request went over ZMQ, looks whether the
+    pool's socket file is still there)."""
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
                  curve_server_key: str | None = None, curve_client_key: str | None = None,
                  lane: bool = True, arena_min_bytes: int = _wire.ARENA_MIN) -> None:
-        self.endpoint = endpoint or default_endpoint()
-        self.arena_min_bytes = arena_min_bytes  # as Client's
-        self.timeout = timeout
-        self._shared_memory, self._arena_bytes = shared_memory, arena_bytes
+        super().__init__(endpoint, shared_memory=shared_memory, arena_bytes=arena_bytes, timeout=timeout,
+                         curve_server_key=curve_server_key, curve_client_key=curve_client_key, lane=lane,
+                         arena_min_bytes=arena_min_bytes)
         self._ctx = zmq.asyncio.Context()
-        curve = _wire.curve_client(curve_server_key, curve_client_key)
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint, curve_client=curve)
-        self._dialer = _lane.Dialer(ipc_path(self.endpoint), lane and curve is None)
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint, curve_client=self._curve)
         self._lane: socket.socket | None = None
         self._lane_rx: _lane.Receiver | None = None
         self._lane_lock = asyncio.Lock()
-        self._on_lane: set[int] = set()  # pending requests sent over the lane
-        self._pending: dict[int, asyncio.Future] = {}
+        self._inflight = Inflight()  # req_id -> (out or None, future of (msg, frames), deadline, sent over the lane)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
         self._reader: asyncio.Task | None = None
-        self._meta: dict[str, dict] = {}
-        self.arena: ClientArena | None = None
-        self._arena_id = protocol.NO_ARENA
 
     @classmethod
     async def connect(cls, endpoint: str | None = None, **kwargs) -> "AsyncClient":
@@ -52,88 +48,98 @@ class AsyncClient:
     async def start(self, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read())
         try:
-            welcome = await self._call(protocol.Hello(_wire.next_id(), protocol.PROTOCOL_VERSION,
-                                                      f"pid{os.getpid()}"), connect_timeout)
-            self.pool_id = welcome.pool_id
+            self._check_endpoint()
+            self.pool_id = (await self._call(self._hello(), connect_timeout)).pool_id
             if self._shared_memory:
-                self.arena = ClientArena(self._arena_bytes)
-                body = await self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name,
-                                                               self.arena.size))
-                self._arena_id = body["arena"]
+                self._registered(await self._call(self._register()))
         except BaseException:
             await self.close()
             raise
 
     async def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
                     version: int | None = None, timeout: float | None = None) -> dict:
-        arena, out_bytes = None, 0
-        if self.arena is not None:
-            if model not in self._meta:
-                self._meta[model] = await self.model_metadata(model)
-            arena, out_bytes = (self.arena, self._arena_id), _wire.output_bytes(self._meta[model], inputs)
+        if self.arena is not None and model not in self._meta:
+            self._meta[model] = await self.model_metadata(model)
         for attempt in (1, 2):
-            if self.arena is not None:
-                arena = (self.arena, self._arena_id)
-            out = _wire.encode_infer(model, inputs, outputs, version, timeout, arena, out_bytes,
-                                     self.arena_min_bytes)
+            out = self._encode(model, inputs, outputs, version, timeout)
             try:
-                msg, frames = await self._exchange(out.frames, out.req_id, timeout)
-            except errors.PoolUnavailable:
-                return self._orphaned(out)
+                msg, frames = await self._exchange(out.frames, out.req_id, timeout, out)
+            except BaseException:  # timed out, the pool gone, or cancelled: the front may still write there
+                self._orphan(out)
+                raise
             try:
                 return _wire.result(msg, frames, self.arena, out)
             except errors.InvalidArgument as exc:
-                if attempt == 2 or self.arena is None or _wire.ARENA_UNKNOWN not in exc.message:
+                if attempt == 2 or not self._arena_lost(exc):
                     raise
-                # a new pool on the endpoint: register the arena again and retry once
-                body = await self._call(protocol.RegisterArena(_wire.next_id(), self.arena.segment.name,
-                                                               self.arena.size))
-                self._arena_id = body["arena"]
+                self._registered(await self._call(self._register()))
             finally:
                 out.release(self.arena)
         raise AssertionError("unreachable")
 
-    def _orphaned(self, out: _wire.Outgoing):
-        # The front may still write this request's outputs into its arena range: never reuse it.
-        raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} in time (request {out.req_id})")
-
     async def model_metadata(self, model: str) -> dict:
-        return await self._call(protocol.Query(_wire.next_id(), "metadata", {"model": model}))
+        return await self._call(self._query("metadata", {"model": model}))
 
     async def status(self) -> dict:
-        return await self._call(protocol.Query(_wire.next_id(), "status", {}))
+        return await self._call(self._query("status", {}))
 
     async def stats(self) -> dict:
-        return await self._call(protocol.Query(_wire.next_id(), "stats", {}))
+        return await self._call(self._query("stats", {}))
 
     async def load(self, model: str, timeout: float | None = None) -> dict:
-        return await self._call(protocol.Query(_wire.next_id(), "load", {"model": model}), timeout)
+        return await self._call(self._query("load", {"model": model}), timeout)
 
     async def unload(self, model: str) -> dict:
-        return await self._call(protocol.Query(_wire.next_id(), "unload", {"model": model}))
+        return await self._call(self._query("unload", {"model": model}))
 
     async def query(self, what: str, args: dict | None = None):
-        return await self._call(protocol.Query(_wire.next_id(), what, args or {}))
+        return await self._call(self._query(what, args or {}))
 
     async def _call(self, msg, timeout: float | None = None):
         found, frames = await self._exchange([msg.encode()], msg.req_id, timeout)
         return _wire.result(found, frames, self.arena)
 
-    async def _exchange(self, frames: list, req_id: int, timeout: float | None):
+    async def _exchange(self, frames: list, req_id: int, timeout: float | None, out: _wire.Outgoing | None = None):
         fut = asyncio.get_running_loop().create_future()
-        self._pending[req_id] = fut
         wait = self.timeout if timeout is None else timeout
+        now = time.monotonic()
+        deadline = None if wait is None else now + wait
+        entry = (out, fut, deadline, False)
+        self._inflight[req_id] = entry
         try:
-            if not await self._send_lane(frames, req_id):
+            if not await self._send_lane(frames, req_id, entry):
                 await self._sock.send_multipart(frames, copy=False)
-            return await asyncio.wait_for(fut, wait)
-        except TimeoutError:
-            raise errors.PoolUnavailable(f"no answer from the pool at {self.endpoint} within {wait}s") from None
+                wake = now + WATCH_S if deadline is None or deadline > now + WATCH_S else deadline
+            else:
+                wake = deadline
+            if wake is not None and (self._timer_at is None or wake < self._timer_at):
+                self._arm(wake, now)
+            return await fut
         finally:
-            self._pending.pop(req_id, None)
-            self._on_lane.discard(req_id)
+            self._inflight.pop(req_id, None)
 
-    async def _send_lane(self, frames: list, req_id: int) -> bool:
+    def _arm(self, at: float, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, at - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        """Fails what is past its deadline, and what went over ZMQ to a pool that has stopped."""
+        self._timer = self._timer_at = None
+        now = time.monotonic()
+        for req_id, (_, fut, _, _) in self._inflight.expired(now):
+            if not fut.done():
+                fut.set_exception(self._late(req_id))
+        if self._stopped():
+            for req_id, (_, fut, _, _) in self._inflight.carried(False):
+                if not fut.done():
+                    fut.set_exception(self._gone(f"request {req_id}"))
+        wake = self._inflight.next_wake(now)
+        if wake is not None:
+            self._arm(wake, now)
+
+    async def _send_lane(self, frames: list, req_id: int, entry: tuple) -> bool:
         """False: no lane, or it died before the pool read this request (then ZMQ carries it).
         A lock keeps one message's records together; a record that finds the socket full waits."""
         if self._lane is None:
@@ -166,7 +172,8 @@ class AsyncClient:
                 if sent:
                     self._lose_lane(ConnectionAbortedError("a send was cancelled mid-message"))
                 raise
-            self._on_lane.add(req_id)
+            if req_id in self._inflight:  # a reply may have come already, and taken the entry
+                self._inflight[req_id] = entry[:3] + (True,)
             return True
 
     async def _connect_lane(self) -> None:
@@ -207,47 +214,53 @@ class AsyncClient:
         self._dialer.failed()
         asyncio.get_running_loop().remove_reader(sock.fileno())
         sock.close()
-        for req_id in self._on_lane:
-            fut = self._pending.get(req_id)
-            if fut is not None and not fut.done():
-                fut.set_exception(errors.PoolUnavailable(
-                    f"the pool at {self.endpoint} closed the connection (request {req_id}): {exc}"))
-        self._on_lane.clear()
+        for req_id, (_, fut, _, _) in self._inflight.carried(True):
+            if not fut.done():
+                fut.set_exception(self._hung_up(f"request {req_id}", exc))
 
     def _deliver(self, frames: list) -> None:
         try:
             msg, rest = _wire.decode(frames)
         except protocol.ProtocolError:
             return
-        fut = self._pending.get(getattr(msg, "req_id", None))
-        if fut is not None and not fut.done():
-            fut.set_result((msg, rest))
+        req_id = getattr(msg, "req_id", None)
+        entry = self._inflight.pop(req_id, None)
+        if entry is None:
+            self._late_reply(req_id)
+        elif not entry[1].done():
+            entry[1].set_result((msg, rest))
 
     async def _read(self) -> None:
         while True:
             self._deliver(await self._sock.recv_multipart(copy=False))
 
     async def close(self) -> None:
-        if self.arena is not None and self._arena_id != protocol.NO_ARENA:
+        unregister = None if self._closed else self._unregister()
+        self._closed = True
+        if unregister is not None:
             try:
-                await self._call(protocol.UnregisterArena(_wire.next_id(), self._arena_id), 2.0)
+                await self._call(unregister, 2.0)
             except errors.GepoolError:
                 pass
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        if self._lane is not None:
-            asyncio.get_running_loop().remove_reader(self._lane.fileno())
-            self._lane.close()
-            self._lane = None
-        self._sock.close(0)
-        self._ctx.term()
+        try:
+            if self._reader is not None:
+                self._reader.cancel()
+                # wait() neither raises the reader's CancelledError nor swallows one aimed at this task
+                await asyncio.wait([self._reader])
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = self._timer_at = None
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+            if self._lane is not None:
+                asyncio.get_running_loop().remove_reader(self._lane.fileno())
+                self._lane.close()
+                self._lane = None
+            if not self._sock.closed:
+                self._sock.close(0)
+                self._ctx.term()
 
     async def __aenter__(self) -> "AsyncClient":
         await self.start()

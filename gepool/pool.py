@@ -206,10 +206,13 @@ def _stop(proc: subprocess.Popen) -> int | None:
 
 
 def _front_process(argv: list[str]) -> int:
-    """`python -m gepool.pool ARGS_JSON READY_FD`: a front whose readiness is one JSON line on READY_FD."""
+    """`python -m gepool.pool ARGS_JSON READY_FD [DEATH_FD]`: a front whose readiness is one JSON line on
+    READY_FD, and that stops (as on SIGTERM) once DEATH_FD reads end of file: its Pool's process is gone."""
     args, fd = json.loads(argv[0]), int(argv[1])
     logging.basicConfig(level=args["log_level"], format="%(asctime)s front %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the Pool's owner stops us with SIGTERM
+    if len(argv) > 2:
+        _watch_owner(int(argv[2]))
     out = os.fdopen(fd, "w")
 
     def report(kind: str, body) -> None:
@@ -231,6 +234,27 @@ def _front_process(argv: list[str]) -> int:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
     return code
+
+
+def _watch_owner(death_fd: int) -> None:
+    """The Pool holds the other end of this pipe and never writes: end of file means its process died (or
+    closed it). The front then stops as on SIGTERM, draining; before its handler is installed, SIGTERM's
+    default ends the process, which has nothing to clean up yet."""
+    os.set_inheritable(death_fd, False)  # the front's own children (workers, the sidecar) must not hold it
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(death_fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        log.warning("the process that started this pool is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gepool-owner-watch", daemon=True).start()
 
 
 class Pool:
@@ -264,6 +288,7 @@ class Pool:
         self.busy_poll_us, self.auto_complete_config = busy_poll_us, auto_complete_config
         self.http_restricted_api, self.http_max_body_bytes = list(http_restricted_api), http_max_body_bytes
         self.process = None
+        self._death_w: int | None = None
         self.status: dict = {}
         self._clients: list = []
 
@@ -279,11 +304,19 @@ class Pool:
                 "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us,
                 "auto_complete_config": self.auto_complete_config,
                 "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes}
+        # the death pipe: the front holds the read end, this process the write end (not inheritable, so no
+        # other child keeps the front alive); when this process dies the front reads end of file and stops
+        death_r, self._death_w = os.pipe()
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd)],
-                                            pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd),
+                                             str(death_r)], pass_fds=(write_fd, death_r), stdin=subprocess.DEVNULL)
+        except BaseException:
+            os.close(self._death_w)
+            self._death_w = None
+            raise
         finally:
             os.close(write_fd)
+            os.close(death_r)
         with os.fdopen(read_fd) as reader:
             ready, _, _ = select.select([reader], [], [], self.start_timeout)
             line = reader.readline() if ready else ""
@@ -314,6 +347,9 @@ class Pool:
         if self.process is None:
             return None
         code = _stop(self.process)
+        if self._death_w is not None:
+            os.close(self._death_w)
+            self._death_w = None
         if code is not None and code < 0:  # killed by a signal: the front could not remove its files
             self._remove_leftovers()
         return code

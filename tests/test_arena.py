@@ -2,13 +2,15 @@
 with Client.empty travel as offsets, and every arena byte comes back once the arrays are gone."""
 
 import gc
+import os
 
 import numpy as np
 import pytest
 
-from gepool import _wire
+from gepool import Client, _wire
 from gepool.arena import ClientArena
 from gepool.common import errors
+from tests.conftest import wait_until
 
 
 def in_arena(arena: ClientArena, arr: np.ndarray) -> bool:
@@ -187,3 +189,82 @@ def test_a_workers_arena_mappings_are_bounded():
         maps.close()
         for a in arenas:
             a.close()
+
+
+# -- a request that timed out keeps its range until its late reply, in both faces ------------------------
+
+def test_a_timed_out_requests_range_returns_with_its_late_reply(pool, gate_file):
+    """The front may still write a timed-out request's outputs into its arena range: the range stays
+    taken until the late reply arrives, then returns (a client that never took it back slowly drained
+    its arena and fell back to frames for good)."""
+    x = np.full((8, 4), -1, np.float32)  # a full preferred batch: it runs at once, and waits at the gate
+    with pool.client(shared_memory=True, arena_bytes=1 << 20, arena_min_bytes=0) as c:
+        open(gate_file, "w").close()
+        try:
+            with pytest.raises(errors.PoolUnavailable, match="within"):
+                c.infer("recorder", {"INPUT": x}, timeout=0.5)
+            assert not whole(c.arena), "the range was freed while the front may still write into it"
+        finally:
+            os.unlink(gate_file)
+        assert wait_until(lambda: c.status() is not None and whole(c.arena)), c.arena.free_ranges()
+
+
+def test_the_asyncio_clients_timed_out_range_returns_with_its_late_reply(pool, gate_file):
+    import asyncio
+
+    from gepool import AsyncClient
+
+    x = np.full((8, 4), -1, np.float32)
+
+    async def run() -> None:
+        async with AsyncClient(pool.endpoint, shared_memory=True, arena_bytes=1 << 20, arena_min_bytes=0) as c:
+            await c.infer("tiny", {"INPUT0": np.ones((1, 16), np.float32)})  # metadata fetched, outputs copied
+            assert whole(c.arena)
+            open(gate_file, "w").close()
+            try:
+                with pytest.raises(errors.PoolUnavailable, match="in time"):
+                    await c.infer("recorder", {"INPUT": x}, timeout=0.5)
+                assert not whole(c.arena), "the range was freed while the front may still write into it"
+            finally:
+                os.unlink(gate_file)
+            deadline = asyncio.get_running_loop().time() + 30
+            while not whole(c.arena) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)  # the late reply comes in on the client's reader
+            assert whole(c.arena), c.arena.free_ranges()
+            out = await c.infer("recorder", {"INPUT": np.ones((8, 4), np.float32)})
+            np.testing.assert_array_equal(out["OUTPUT"], np.ones((8, 4)))
+            del out
+            assert whole(c.arena)
+
+    asyncio.run(run())
+
+
+def test_a_new_pool_on_the_endpoint_frees_what_timed_out_on_the_old_one(tmp_path):
+    """The old pool was killed holding a request: its late reply will never come. Once a new pool on the
+    same endpoint has the arena registered, nothing earlier can write into it, and the range returns."""
+    from gepool import Pool
+    from tests import repo as test_repo
+
+    models, gate = str(tmp_path / "models"), str(tmp_path / "gate")
+    test_repo.make_models.make_tiny(models)
+    test_repo.recorder(models, "gated", gate=gate, delay_us=1000)
+    endpoint = f"ipc://{tmp_path}/p.sock"
+    open(gate, "w").close()
+    old = Pool(models, endpoint=endpoint).start()
+    c = None
+    try:
+        c = Client(endpoint, shared_memory=True, arena_bytes=1 << 20, arena_min_bytes=0)
+        with pytest.raises(errors.PoolUnavailable):
+            c.infer("gated", {"INPUT": np.full((8, 4), -1, np.float32)}, timeout=0.5)
+        assert not whole(c.arena)
+        old.process.kill()
+        old.stop()  # removes the killed front's socket files
+        os.unlink(gate)
+        with Pool(models, endpoint=endpoint):
+            x = np.ones((1, 16), np.float32)
+            np.testing.assert_array_equal(c.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+            assert whole(c.arena), c.arena.free_ranges()
+    finally:
+        if c is not None:
+            c.close()
+        old.stop()

@@ -215,3 +215,45 @@ def test_each_model_splits_the_cpu_budget_among_its_own_instances(tmp_path):
         np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 16), 3.0))
     assert cpu_threads(0, 1) == len(os.sched_getaffinity(0))
     assert cpu_threads(0, 64) == 1
+
+
+_OWNER = """
+import sys, time
+from gepool import Pool
+pool = Pool(sys.argv[1], http_port=int(sys.argv[2])).start()
+print(pool.process.pid, pool.endpoint, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_pool_never_stopped_dies_with_the_process_that_started_it(small_repo, tmp_path):
+    """A death pipe: the owner is SIGKILLed, never stopping its Pool; the front, its workers and the HTTP
+    sidecar exit (the front drains and removes its files as on SIGTERM) instead of living on under init."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    repo, _ = small_repo
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, repo, str(free_port())], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    processes: list[int] = []
+    try:
+        front, endpoint = owner.stdout.readline().split()
+        processes = _descendants(owner.pid)  # the front, its workers, the sidecar, spawn's resource tracker
+        assert int(front) in processes and len(processes) >= 3, processes
+        owner.kill()
+        owner.wait()
+        assert wait_until(lambda: not any(running(p) for p in processes), 60), \
+            [p for p in processes if running(p)]
+        assert not os.path.exists(endpoint[len("ipc://"):]), "the front did not stop cleanly"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        owner.stdout.close()
+        for pid in processes:  # survivors of a failed run, so that they do not outlive the tests
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

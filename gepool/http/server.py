@@ -41,6 +41,7 @@ log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",
               "model_repository", "parameters"]
 PARENT_CHECK_S = 1.0
+CONNECT_RETRY_S = 0.5  # a client fails at once where no pool listens: wait before trying again
 REQUEST_TIMEOUT_S = 300.0
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
@@ -65,8 +66,9 @@ class Gateway:
                                  curve_client_key=self.curve_key)  # the pool's own key pair, always admitted
             try:
                 await client.start(connect_timeout=2.0)
-            except errors.PoolUnavailable:
-                continue  # start() closed it
+            except errors.PoolUnavailable:  # start() closed it
+                await asyncio.sleep(CONNECT_RETRY_S)
+                continue
             self.client = client
             self.connected.set()
             return
