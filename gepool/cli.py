@@ -206,7 +206,7 @@ def _cmd_bench(args) -> int:
                 json.dump(result, f, indent=2)
         return 0
     if args.http:
-        from gepool.bench_http import bench_http
+        from gepool.bench import bench_http
 
         report = bench_http(args.http, args.model, concurrency, rates, args.duration, args.batch_size, given,
                             display)

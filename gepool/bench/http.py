@@ -1,5 +1,4 @@
-"""``gepool bench --http URL``: the same levels over Triton's KServe v2 HTTP protocol (binary tensors),
-from one asyncio loop; the server's window comes from the standard ``/v2/models/{m}/stats``."""
+"""``gepool bench --http URL``: the same levels over Triton's KServe v2 HTTP protocol, from one asyncio loop."""
 
 import asyncio
 import json
@@ -8,18 +7,10 @@ from dataclasses import asdict
 
 import numpy as np
 
-from gepool.bench import (
-    SATURATION_CPU,
-    SATURATION_LAG,
-    Display,
-    Level,
-    _counts_in_order,
-    _Ticker,
-    make_inputs,
-    percentiles,
-    poisson_arrivals,
-    request_rows,
-)
+from gepool.bench.display import Display
+from gepool.bench.load import SATURATION_CPU, SATURATION_LAG, make_inputs, poisson_arrivals, request_rows
+from gepool.bench.results import Level, percentiles, window
+from gepool.bench.ticker import Ticker, counts_in_order
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -37,6 +28,7 @@ def _body(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict]:
 
 
 def _window(before: dict, after: dict) -> dict:
+    """The server's view of a level from two ``/v2/models/{m}/stats`` answers (Triton's statistics)."""
     b, a = before["model_stats"][0], after["model_stats"][0]
 
     def ns(key: str) -> int:
@@ -46,11 +38,8 @@ def _window(before: dict, after: dict) -> dict:
     batches = a["execution_count"] - b["execution_count"]
     sizes_b = {s["batch_size"]: s["compute_infer"]["count"] for s in b["batch_stats"]}
     sizes = {s["batch_size"]: s["compute_infer"]["count"] - sizes_b.get(s["batch_size"], 0) for s in a["batch_stats"]}
-    return {"requests": reqs, "batches": batches,
-            "avg_batch_size": (a["inference_count"] - b["inference_count"]) / batches if batches else 0.0,
-            "queue_ms_avg": ns("queue") / 1e6 / max(reqs, 1),
-            "compute_ms_avg": ns("compute_infer") / 1e6 / max(batches, 1),
-            "batch_sizes": {k: v for k, v in sorted(sizes.items()) if v}}
+    return window(reqs, batches, a["inference_count"] - b["inference_count"], ns("queue") / 1e6,
+                  ns("compute_infer") / 1e6, sizes)
 
 
 async def _level(session, url: str, model: str, body: bytes, headers: dict, mode: str, value: float,
@@ -58,7 +47,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     level, latencies = Level(mode, value), []
 
     def counts() -> tuple:  # read by the ticker's thread
-        return _counts_in_order(level, latencies)
+        return counts_in_order(level, latencies)
 
     async def one() -> None:
         start = time.perf_counter()
@@ -69,7 +58,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
                 ok, kind = resp.status == 200, f"HTTP_{resp.status}"
         except Exception as exc:  # connection refused, reset...: counted, never lost
             ok, kind = False, type(exc).__name__
-        if ok:  # the latency before the count, as bench's _Run records them
+        if ok:  # the latency before the count, as the library client's load records them
             latencies.append(time.perf_counter() - start)
             level.ok += 1
             level.rows += rows
@@ -79,7 +68,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     async with session.get(f"{url}/v2/models/{model}/stats") as resp:
         before = await resp.json()
     start, cpu = time.perf_counter(), time.process_time()
-    with _Ticker(display, mode, value, seconds, 1, counts):
+    with Ticker(display, mode, value, seconds, 1, counts):
         if mode == "concurrency":
             async def loop() -> None:
                 while time.perf_counter() - start < seconds:
@@ -137,5 +126,6 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
 def bench_http(url: str, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
                seconds: float = 5.0, batch_size: int = 1, given: dict | None = None,
                display: Display | None = None) -> dict:
-    """``given`` and ``display`` as ``bench``'s."""
+    """``bench``'s levels against a KServe v2 HTTP endpoint (binary tensors); the server's window comes
+    from the standard ``/v2/models/{m}/stats``. ``given`` and ``display`` as ``bench``'s."""
     return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size, given, display))
