@@ -39,9 +39,10 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
           metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
-          poll_secs: float = 15.0, busy_poll_us: int = 0) -> int:
+          poll_secs: float = 15.0, busy_poll_us: int = 0, strict_readiness: bool = True) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
-    port, the sidecar process starts once the front is ready and stops after the front has drained."""
+    port, the sidecar process starts once the front is ready and stops after the front has drained;
+    ``strict_readiness`` False makes its /v2/health/ready answer ready while any model is unavailable."""
     from gepool.scheduler.front import Front, FrontOptions
 
     opts = FrontOptions(repository=os.path.abspath(repository), endpoint=endpoint or default_endpoint(),
@@ -54,7 +55,7 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
     def ready(status: dict) -> None:
         if http_port or metrics_port:
             gateway.append(_start_gateway(status["endpoint"], http_host, http_port, metrics_port, log_level,
-                                          curve_secret_key))
+                                          curve_secret_key, strict_readiness))
             status["http"] = f"http://{http_host}:{http_port}" if http_port else None
             status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
         if on_ready is not None:
@@ -68,7 +69,7 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
 
 
 def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
-                   curve_key: str | None = None) -> subprocess.Popen:
+                   curve_key: str | None = None, strict_readiness: bool = True) -> subprocess.Popen:
     """The HTTP sidecar; returns once it listens (it reaches the front on its own, lazily)."""
     read_fd, write_fd = os.pipe()
     try:
@@ -76,6 +77,7 @@ def _start_gateway(endpoint: str, host: str, http_port: int, metrics_port: int, 
                                  "--http-host", host, "--http-port", str(http_port), "--metrics-port",
                                  str(metrics_port), "--ready-fd", str(write_fd),
                                  "--log-level", logging.getLevelName(log_level),
+                                 "--strict-readiness", "true" if strict_readiness else "false",
                                  *(["--curve-key", curve_key] if curve_key else [])],
                                 pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     finally:

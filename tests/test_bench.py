@@ -97,13 +97,16 @@ def test_cli_writes_the_report(pool, tmp_path):
     (["--sweep", "--model-repository", ".", "--shared-memory"], "does not go with --sweep"),
     (["--input", "INPUT0"], "--input takes NAME=FILE.npy, not 'INPUT0'"),
     (["--input", "INPUT0=/nonexistent/x.npy"], "--input INPUT0: cannot load '/nonexistent/x.npy'"),
+    (["--model-repository", "."], "--model-repository and --p99-target-ms are for --sweep"),
+    (["--p99-target-ms", "5"], "--model-repository and --p99-target-ms are for --sweep"),
+    (["--sweep", "--model-repository", "/nonexistent"], "has no folder 'tiny'"),
 ])
 def test_the_cli_refuses_options_it_would_ignore(argv, why, capsys):
     """Each of these used to be dropped without a word (or, for --input, to end in a traceback); they
-    are refused before anything is loaded."""
+    are refused before anything is loaded, as user errors (exit code 2)."""
     from gepool.cli import main
 
-    assert main(["bench", "tiny", "--concurrency", "1", *argv]) == 1
+    assert main(["bench", "tiny", "--concurrency", "1", *argv]) == 2
     assert why in capsys.readouterr().err
 
 

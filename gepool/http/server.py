@@ -36,8 +36,8 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Gateway:
-    def __init__(self, endpoint: str, curve_key: str | None = None) -> None:
-        self.endpoint, self.curve_key = endpoint, curve_key
+    def __init__(self, endpoint: str, curve_key: str | None = None, strict_readiness: bool = True) -> None:
+        self.endpoint, self.curve_key, self.strict_readiness = endpoint, curve_key, strict_readiness
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
         self.regions = Regions()
@@ -101,7 +101,8 @@ class Gateway:
         if not self.connected.is_set():
             return web.Response(status=400)
         status = await self.client.status()
-        ok = not status["stopping"] and all(m["state"] == "READY" for m in status["models"].values())
+        ok = not status["stopping"] and (not self.strict_readiness
+                                         or all(m["state"] == "READY" for m in status["models"].values()))
         return web.Response(status=200 if ok else 400)
 
     @route
@@ -290,8 +291,8 @@ def http_app(gw: Gateway) -> web.Application:
 
 
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
-                curve_key: str | None = None) -> None:
-    gw = Gateway(endpoint, curve_key)
+                curve_key: str | None = None, strict_readiness: bool = True) -> None:
+    gw = Gateway(endpoint, curve_key, strict_readiness)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
     for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--curve-key", help="the pool's CURVE certificate, when its endpoint uses CURVE")
+    p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
+                   help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
-                      args.curve_key))
+                      args.curve_key, args.strict_readiness == "true"))
     return 0
 
 
