@@ -37,6 +37,7 @@ def assert_user_error(out: subprocess.CompletedProcess, *says: str) -> None:
     (["start", "--model-repository", ".", "--log-warning", "false"], ["--log-warning false"]),
     (["start", "--model-repository", ".", "--log-verbose", "x"], ["--log-verbose"]),
     (["status", "--endpoint", "localhost"], ["ipc://PATH, tcp://HOST:PORT or HOST:PORT", "'localhost'"]),
+    (["status", "--endpoint", "tcp://127.0.0.1:*"], ["needs the pool's port"]),
     (["status", "--endpoint", "ipc:///nonexistent/gepool.sock"], ["no pool on ipc:///nonexistent/gepool.sock",
                                                                  "does not exist"]),
     (["infer", "tiny", "--input", "INPUT0"], ["--input takes NAME=FILE.npy, not 'INPUT0'"]),

@@ -5,7 +5,8 @@ import json
 import os
 import sys
 
-from gepool.cli import UsageError, connect, endpoint, load_inputs, probe, processes
+from gepool.cli.args import UsageError, add_endpoint, load_inputs, processes
+from gepool.cli.connect import connect, probe
 from gepool.common import errors
 
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16]
@@ -14,9 +15,7 @@ DEFAULT_P99_TARGET_MS = 100.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the model's name")
-    p.add_argument("--endpoint", type=endpoint, metavar="ENDPOINT",
-                   help="the pool's endpoint: ipc://PATH, tcp://HOST:PORT or HOST:PORT (default: ipc in your "
-                        "runtime folder)")
+    add_endpoint(p)
     p.add_argument("--http", metavar="URL", help="load the KServe v2 HTTP endpoint instead (e.g. localhost:8000)")
     p.add_argument("--concurrency", default="", help="closed-loop levels, e.g. 1,2,4,8,16 (the default, "
                                                        "without --rate)")
