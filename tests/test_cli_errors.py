@@ -74,6 +74,14 @@ def test_plot_without_matplotlib_is_refused_before_the_run(pool, client):
     assert client.stats()["tiny"]["requests"] == before  # nothing was sent
 
 
+def test_a_pool_refusal_is_one_line_and_exit_code_1(pool):
+    for model, says in (("nosuch", "unknown model"), ("bad_config", "model 'bad_config' declares no inputs")):
+        out = gepool("bench", model, "--endpoint", pool.endpoint, "--concurrency", "1", "--duration", "0.2")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        (line,) = out.stderr.splitlines()
+        assert line.startswith("gepool: error: ") and says in line, line
+
+
 def test_version():
     from gepool import __version__
 

@@ -109,6 +109,12 @@ def test_exit_on_error_false_serves_the_others_and_strict_readiness_false_report
         assert not any(line.startswith("metrics on") for line in pool.lines) and not listening(metrics)
         assert http_status(f"http://127.0.0.1:{http}/v2/models/broken/ready") == 400
         assert http_status(f"http://127.0.0.1:{http}/v2/health/ready") == 200  # strict: 400 (test_cli's start)
+        out = subprocess.run([sys.executable, "-m", "gepool.cli", "bench", "nosuch", "--http", f"127.0.0.1:{http}",
+                              "--concurrency", "1", "--duration", "0.2"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr  # the server's answer, one line
+        (line,) = out.stderr.splitlines()
+        assert line.startswith("gepool: error: ") and f"GET http://127.0.0.1:{http}/v2/models/nosuch: HTTP 400" in line
+        assert "unknown model" in line, line
         code, err = pool.stop()
     assert code == 0, err
     assert " DEBUG serving " in err

@@ -11,6 +11,7 @@ from gepool.bench.display import Display
 from gepool.bench.load import SATURATION_CPU, SATURATION_LAG, make_inputs, poisson_arrivals, request_rows
 from gepool.bench.results import Level, percentiles, window
 from gepool.bench.ticker import Ticker, counts_in_order
+from gepool.common import errors
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -65,8 +66,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
         else:
             level.errors[kind] = level.errors.get(kind, 0) + 1
 
-    async with session.get(f"{url}/v2/models/{model}/stats") as resp:
-        before = await resp.json()
+    before = await _get(session, f"{url}/v2/models/{model}/stats")
     start, cpu = time.perf_counter(), time.process_time()
     with Ticker(display, mode, value, seconds, 1, counts):
         if mode == "concurrency":
@@ -93,9 +93,28 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     level.latency_ms = percentiles(latencies)
     level.throughput_rps = level.ok / level.seconds
     level.rows_per_s = level.rows / level.seconds
-    async with session.get(f"{url}/v2/models/{model}/stats") as resp:
-        level.server = _window(before, await resp.json())
+    level.server = _window(before, await _get(session, f"{url}/v2/models/{model}/stats"))
     return level
+
+
+async def _get(session, url: str) -> dict:
+    """A GET's JSON answer, or an Unavailable naming the URL and what the server said instead."""
+    import aiohttp
+
+    try:
+        async with session.get(url) as resp:
+            body = await resp.text()
+            status = resp.status
+    except aiohttp.ClientError as exc:
+        raise errors.Unavailable(f"GET {url}: {exc}") from None
+    try:
+        answer = json.loads(body) if body else {}
+    except ValueError:
+        answer = None
+    if status != 200 or not isinstance(answer, dict):
+        said = answer.get("error") if isinstance(answer, dict) and answer.get("error") else body[:200]
+        raise errors.Unavailable(f"GET {url}: HTTP {status}: {said or 'no KServe v2 answer'}")
+    return answer
 
 
 async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch_size: int,
@@ -105,10 +124,8 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
     url = url.rstrip("/") if "://" in url else f"http://{url.rstrip('/')}"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        async with session.get(f"{url}/v2/models/{model}") as resp:
-            meta = await resp.json()
-        async with session.get(f"{url}/v2/models/{model}/config") as resp:
-            meta["max_batch_size"] = (await resp.json()).get("max_batch_size", 0)
+        meta = await _get(session, f"{url}/v2/models/{model}")
+        meta["max_batch_size"] = (await _get(session, f"{url}/v2/models/{model}/config")).get("max_batch_size", 0)
         inputs = dict(make_inputs(meta, batch_size), **(given or {}))
         body, headers = _body(inputs)
         rows = request_rows(inputs, meta["max_batch_size"] > 0)

@@ -27,7 +27,12 @@ def poisson_arrivals(rate: float, seconds: float, seed: int = 0) -> np.ndarray:
 
 
 def make_inputs(meta: dict, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs of the model's shapes (variable dims become 1), with batch_size rows when it batches."""
+    """Random inputs of the model's shapes (variable dims become 1), with batch_size rows when it batches;
+    a ModelNotReady for metadata without inputs (a model whose config did not load)."""
+    if "inputs" not in meta:
+        why = f": {meta['reason']}" if meta.get("reason") else ""
+        raise errors.ModelNotReady(f"model '{meta.get('name', '?')}' declares no inputs to send: it is "
+                                   f"{meta.get('state', 'not ready')}{why}")
     rng = np.random.default_rng(seed)
     out = {}
     for t in meta["inputs"]:
