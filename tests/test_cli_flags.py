@@ -139,3 +139,24 @@ def test_a_missing_repository_is_an_error_in_every_mode(tmp_path):
                              text=True, timeout=60)
         assert out.returncode == 2 and out.stderr.startswith("gepool: error: --model-repository"), out.stderr
         assert "is not a folder" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_log_flags_set_a_threshold_or_are_refused():
+    import logging
+
+    from gepool.cli import UsageError, build_parser, log_threshold
+
+    def threshold(*flags: str) -> int:
+        return log_threshold(build_parser().parse_args(["start", "--model-repository", ".", *flags]))
+
+    assert threshold() == logging.INFO
+    assert threshold("--log-verbose", "1") == threshold("--log-verbose=true") == logging.DEBUG
+    assert threshold("--log-verbose", "0") == logging.INFO
+    assert threshold("--log-info", "false") == logging.WARNING
+    assert threshold("--log-info", "0", "--log-warning", "off") == logging.ERROR
+    assert threshold("--log-info", "false", "--log-warning", "false", "--log-error", "false") == logging.CRITICAL
+    assert threshold("--log-level", "warning") == logging.WARNING
+    for refused in (["--log-warning", "false"], ["--log-verbose", "2", "--log-info", "false"],
+                    ["--log-info", "false", "--log-error", "false"], ["--log-level", "INFO", "--log-verbose", "1"]):
+        with pytest.raises(UsageError):
+            threshold(*refused)

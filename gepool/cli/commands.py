@@ -57,7 +57,7 @@ def format_status(status: dict) -> str:
 
 
 def infer(args) -> int:
-    from gepool.ipc import dtypes
+    from gepool.bench.load import make_inputs
 
     given = load_inputs(args.input)
     with connect(args.endpoint, shared_memory=args.shared_memory) as c:
@@ -67,16 +67,7 @@ def infer(args) -> int:
         if unknown:
             raise UsageError(f"model '{args.model}' has no input {', '.join(unknown)} (its inputs: "
                              f"{', '.join(names)})")
-        rng = np.random.default_rng(0)
-        inputs = {}
-        for t in meta.get("inputs", []):
-            if t["name"] in given:
-                inputs[t["name"]] = given[t["name"]]
-                continue
-            shape = [args.batch_size if i == 0 and meta["max_batch_size"] > 0 else (d if d > 0 else 1)
-                     for i, d in enumerate(t["shape"])]
-            inputs[t["name"]] = (rng.random(shape) * 10).astype(dtypes.to_numpy(t["datatype"]))
-        outputs = c.infer(args.model, inputs)
+        outputs = c.infer(args.model, dict(make_inputs(meta, args.batch_size), **given))
     for name, arr in outputs.items():
         print(f"{name} {arr.dtype} {list(arr.shape)}")
         print(np.array2string(arr, threshold=20, edgeitems=3))
