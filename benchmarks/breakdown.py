@@ -1,13 +1,4 @@
-"""Where a tiny request's time goes at concurrency 1: seven segments from the client's send to its return.
-
-    python benchmarks/breakdown.py [--requests 3000] [--busy-poll-us 0] [--zmq]
-
-The client stamps each request's send and return; the front (this script runs it, wrapped, in place
-of ``python -m gepool.pool``) stamps when its handler sees the request and when the reply has gone
-out; the slot's header already holds when the front filled it and when the worker started and
-finished. All are time.monotonic(), one clock host-wide. Medians per segment: what the transport,
-the wake-ups and each process's own work cost, measured rather than guessed.
-"""
+"""Where a tiny request's time goes at concurrency 1, in seven segments (method: benchmarks/README.md)."""
 
 import argparse
 import json

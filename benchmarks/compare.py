@@ -1,18 +1,4 @@
-"""Side by side in one run: the limit (onnxruntime in-process at its best batch) and, beside it, the same
-at batch 16 (the most any server can reach at concurrency 16, whose sixteen requests form no larger
-batch), the transport floor
-(a bare pyzmq round trip), gepool through the library client (frames and shared memory, over a
-lane, and frames over ZMQ; a shared-memory client sends requests under 64 KiB as frames, so its tiny
-and MLP rows measure that choice) and over HTTP; the MLP under Poisson arrivals at 70% of its measured
-capacity, with the adaptive batch policy and with Triton's static one (p99 against the compute time
-of the batches served); then a 16 MiB tensor through the shared-memory carrier beside a plain
-in-process memcpy; last, the tiny model and the MLP again on a pool whose front busy-polls, and the
-tiny model on one whose front never polls (what the default adaptive polling buys).
-
-    python benchmarks/compare.py [--seconds 4]
-
-Every figure comes from this run on this host; the ratios are what to compare across hosts.
-"""
+"""The limit, the floor and gepool's carriers side by side in one run (method: benchmarks/README.md)."""
 
 import argparse
 import os

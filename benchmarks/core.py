@@ -1,15 +1,4 @@
-"""One run, three figures and their ratios: the transport floor, tiny-model latency, MLP throughput.
-
-    python benchmarks/core.py [--seconds 5] [--requests 2000]
-
-1. a bare pyzmq REQ/REP ping over ipc between two processes (the floor of any ZMQ design);
-2. gepool's p50/p99 latency for the tiny model at concurrency 1 (library client, frames);
-3. the MLP's throughput through gepool at concurrency 16, beside onnxruntime in-process at its best
-   batch size (the limit), with the same thread count the pool's worker gets.
-
-On a small host client, front and worker share the cores, so the ratios (measured in the same run)
-are the figures to compare, not the absolute times.
-"""
+"""The transport floor, tiny-model latency and MLP throughput beside the limit (method: benchmarks/README.md)."""
 
 import argparse
 import multiprocessing

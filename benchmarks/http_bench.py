@@ -1,12 +1,4 @@
-"""HTTP beside the library client: the example models through gepool's KServe v2 endpoint (perf_analyzer,
-the load generator Triton users already have) and through gepool.Client, at concurrency 1 and 8.
-
-    python benchmarks/http_bench.py [--seconds 5]
-
-perf_analyzer comes with tritonclient==2.40.0 (pip install -e '.[test]') and needs Debian's libb64-0d
-and libcudart.so.12 (PyPI nvidia-cuda-runtime-cu12) on LD_LIBRARY_PATH; this script sets the latter.
-On a 2-core host the load generator, the sidecar, the front and the workers share the cores.
-"""
+"""The example models over gepool's KServe v2 HTTP endpoint and the library client (benchmarks/README.md)."""
 
 import argparse
 import csv

@@ -1,15 +1,4 @@
-"""The best p99 any batching policy could give the MLP with one worker under Poisson load, with no
-serving overhead at all: a bound to read compare.py's Poisson rows against.
-
-    python benchmarks/ideal_poisson.py [--load 0.7] [--seconds 4]
-
-It times the MLP in-process (onnxruntime on every core, as gepool's one MLP worker runs it) at
-batch sizes 1 to 32, fits compute = fixed + per_row x rows, and simulates one worker fed by Poisson
-arrivals at ``--load`` times its throughput at batch 16 (about compare.py's "70% of the measured
-concurrency-16 capacity"). The worker takes everything queued (up to 32) whenever it frees, which
-no waiting policy beats on latency. Reported as compare.py reports gepool: p99 over the average
-compute time of the batches served.
-"""
+"""The best p99 any batching policy could give the MLP under Poisson load (benchmarks/README.md)."""
 
 import argparse
 import os

@@ -1,17 +1,4 @@
-"""What the front's polling buys and costs: the tiny model at concurrency 1, back to back and with gaps
-between requests, on pools with adaptive polling (the default, 0), polling off (-1) and a fixed
-200 us window, in alternating rounds.
-
-    python benchmarks/polling.py [--requests 2000] [--rounds 2] [--modes 0,-1,200] [--mixed]
-
-For each: p50 and p99 latency, and the CPU time the front and the worker spent per request (from
-/proc, over the whole pattern). ``--mixed`` instead runs three sequential tiny clients beside one
-sequential MLP client for a few seconds (no polling while another worker computes: this is the case
-that rule is for) and prints each client's requests and p50.
-
-Polling saves wake-ups, and on a VM waking a sleeping process costs CPU as well as time, so compare
-CPU per request, not the share of a core (a faster pool simply serves more requests per second).
-"""
+"""What the front's polling buys and costs at concurrency 1 (method: benchmarks/README.md)."""
 
 import argparse
 import os

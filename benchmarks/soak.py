@@ -1,12 +1,4 @@
-"""Soak: mixed load with periodic worker kills; every request must be answered.
-
-    python benchmarks/soak.py [--duration 600] [--kill-every 5] [--clients 4]
-
-Prints requests sent, answered, failed by kind, lost (sent and never answered: must be 0), and at
-start and end the gepool segments in /dev/shm, the front's open file descriptors and its resident
-memory. Load: the example models plus a two-worker python model, through frames and shared memory,
-sync and futures; every few seconds a random worker is SIGKILLed.
-"""
+"""Mixed load with periodic worker kills; every request must be answered (benchmarks/README.md)."""
 
 import argparse
 import collections

@@ -1,16 +1,4 @@
-"""onnxruntime's intra-op spin-wait on and off, through gepool, in one run: what it buys and what it burns.
-
-    python benchmarks/spinning.py [--seconds 4] [--rounds 2]
-
-The same example models are served by a pool with ``allow_spinning`` "0" (gepool's default) and by
-one with "1" (onnxruntime's default), alternately, ``--rounds`` times each. For each: tiny-model p50
-at concurrency 1, MLP rows/s at concurrency 16, p99 at a light Poisson load (100/s) and at a heavy one
-(70% of the first pool's concurrency-16 figure, the same for both), and the CPU the pool's processes (front and workers)
-used per request, which is where spinning shows: an idle spinning thread takes a core from the client
-and the front on a small host. The heavy open-loop level is where spinning might win instead (with it
-off, each of onnxruntime's parallel sections wakes the other thread); three rounds here at 1158/s did
-not show it (p99 23-36 ms off, 20-33 ms on).
-"""
+"""onnxruntime's intra-op spin-wait off and on, through gepool (method: benchmarks/README.md)."""
 
 import argparse
 import os

@@ -1,15 +1,4 @@
-"""How much of gepool's latency at concurrency 1 is waking processes on other cores, on this host.
-
-    python benchmarks/wakeups.py [--requests 2000] [--rounds 2]
-
-A tiny request crosses eight sleeping threads (client main and ZMQ I/O, front I/O and main, worker).
-Waking a thread that sleeps on another core costs an inter-processor interrupt, and on a virtual
-machine a halted virtual CPU besides; waking one on the same core is a plain context switch. This
-serves the tiny model and measures p50 alternately with the client, front and worker spread over
-the cores (as the OS schedules them) and with all their threads pinned to one core. Where pinned is
-faster, wake-ups across cores, not the work, set the latency; that is what ``busy_poll_us`` buys
-back. (Pinning is a measurement here, not a setting to run with: it serialises the whole pool.)
-"""
+"""How much of the latency at concurrency 1 is waking processes on other cores (benchmarks/README.md)."""
 
 import argparse
 import os

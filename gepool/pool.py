@@ -53,11 +53,12 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
           poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True,
-          http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0) -> int:
+          http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0, strict_readiness: bool = True) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready, is restarted (with backoff) if it dies,
     and stops after the front has drained. ``http_restricted_api``: Triton's ``API[,API]:KEY=VALUE``
-    groups; ``http_max_body_bytes`` (0: the repository's largest slot plus room for the JSON header)."""
+    groups; ``http_max_body_bytes`` (0: the repository's largest slot plus room for the JSON header);
+    ``strict_readiness`` False makes its /v2/health/ready answer ready while any model is unavailable."""
     from gepool.http.access import Restrictions
     from gepool.scheduler.front import Front, FrontOptions
 
@@ -74,7 +75,8 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
     def ready(status: dict) -> None:
         if http_port or metrics_port:
             args = _gateway_args(status["endpoint"], http_host, http_port, metrics_port, log_level, curve_secret_key,
-                                 http_restricted_api, http_max_body_bytes or _default_max_body(opts.repository))
+                                 http_restricted_api, http_max_body_bytes or _default_max_body(opts.repository),
+                                 strict_readiness)
             gateway.append(_Sidecar(args))
             status["http"] = f"http://{http_host}:{http_port}" if http_port else None
             status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
@@ -98,9 +100,11 @@ def _default_max_body(repository: str) -> int:
 
 
 def _gateway_args(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
-                  curve_key: str | None = None, restricted: tuple[str, ...] = (), max_body: int = 0) -> list[str]:
+                  curve_key: str | None = None, restricted: tuple[str, ...] = (), max_body: int = 0,
+                  strict_readiness: bool = True) -> list[str]:
     return ["--endpoint", endpoint, "--http-host", host, "--http-port", str(http_port),
             "--metrics-port", str(metrics_port), "--log-level", logging.getLevelName(log_level),
+            "--strict-readiness", "true" if strict_readiness else "false",
             *(["--curve-key", curve_key] if curve_key else []),
             *(["--http-max-body-bytes", str(max_body)] if max_body else []),
             *(f"--http-restricted-api={group}" for group in restricted)]

@@ -97,13 +97,16 @@ def test_cli_writes_the_report(pool, tmp_path):
     (["--sweep", "--model-repository", ".", "--shared-memory"], "does not go with --sweep"),
     (["--input", "INPUT0"], "--input takes NAME=FILE.npy, not 'INPUT0'"),
     (["--input", "INPUT0=/nonexistent/x.npy"], "--input INPUT0: cannot load '/nonexistent/x.npy'"),
+    (["--model-repository", "."], "--model-repository and --p99-target-ms are for --sweep"),
+    (["--p99-target-ms", "5"], "--model-repository and --p99-target-ms are for --sweep"),
+    (["--sweep", "--model-repository", "/nonexistent"], "has no folder 'tiny'"),
 ])
 def test_the_cli_refuses_options_it_would_ignore(argv, why, capsys):
     """Each of these used to be dropped without a word (or, for --input, to end in a traceback); they
-    are refused before anything is loaded."""
+    are refused before anything is loaded, as user errors (exit code 2)."""
     from gepool.cli import main
 
-    assert main(["bench", "tiny", "--concurrency", "1", *argv]) == 1
+    assert main(["bench", "tiny", "--concurrency", "1", *argv]) == 2
     assert why in capsys.readouterr().err
 
 
@@ -163,9 +166,9 @@ class Recorder(Display):
 
 
 def test_a_display_hears_each_level_as_it_runs(client, monkeypatch):
-    import gepool.bench as b
+    import gepool.bench.ticker
 
-    monkeypatch.setattr(b, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(gepool.bench.ticker, "PROGRESS_EVERY_S", 0.05)
     seen = Recorder()
     report = bench(client, "tiny", concurrency=[2], rates=[200.0], seconds=0.6, display=seen)
     assert [(lv.mode, lv.level, again) for lv, again in seen.ends] == [("concurrency", 2, 0), ("rate", 200.0, 0)]
@@ -208,9 +211,9 @@ def test_the_terminal_display_rewrites_one_line_then_keeps_a_line_per_level():
 
 
 def test_levels_split_across_client_processes(client, monkeypatch):
-    import gepool.bench as b
+    import gepool.bench.ticker
 
-    monkeypatch.setattr(b, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(gepool.bench.ticker, "PROGRESS_EVERY_S", 0.05)
     seen = Recorder()
     report = bench(client, "tiny", concurrency=[4], rates=[100.0], seconds=1.0, processes=2, display=seen)
     assert seen.ticks and all(t.sent is None and t.processes == 2 for t in seen.ticks)  # the server's counts
@@ -231,13 +234,14 @@ def test_given_inputs_reach_every_client_process(client):
 
 
 def test_auto_adds_client_processes_only_while_the_client_is_saturated(client, monkeypatch):
-    import gepool.bench as b
+    import gepool.bench.library
+    import gepool.bench.load
 
-    monkeypatch.setattr(b.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(b, "SATURATION_CPU", 1e9)  # never saturated: one process does
+    monkeypatch.setattr(gepool.bench.library.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(gepool.bench.load, "SATURATION_CPU", 1e9)  # never saturated: one process does
     (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto")["levels"]
     assert lv["processes"] == 1 and not lv["client_saturated"]
-    monkeypatch.setattr(b, "SATURATION_CPU", 0.0)  # this process always counts as saturated
+    monkeypatch.setattr(gepool.bench.load, "SATURATION_CPU", 0.0)  # this process always counts as saturated
     seen = Recorder()
     (lv,) = bench(client, "tiny", concurrency=[4], seconds=0.3, processes="auto", display=seen)["levels"]
     assert lv["processes"] in (2, 4) and lv["ok"] > 0  # the children judge their own saturation

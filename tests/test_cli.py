@@ -6,9 +6,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 
 from gepool.ipc import naming
 from tests.conftest import _descendants, free_port, running, wait_until
@@ -26,7 +28,7 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
     http_port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--model-repository", model_repo,
                              "--endpoint", endpoint, "--log-level", "WARNING", "--http-port", str(http_port),
-                             "--metrics-port", str(metrics_port)],
+                             "--metrics-port", str(metrics_port), "--exit-on-error", "false"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -46,6 +48,9 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
         assert len(workers) >= 8  # the workers and the HTTP sidecar
         live = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/live", timeout=30)
         assert live.status == 200
+        with pytest.raises(urllib.error.HTTPError) as not_ready:  # strict readiness: cannot_load is not ready
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=30)
+        assert not_ready.value.code == 400
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read()
         assert b"nv_inference_request_success" in metrics
 
@@ -60,9 +65,14 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
         assert out.returncode == 0, out.stderr
         assert "[[ 1.  3.  5." in out.stdout
 
-        out = gepool("status", "--endpoint", endpoint)
+        out = gepool("status", "--endpoint", endpoint, "--json")
         status = json.loads(out.stdout)
         assert status["models"]["mlp"]["state"] == "READY"
+        table = gepool("status", "--endpoint", endpoint).stdout.splitlines()
+        assert table[0].startswith(f"pool {status['pool_id']} on {endpoint} (pid {status['pid']})")
+        assert table[1].split() == ["MODEL", "STATE", "VERSION", "WORKERS", "QUEUED", "RESTARTS", "REASON"]
+        assert "mlp READY 1 1/1 0 0" in [" ".join(row.split()) for row in table]
+        assert any(row.split()[:2] == ["cannot_load", "UNAVAILABLE"] and "weights are missing" in row for row in table)
 
         out = gepool("infer", "nosuch", "--endpoint", endpoint)
         assert out.returncode == 1 and "unknown model: 'nosuch'" in out.stderr

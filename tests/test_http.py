@@ -258,10 +258,10 @@ def test_repository_index_and_control_mode(http_pool, triton):
 
 
 def test_bench_over_http(http_pool, monkeypatch):
-    import gepool.bench as b
-    from gepool.bench_http import bench_http
+    import gepool.bench.ticker
+    from gepool.bench import Display, bench_http
 
-    class Seen(b.Display):
+    class Seen(Display):
         ticks, ends = [], []
 
         def tick(self, progress) -> None:
@@ -270,7 +270,7 @@ def test_bench_over_http(http_pool, monkeypatch):
         def finished(self, level, again_with: int = 0) -> None:
             self.ends.append(level)
 
-    monkeypatch.setattr(b, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(gepool.bench.ticker, "PROGRESS_EVERY_S", 0.05)
     url = f"127.0.0.1:{http_pool.http_port}"
     seen = Seen()
     report = bench_http(url, "tiny", concurrency=[2], rates=[50.0], seconds=1.0, batch_size=2, display=seen)

@@ -49,8 +49,9 @@ def _error(status: int, message: str) -> web.Response:
 
 class Gateway:
     def __init__(self, endpoint: str, curve_key: str | None = None, restrictions: Restrictions | None = None,
-                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S) -> None:
-        self.endpoint, self.curve_key = endpoint, curve_key
+                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
+                 strict_readiness: bool = True) -> None:
+        self.endpoint, self.curve_key, self.strict_readiness = endpoint, curve_key, strict_readiness
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
         self.regions = Regions()
@@ -137,7 +138,8 @@ class Gateway:
         if not self.connected.is_set():
             return web.Response(status=400)
         status = await self.client.status()
-        ok = not status["stopping"] and all(m["state"] == ModelState.AVAILABLE for m in status["models"].values())
+        ok = not status["stopping"] and (not self.strict_readiness
+                                         or all(m["state"] == ModelState.AVAILABLE for m in status["models"].values()))
         return web.Response(status=200 if ok else 400)
 
     @route
@@ -357,8 +359,9 @@ def http_app(gw: Gateway) -> web.Application:
 
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
-                max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S) -> None:
-    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout)
+                max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
+                strict_readiness: bool = True) -> None:
+    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
     for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
@@ -411,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a request body not complete this long after its headers is answered 408")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
+    p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
+                   help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
     args = p.parse_args(argv)
     try:
         restrictions = Restrictions.parse(args.http_restricted_api)
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
-                      args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s))
+                      args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
+                      args.strict_readiness == "true"))
     return 0
 
 

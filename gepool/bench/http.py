@@ -1,5 +1,4 @@
-"""``gepool bench --http URL``: the same levels over Triton's KServe v2 HTTP protocol (binary tensors),
-from one asyncio loop; the server's window comes from the standard ``/v2/models/{m}/stats``."""
+"""``gepool bench --http URL``: the same levels over Triton's KServe v2 HTTP protocol, from one asyncio loop."""
 
 import asyncio
 import json
@@ -8,18 +7,11 @@ from dataclasses import asdict
 
 import numpy as np
 
-from gepool.bench import (
-    SATURATION_CPU,
-    SATURATION_LAG,
-    Display,
-    Level,
-    _counts_in_order,
-    _Ticker,
-    make_inputs,
-    percentiles,
-    poisson_arrivals,
-    request_rows,
-)
+from gepool.bench.display import Display
+from gepool.bench.load import SATURATION_CPU, SATURATION_LAG, make_inputs, poisson_arrivals, request_rows
+from gepool.bench.results import Level, percentiles, window
+from gepool.bench.ticker import Ticker, counts_in_order
+from gepool.common import errors
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -37,6 +29,7 @@ def _body(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict]:
 
 
 def _window(before: dict, after: dict) -> dict:
+    """The server's view of a level from two ``/v2/models/{m}/stats`` answers (Triton's statistics)."""
     b, a = before["model_stats"][0], after["model_stats"][0]
 
     def ns(key: str) -> int:
@@ -46,11 +39,8 @@ def _window(before: dict, after: dict) -> dict:
     batches = a["execution_count"] - b["execution_count"]
     sizes_b = {s["batch_size"]: s["compute_infer"]["count"] for s in b["batch_stats"]}
     sizes = {s["batch_size"]: s["compute_infer"]["count"] - sizes_b.get(s["batch_size"], 0) for s in a["batch_stats"]}
-    return {"requests": reqs, "batches": batches,
-            "avg_batch_size": (a["inference_count"] - b["inference_count"]) / batches if batches else 0.0,
-            "queue_ms_avg": ns("queue") / 1e6 / max(reqs, 1),
-            "compute_ms_avg": ns("compute_infer") / 1e6 / max(batches, 1),
-            "batch_sizes": {k: v for k, v in sorted(sizes.items()) if v}}
+    return window(reqs, batches, a["inference_count"] - b["inference_count"], ns("queue") / 1e6,
+                  ns("compute_infer") / 1e6, sizes)
 
 
 async def _level(session, url: str, model: str, body: bytes, headers: dict, mode: str, value: float,
@@ -58,7 +48,7 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     level, latencies = Level(mode, value), []
 
     def counts() -> tuple:  # read by the ticker's thread
-        return _counts_in_order(level, latencies)
+        return counts_in_order(level, latencies)
 
     async def one() -> None:
         start = time.perf_counter()
@@ -69,17 +59,16 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
                 ok, kind = resp.status == 200, f"HTTP_{resp.status}"
         except Exception as exc:  # connection refused, reset...: counted, never lost
             ok, kind = False, type(exc).__name__
-        if ok:  # the latency before the count, as bench's _Run records them
+        if ok:  # the latency before the count, as the library client's load records them
             latencies.append(time.perf_counter() - start)
             level.ok += 1
             level.rows += rows
         else:
             level.errors[kind] = level.errors.get(kind, 0) + 1
 
-    async with session.get(f"{url}/v2/models/{model}/stats") as resp:
-        before = await resp.json()
+    before = await _get(session, f"{url}/v2/models/{model}/stats")
     start, cpu = time.perf_counter(), time.process_time()
-    with _Ticker(display, mode, value, seconds, 1, counts):
+    with Ticker(display, mode, value, seconds, 1, counts):
         if mode == "concurrency":
             async def loop() -> None:
                 while time.perf_counter() - start < seconds:
@@ -104,9 +93,28 @@ async def _level(session, url: str, model: str, body: bytes, headers: dict, mode
     level.latency_ms = percentiles(latencies)
     level.throughput_rps = level.ok / level.seconds
     level.rows_per_s = level.rows / level.seconds
-    async with session.get(f"{url}/v2/models/{model}/stats") as resp:
-        level.server = _window(before, await resp.json())
+    level.server = _window(before, await _get(session, f"{url}/v2/models/{model}/stats"))
     return level
+
+
+async def _get(session, url: str) -> dict:
+    """A GET's JSON answer, or an Unavailable naming the URL and what the server said instead."""
+    import aiohttp
+
+    try:
+        async with session.get(url) as resp:
+            body = await resp.text()
+            status = resp.status
+    except aiohttp.ClientError as exc:
+        raise errors.Unavailable(f"GET {url}: {exc}") from None
+    try:
+        answer = json.loads(body) if body else {}
+    except ValueError:
+        answer = None
+    if status != 200 or not isinstance(answer, dict):
+        said = answer.get("error") if isinstance(answer, dict) and answer.get("error") else body[:200]
+        raise errors.Unavailable(f"GET {url}: HTTP {status}: {said or 'no KServe v2 answer'}")
+    return answer
 
 
 async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch_size: int,
@@ -116,10 +124,8 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
     url = url.rstrip("/") if "://" in url else f"http://{url.rstrip('/')}"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        async with session.get(f"{url}/v2/models/{model}") as resp:
-            meta = await resp.json()
-        async with session.get(f"{url}/v2/models/{model}/config") as resp:
-            meta["max_batch_size"] = (await resp.json()).get("max_batch_size", 0)
+        meta = await _get(session, f"{url}/v2/models/{model}")
+        meta["max_batch_size"] = (await _get(session, f"{url}/v2/models/{model}/config")).get("max_batch_size", 0)
         inputs = dict(make_inputs(meta, batch_size), **(given or {}))
         body, headers = _body(inputs)
         rows = request_rows(inputs, meta["max_batch_size"] > 0)
@@ -137,5 +143,6 @@ async def _bench(url: str, model: str, concurrency, rates, seconds: float, batch
 def bench_http(url: str, model: str, concurrency: list[int] | None = None, rates: list[float] | None = None,
                seconds: float = 5.0, batch_size: int = 1, given: dict | None = None,
                display: Display | None = None) -> dict:
-    """``given`` and ``display`` as ``bench``'s."""
+    """``bench``'s levels against a KServe v2 HTTP endpoint (binary tensors); the server's window comes
+    from the standard ``/v2/models/{m}/stats``. ``given`` and ``display`` as ``bench``'s."""
     return asyncio.run(_bench(url, model, concurrency, rates, seconds, batch_size, given, display))

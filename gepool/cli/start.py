@@ -1,0 +1,144 @@
+"""``gepool start``: its options (tritonserver's common flags among them) and the foreground pool."""
+
+import argparse
+import logging
+import os
+import sys
+
+from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, endpoint, say, verbosity
+
+log = logging.getLogger("gepool.cli")
+FAILED_EXIT = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append", required=True,
+                   metavar="DIR", help="folder of <model>/config.pbtxt and <model>/<version>/ (--model-store: "
+                                       "the same, as tritonserver's)")
+    p.add_argument("--endpoint", type=endpoint, metavar="ENDPOINT",
+                   help=f"where clients reach the pool: {ENDPOINT_FORMS}, tcp port * for a free one "
+                        "(default: ipc in your runtime folder)")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="onnxruntime threads per CPU model, split among its instances (default: every core)")
+    p.add_argument("--exit-on-error", type=boolean, default=True, metavar="BOOL",
+                   help="true (default): exit non-zero, listing them, if models fail to load at start; "
+                        "false: serve the others")
+    p.add_argument("--strict-readiness", type=boolean, default=True, metavar="BOOL",
+                   help="true (default): /v2/health/ready is ready only when every model is; "
+                        "false: whenever the pool answers")
+    p.add_argument("--allow-http", type=boolean, default=True, metavar="BOOL",
+                   help="serve the KServe v2 HTTP protocol (default true)")
+    p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default 8000; 0: off)")
+    p.add_argument("--http-host", default="127.0.0.1",
+                   help="address the HTTP and metrics ports bind (default 127.0.0.1)")
+    p.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL",
+                   help="serve Prometheus metrics (default true)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002; 0: off)")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], type=str.upper,
+                   help="the least severe messages logged (default INFO); or tritonserver's --log-* flags")
+    p.add_argument("--log-verbose", type=verbosity, metavar="N", help="1 or more: log verbose (debug) messages too")
+    for level in ("info", "warning", "error"):
+        p.add_argument(f"--log-{level}", type=boolean, metavar="BOOL", help=f"log {level} messages (default true)")
+    p.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none",
+                   help="none (default): serve the repository as started; explicit: load/unload on request; "
+                        "poll: follow the repository's changes")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="explicit mode: a model to load at start (repeatable)")
+    p.add_argument("--repository-poll-secs", type=float, default=15.0,
+                   help="poll mode: seconds between scans (default 15)")
+    p.add_argument("--exit-timeout-secs", type=float, default=0.0,
+                   help="on SIGTERM, report not ready but keep serving this long before draining (default 0)")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="ZMQ certificate file: CURVE encryption and authentication for a tcp endpoint")
+    p.add_argument("--curve-authorized-keys", metavar="DIR",
+                   help="folder of client .key files admitted over CURVE (default: any key)")
+    p.add_argument("--busy-poll-us", type=int, default=0,
+                   help="0 (default): while traffic is sequential the front polls, instead of sleeping, "
+                        "for what is due within microseconds; N > 0: polls N us before any sleep; -1: never polls")
+
+
+class _LoadFailed(Exception):
+    """Models failed to load at start with --exit-on-error: raised out of the ready callback, so the
+    front shuts down through its own clean-up before the command exits."""
+
+
+def log_threshold(args) -> int:
+    """The least severe level logged, from --log-level or tritonserver's --log-* flags (which turn levels
+    on and off; here a level can only be off with every less severe one, since logging is by threshold)."""
+    flags = [("--log-verbose", bool(args.log_verbose), args.log_verbose, logging.DEBUG),
+             ("--log-info", args.log_info is not False, args.log_info, logging.INFO),
+             ("--log-warning", args.log_warning is not False, args.log_warning, logging.WARNING),
+             ("--log-error", args.log_error is not False, args.log_error, logging.ERROR)]
+    given = [flag for flag, _, value, _ in flags if value is not None]
+    if args.log_level:
+        if given:
+            raise UsageError(f"--log-level sets what {', '.join(given)} set: give one or the other")
+        return logging.getLevelName(args.log_level)
+    for (lower, lower_on, _, _), (higher, higher_on, _, _) in zip(flags, flags[1:]):
+        if lower_on and not higher_on:
+            raise UsageError(f"{lower} with {higher} false: gepool logs every level from the least severe one "
+                             f"on, so {higher} false needs the less severe levels off too")
+    return next((level for _, on, _, level in flags if on), logging.CRITICAL)
+
+
+def run(args) -> int:
+    from gepool.ipc.sockets import default_endpoint
+    from gepool.pool import serve
+
+    if len(args.model_repository) > 1:
+        raise UsageError("gepool serves one model repository: --model-repository (or --model-store) was given "
+                         f"{len(args.model_repository)} times")
+    repository = args.model_repository[0]
+    if not os.path.isdir(repository):
+        raise UsageError(f"--model-repository '{repository}' is not a folder")
+    for flag, path, want, what in (("--curve-secret-key", args.curve_secret_key, os.path.isfile, "file"),
+                                   ("--curve-authorized-keys", args.curve_authorized_keys, os.path.isdir, "folder")):
+        if path and not want(path):
+            raise UsageError(f"{flag} '{path}' is not a {what}")
+    level = log_threshold(args)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    endpoint = args.endpoint or default_endpoint()
+    http_port = args.http_port if args.allow_http else 0
+    metrics_port = args.metrics_port if args.allow_metrics else 0
+    log.debug("serving %s on %s: http port %s, metrics port %s, strict readiness %s, exit on error %s",
+              repository, endpoint, http_port or "off", metrics_port or "off", args.strict_readiness,
+              args.exit_on_error)
+
+    def ready(status: dict) -> None:
+        for name, m in status["models"].items():
+            line = f"model {name}: {m['state']}"
+            line += f" (version {m['version']}, {m['ready_workers']} worker(s))" if m["state"] == "READY" else ""
+            line += f" - {m['reason']}" if m["reason"] else ""
+            print(line, flush=True)
+        failed = _failed_at_start(status, args)
+        if failed and args.exit_on_error:
+            raise _LoadFailed(failed)
+        if status.get("http"):
+            print(f"HTTP (KServe v2) on {status['http']}", flush=True)
+        if status.get("metrics"):
+            print(f"metrics on {status['metrics']}", flush=True)
+        print(f"gepool ready on {status['endpoint']}", flush=True)
+
+    print(f"gepool starting on {endpoint}", flush=True)
+    try:
+        return serve(repository, endpoint, cpu_threads=args.cpu_threads, log_level=level, on_ready=ready,
+                     http_port=http_port, http_host=args.http_host, metrics_port=metrics_port,
+                     curve_secret_key=args.curve_secret_key, curve_authorized_keys=args.curve_authorized_keys,
+                     exit_grace_s=args.exit_timeout_secs, model_control_mode=args.model_control_mode,
+                     load_models=tuple(args.load_model), poll_secs=args.repository_poll_secs,
+                     busy_poll_us=args.busy_poll_us, strict_readiness=args.strict_readiness)
+    except _LoadFailed as exc:
+        (failed,) = exc.args
+        for name, reason in failed:
+            say(f"model '{name}' failed to load: {reason}")
+        print(f"gepool: {len(failed)} model(s) failed to load; stopped (--exit-on-error false serves the others)",
+              file=sys.stderr)
+        return FAILED_EXIT
+
+
+def _failed_at_start(status: dict, args) -> list[tuple[str, str]]:
+    """(name, reason) of each model asked for at start that is not serving: every model of the
+    repository, or in explicit mode those named by --load-model."""
+    asked = set(args.load_model) if args.model_control_mode == "explicit" else None
+    return [(name, m["reason"] or m["state"]) for name, m in status["models"].items()
+            if m["state"] == "UNAVAILABLE" and (asked is None or name in asked)]
