@@ -53,7 +53,8 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
           poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True,
-          http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0, strict_readiness: bool = True) -> int:
+          http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0,
+          strict_readiness: bool = True) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready, is restarted (with backoff) if it dies,
     and stops after the front has drained. ``http_restricted_api``: Triton's ``API[,API]:KEY=VALUE``
