@@ -51,11 +51,10 @@ def test_placements_come_from_each_backend(tmp_path):
     test_repo.make_models.make_tiny(repo)
     path = f"{repo}/tiny/config.pbtxt"
     text = open(path).read().replace("instance_group [ { count: 1 kind: KIND_CPU } ]",
-                                     "instance_group [ { count: 2 kind: KIND_CPU }, { count: 1 kind: KIND_CPU "
-                                     "gpus: [ 0, 1 ] } ]")
+                                     "instance_group [ { count: 2 kind: KIND_CPU }, { count: 1 kind: KIND_CPU } ]")
     with open(path, "w") as f:
         f.write(text)
-    assert placements(parse_config(path, "tiny")) == [("cpu", 1), ("cpu", 1), ("cpu:0", 1), ("cpu:1", 1)]
+    assert placements(parse_config(path, "tiny")) == [("cpu", 1), ("cpu", 1), ("cpu", 1)]
     test_repo.write(f"{repo}/npu/config.pbtxt", """
         backend: "ge"
         max_batch_size: 4
@@ -79,6 +78,26 @@ def test_a_gpu_group_is_refused_by_the_cpu_backends(tmp_path):
         f.write(text.replace("kind: KIND_CPU", "kind: KIND_GPU"))
     with pytest.raises(ConfigError, match="backend 'python' runs on KIND_CPU or KIND_MODEL only"):
         placements(parse_config(path, "rec"))
+
+
+def test_a_kind_the_backend_cannot_run_is_refused_naming_the_group(tmp_path):
+    repo = str(tmp_path)
+    test_repo.make_models.make_tiny(repo)
+    path = f"{repo}/tiny/config.pbtxt"
+    onnx_text = open(path).read()
+    with open(path, "w") as f:
+        f.write(onnx_text.replace("kind: KIND_CPU", "kind: KIND_MODEL"))
+    with pytest.raises(ConfigError, match=r"instance_group\[0\] has kind KIND_MODEL: backend 'onnxruntime'"):
+        placements(parse_config(path, "tiny"))
+    test_repo.write(f"{repo}/npu/config.pbtxt", """
+        backend: "ge"
+        max_batch_size: 4
+        input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        instance_group [ { kind: KIND_GPU } ]
+    """)
+    with pytest.raises(ConfigError, match="backend 'ge' runs on KIND_ASCEND instances, not KIND_GPU"):
+        placements(parse_config(f"{repo}/npu/config.pbtxt", "npu"))
 
 
 class _NoExecute(SyncBackend):
