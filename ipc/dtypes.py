@@ -80,6 +80,17 @@ def bytes_offsets(buf, count: int) -> list[int]:
     return offsets
 
 
+def uniform_bytes(buf, count: int) -> bool:
+    """Whether ``buf`` is exactly ``count`` serialized elements of one length (checked in one pass of
+    numpy, not element by element): the common case, where no walk is needed."""
+    n = len(buf)
+    if count <= 0 or n % count or n // count < 4:
+        return count == 0 == n
+    stride = n // count
+    lengths = np.ndarray((count,), "<u4", buffer=buf, strides=(stride,))
+    return bool((lengths == stride - 4).all())
+
+
 def deserialize_bytes(buf, shape: tuple[int, ...]) -> np.ndarray:
     """Triton's BYTES form -> an object array of bytes with the given shape."""
     count = int(np.prod(shape)) if len(shape) else 1

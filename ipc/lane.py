@@ -11,15 +11,17 @@ most RECORD_MAX - 1 bytes of the message's body. The body is a header (``<I`` pa
 per part length), then the parts back to back. The header always fits in the first record.
 """
 
+import mmap
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 RECORD_MAX = 64 * 1024  # fits the default socket buffer (212992 bytes) on any Linux host
 SOCKET_BUFFER = 1 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
 MAX_PARTS = (RECORD_MAX - 1 - 4) // 8  # 8191: the header must fit in the first record
 MAX_BUFFERS = 512  # per sendmsg, well under IOV_MAX (1024); a record with more parts is joined first
-MAX_MESSAGE_BYTES = 1 << 34
+MAX_MESSAGE_BYTES = 1 << 34  # a receiver's default limit; the front's is its largest slot plus headroom
 MORE = 1
 _LAST, _MORE = b"\x00", b"\x01"
 _TRUNC = int(socket.MSG_TRUNC)  # an IntFlag: `int & IntFlag` goes through enum's Python code, per record
@@ -34,6 +36,15 @@ RETRY_S = 1.0  # after a lane could not connect (or died), a client talks ZMQ al
 
 class LaneError(ValueError):
     """The peer broke the framing: the connection cannot be trusted any further."""
+
+
+class Oversized(Exception):
+    """A message declared more bytes than the receiver's limit: it is read and thrown away record by
+    record (the lane stays usable); ``head`` is its first part when that fits in its first record."""
+
+    def __init__(self, total: int, limit: int, head: bytes | None) -> None:
+        super().__init__(f"a message of {total} bytes is larger than the {limit} this pool accepts")
+        self.total, self.limit, self.head = total, limit, head
 
 
 def path_for(ipc_path: str) -> str:
@@ -112,18 +123,25 @@ class Receiver:
     a scratch buffer; a longer one is received straight into its own buffer. Receivers used by one
     thread may share a scratch buffer (the front's do: 64 KiB per lane adds up)."""
 
-    def __init__(self, readonly: bool = False, scratch: bytearray | None = None) -> None:
+    def __init__(self, readonly: bool = False, scratch: bytearray | None = None,
+                 limit: Callable[[], int] | None = None) -> None:
+        """``limit()``: the most bytes a message may declare, asked when a message spans records."""
         self.scratch = bytearray(RECORD_MAX) if scratch is None else scratch
         self.flag = bytearray(1)
         self.readonly = readonly
-        self.body: bytearray | None = None
+        self.limit = limit
+        self.body: mmap.mmap | None = None
         self.sizes: tuple = ()
         self.filled = 0
+        self.skip = 0  # bytes of an oversized message still to throw away
 
     def recv(self, sock: socket.socket, flags: int = 0) -> list[memoryview] | None:
         """Takes one record (BlockingIOError or TimeoutError pass through); returns the message's parts
         once its last record is in. EOFError when the peer closed, LaneError on broken framing.
-        ``flags``: MSG_DONTWAIT reads a blocking socket without waiting."""
+        ``flags``: MSG_DONTWAIT reads a blocking socket without waiting. Oversized when a message declares
+        more than ``limit()``: its records are then read and dropped by the calls that follow."""
+        if self.skip:
+            return self._discard(sock, flags)
         if self.body is None:
             n, _, got, _ = sock.recvmsg_into([self.scratch], 0, flags)
             if n == 0:
@@ -137,9 +155,17 @@ class Receiver:
                 if n - at != total:
                     raise LaneError(f"a one-record message declares {total} bytes and carries {n - at}")
                 return _split(bytes(scratch[at:]), sizes, False)
-            if total > MAX_MESSAGE_BYTES or n - at > total:
+            if total == 0 or n - at > total:
                 raise LaneError(f"a message declares {total} bytes")
-            self.body, self.sizes, self.filled = bytearray(total), sizes, n - at
+            limit = self.limit() if self.limit is not None else MAX_MESSAGE_BYTES
+            if total > limit:
+                self.skip = total - (n - at)
+                head = bytes(scratch[at:at + sizes[0]]) if sizes and at + sizes[0] <= n else None
+                raise Oversized(total, limit, head)
+            # An anonymous map, not a bytearray (which zero-fills every page at once): memory is taken
+            # only as the bytes arrive, so a declared size costs nothing until it is sent.
+            self.body = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE)
+            self.sizes, self.filled = sizes, n - at
             self.body[:n - at] = scratch[at:]
             return None
         room = memoryview(self.body)[self.filled:self.filled + RECORD_MAX - 1]
@@ -158,6 +184,21 @@ class Receiver:
         if self.filled != len(body):
             raise LaneError(f"a message declares {len(body)} bytes and carries {self.filled}")
         return _split(body, sizes, self.readonly)
+
+    def _discard(self, sock: socket.socket, flags: int) -> None:
+        n, _, got, _ = sock.recvmsg_into([self.scratch], 0, flags)
+        if n == 0:
+            raise EOFError("the peer closed the lane")
+        if got & _TRUNC or n == 1 or n - 1 > self.skip:
+            raise LaneError("a record overflows its message")
+        self.skip -= n - 1
+        if not self.scratch[0] & MORE:
+            if self.skip:
+                raise LaneError(f"a message ends {self.skip} bytes short of its declared length")
+            return None
+        if not self.skip:
+            raise LaneError("a message runs past its declared length")
+        return None
 
 
 def _header(record: memoryview) -> tuple[tuple, int]:

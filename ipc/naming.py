@@ -7,9 +7,12 @@ from a dead one's without any registry.
 
 import os
 import secrets
+import socket
+import stat
 
 PREFIX = "gepool."
 SHM_DIR = "/dev/shm"
+PROBE_TIMEOUT_S = 1.0
 
 
 def new_owner_id() -> str:
@@ -71,7 +74,8 @@ def cleanup_dead(dry_run: bool = False) -> list[str]:
 
 def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
     """Unlinks what dead pools left in the runtime folder: worker sockets and doorbell FIFOs
-    (``gepool-<pid>x<random>...``) and Pool endpoints (``pool-<pid>x<random>.sock``)."""
+    (``gepool-<pid>x<random>...``), Pool endpoints (``pool-<pid>x<random>.sock``), and any other socket
+    file nobody listens on (the default endpoint ``gepool.sock`` and its ``.lane`` of a killed front)."""
     try:
         entries = sorted(os.listdir(folder))
     except FileNotFoundError:
@@ -81,7 +85,38 @@ def cleanup_runtime(folder: str, dry_run: bool = False) -> list[str]:
         head = next((h for h in ("gepool-", "pool-") if entry.startswith(h)), None)
         if head is not None:
             owners[entry] = owner_pid(PREFIX + entry[len(head):])
-    return _unlink_dead(folder, owners, dry_run)
+    removed = _unlink_dead(folder, owners, dry_run)
+    for entry in entries:
+        if entry in owners and owners[entry] is not None:
+            continue
+        path = os.path.join(folder, entry)
+        if _stale_socket(path):
+            if not dry_run:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+            removed.append(entry)
+    return removed
+
+
+def _stale_socket(path: str) -> bool:
+    """A Unix socket file that refuses connections: whoever listened on it is gone."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    kind = socket.SOCK_SEQPACKET if path.endswith(".lane") else socket.SOCK_STREAM
+    with socket.socket(socket.AF_UNIX, kind) as probe:
+        probe.settimeout(PROBE_TIMEOUT_S)  # a live listener with a full backlog would block the connect
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # gone meanwhile, or of another kind: not ours to judge
+            return False
+    return False
 
 
 def remove_runtime_of(folder: str, pid: int) -> list[str]:

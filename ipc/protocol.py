@@ -17,7 +17,7 @@ import msgpack
 PROTOCOL_VERSION = 2  # 2: Result names the model version that ran the request
 NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
-EXIT_LOAD_FAILED = 3  # a worker's exit code when its model cannot load: not restarted
+EXIT_LOAD_FAILED = 3  # a worker's exit code after its WorkerFailed; the front goes by the message
 EXIT_DEVICE_LOST = 4  # a worker whose device stopped answering: restarted like a crash
 
 

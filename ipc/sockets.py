@@ -7,16 +7,40 @@ import zmq
 
 LINGER_MS = 0  # a stopping process never waits on unsent messages: every peer handles loss
 HWM = 0  # no silent drops at a high-water mark; overload is refused by the front's queues
+FALLBACK_BASE = "/tmp/gepool-{uid}"  # the runtime directory's stand-in when XDG_RUNTIME_DIR is unset
 
 
 def runtime_dir() -> str:
     """gepool's folder in the user's runtime directory (made if missing), which only the user can enter:
-    endpoints, worker sockets and doorbells live there."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gepool-{os.getuid()}"
+    endpoints, worker sockets and doorbells live there. Without XDG_RUNTIME_DIR the base is
+    /tmp/gepool-<uid>, made 0700; a folder there (or gepool's own) that another user made in advance, a
+    link, or one others may enter is refused with a PermissionError saying so."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = xdg or FALLBACK_BASE.format(uid=os.getuid())
+    if not xdg:
+        _own_folder(base)
     folder = os.path.join(base, "gepool")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
+    _own_folder(folder)
     return folder
+
+
+def _own_folder(path: str) -> None:
+    """Makes ``path`` (mode 0700) unless it exists, then checks that it is a real folder of this user's
+    that nobody else may enter."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    uid = os.getuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"gepool's runtime folder {path} is not a folder (a link or a file is there): "
+                              f"remove it, or set XDG_RUNTIME_DIR to a folder of your own")
+    if st.st_uid != uid:
+        raise PermissionError(f"gepool's runtime folder {path} belongs to uid {st.st_uid}, not to this user "
+                              f"(uid {uid}): remove it, or set XDG_RUNTIME_DIR to a folder of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours: made by an older gepool, or by hand with a wider mode
 
 
 def default_endpoint() -> str:

@@ -1,7 +1,16 @@
-"""Clients' shared-memory arenas as the front holds them: registered by name, released by the client,
-or reaped when the client's process is gone (a dead client never unregisters)."""
+"""Clients' shared-memory arenas as the front holds them: registered by name, used and released only
+by the client that registered them, or reaped when the client's process is gone (a dead client never
+unregisters).
+
+An arena belongs to the identity that registered it and to every lane of the process that made it
+(a client's threads each have a lane; the kernel names a lane's process). A client on a lane may
+register only an arena its own process made and owns; one on the ZMQ socket, only over the owner-only
+ipc endpoint (a tcp peer could name any client's segment); nobody may register the pool's own segments.
+"""
 
 import logging
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,13 +37,22 @@ class Arena:
         self.segment.close()
 
 
+def _no_peer(identity: bytes) -> tuple[int, int] | None:
+    return None
+
+
 class Arenas:
-    def __init__(self, on_drop: Callable[[str], None] | None = None) -> None:
-        """``on_drop(name)``: an arena was released (workers that mapped it for direct batches unmap it)."""
+    def __init__(self, on_drop: Callable[[str], None] | None = None, own_prefix: str = "",
+                 zmq_may_register: bool = True) -> None:
+        """``on_drop(name)``: an arena was released (workers that mapped it for direct batches unmap it).
+        ``own_prefix``: the names of the pool's own segments. ``zmq_may_register``: the ZMQ endpoint is
+        owner-only (ipc), so its peers are the pool's user."""
         self._arenas: dict[int, Arena] = {}
         self._next = 0
         self.check_at = 0.0
         self.on_drop = on_drop
+        self.own_prefix, self.zmq_may_register = own_prefix, zmq_may_register
+        self.peer: Callable[[bytes], tuple[int, int] | None] = _no_peer  # a lane's (pid, uid); the loop sets it
 
     def __len__(self) -> int:
         return len(self._arenas)
@@ -42,11 +60,37 @@ class Arenas:
     def get(self, arena_id: object) -> Arena | None:
         return self._arenas.get(arena_id) if isinstance(arena_id, int) else None
 
+    def of_client(self, arena_id: object, identity: bytes) -> Arena | None:
+        """The arena, if the client behind ``identity`` may use it (None: unknown, or someone else's)."""
+        arena = self._arenas.get(arena_id) if type(arena_id) is int else None
+        if arena is None or arena.owner == identity:
+            return arena
+        peer = self.peer(identity)
+        return arena if peer is not None and arena.pid is not None and peer[0] == arena.pid else None
+
     def register(self, identity: bytes, name: object, size: object) -> int:
         if not isinstance(name, str) or not name.startswith("/" + naming.PREFIX):
             raise errors.InvalidArgument(f"arena name must start with '/{naming.PREFIX}', got {name!r}")
+        if "/" in name[1:] or "\0" in name:
+            raise errors.InvalidArgument(f"arena name {name!r} is not a segment name (a '/' or NUL inside)")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise errors.InvalidArgument(f"arena size must be a non-negative integer, got {size!r}")
+        pid = naming.owner_pid(name[1:])
+        peer = self.peer(identity)
+        if self.own_prefix and name.startswith(self.own_prefix):
+            raise errors.PermissionDenied(f"{name} is one of the pool's own segments, not an arena")
+        if peer is None and not self.zmq_may_register:
+            raise errors.PermissionDenied("an arena is registered over the pool's ipc endpoint or a lane, "
+                                          "not over a tcp endpoint (its peers may be anyone)")
+        if peer is not None and pid != peer[0]:
+            raise errors.PermissionDenied(f"arena {name} was not made by this client's process (pid {peer[0]})")
+        if peer is not None:
+            try:
+                st = os.lstat(naming.SHM_DIR + name)
+            except OSError as exc:
+                raise errors.InvalidArgument(f"cannot map arena {name}: {exc.strerror}") from None
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != peer[1]:
+                raise errors.PermissionDenied(f"arena {name} is not a segment of this client's user (uid {peer[1]})")
         try:
             seg = Segment.attach(name)
         except Exception as exc:
@@ -55,14 +99,19 @@ class Arenas:
             seg.close()
             raise errors.InvalidArgument(f"arena {name} has {seg.size} bytes, fewer than the {size} declared")
         self._next += 1
-        self._arenas[self._next] = Arena(seg, identity, memoryview(seg.buf), naming.owner_pid(name[1:]))
+        self._arenas[self._next] = Arena(seg, identity, memoryview(seg.buf), pid)
         return self._next
 
-    def unregister(self, arena_id: object) -> bool:
-        arena = self._arenas.pop(arena_id, None) if isinstance(arena_id, int) else None
-        if arena is not None:
-            self._dropped(arena)
-        return arena is not None
+    def unregister(self, arena_id: object, identity: bytes) -> bool:
+        """False for an id nobody registered; InvalidArgument for someone else's arena (left as it is)."""
+        if self.get(arena_id) is None:
+            return False
+        arena = self.of_client(arena_id, identity)
+        if arena is None:
+            raise errors.InvalidArgument(f"arena {arena_id} is not registered by this client")
+        del self._arenas[arena_id]
+        self._dropped(arena)
+        return True
 
     def reap(self, now: float) -> None:
         """Releases (and unlinks: its owner can no longer) every arena whose client process is gone."""

@@ -59,13 +59,34 @@ class Pending:
     deadline: float | None = None  # set by the queue policy
     level: int = 1
     idle: bool = True  # no batch of the model was running when it arrived
+    nbytes: int = 0  # what it holds of the pool's queue budget
+    expires: float | None = None  # its client's own timeout: past it, nobody waits for the answer
+    delayed: bool = False  # moved behind its level's live requests (timeout_action DELAY)
+    due: float | None = None  # its deadline while queued, kept when it is taken and put back
+    policy_at: float | None = None  # when its queue policy's timeout (after any override) passes
+
+    def client_gone(self, now: float) -> bool:
+        """Its client's timeout has passed, and its queue policy's has not: nobody waits for it."""
+        return self.expires is not None and self.expires <= now and (self.policy_at is None or self.policy_at > now)
+
+
+class QueueBudget:
+    """Bytes held by queued requests, pool-wide: every model's batcher adds to and takes from one, and
+    the front refuses a request that would take ``used`` past ``limit``."""
+
+    __slots__ = ("used", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.used, self.limit = 0, limit
 
 
 class DynamicBatcher:
     def __init__(self, max_batch_size: int, preferred: tuple[int, ...] = (), max_queue_delay_us: int = 0,
                  *, enabled: bool = True, clock: Callable[[], float] = time.monotonic,
-                 queues: PolicyQueues | None = None, adaptive: bool = False) -> None:
-        """``enabled=False`` is Triton's default scheduler: one request per execution (and no queue policy)."""
+                 queues: PolicyQueues | None = None, adaptive: bool = False, budget: QueueBudget | None = None) -> None:
+        """``enabled=False`` is Triton's default scheduler: one request per execution (and no queue policy).
+        ``budget``: the pool's, which this batcher's queued bytes count against."""
+        self.budget = budget if budget is not None else QueueBudget(0)
         self.max_rows = max(1, max_batch_size)
         self.set_preferred(preferred)
         self.delay = max_queue_delay_us / 1e6
@@ -87,13 +108,15 @@ class DynamicBatcher:
         return len(self.queue)
 
     def add(self, item: Any, rows: int = 1, key: Hashable = None, priority: int = 0, timeout_us: int = 0,
-            busy: bool = False) -> bool:
-        """Queues a request (``busy``: a batch of the model is running); False when its priority level's
-        queue is full (answer it UNAVAILABLE)."""
+            busy: bool = False, nbytes: int = 0) -> bool:
+        """Queues a request (``busy``: a batch of the model is running; ``timeout_us``: its client's
+        timeout, 0 for none); False when its priority level's queue is full (answer it UNAVAILABLE)."""
         now = self.clock()
-        if not self.queue.admit(Pending(item, max(1, rows), key, now, idle=not busy), priority, timeout_us):
+        if not self.queue.admit(Pending(item, max(1, rows), key, now, idle=not busy, nbytes=nbytes), priority,
+                                timeout_us):
             return False
         self.rows += max(1, rows)
+        self.budget.used += nbytes
         if self.last_arrival is not None:
             self.gaps.append(now - self.last_arrival)
         self.last_arrival = now
@@ -137,19 +160,30 @@ class DynamicBatcher:
             return self._first().enqueued
         return self.last_arrival + quiet
 
-    def retry(self, items: list[tuple[Any, int, Hashable, float]]) -> None:
-        """Puts (item, rows, key, arrival) back at the head of the queue, in order: requests whose worker
-        died get their one more try before anything that arrived after them."""
-        for item, rows, key, arrived in reversed(items):
-            p = Pending(item, max(1, rows), key, arrived, level=self.queue.default_level)
+    def retry(self, items: list[tuple[Any, int, Hashable, float, int]]) -> None:
+        """Puts (item, rows, key, arrival, nbytes) back at the head of the queue, in order: requests whose
+        worker died get their one more try before anything that arrived after them."""
+        for item, rows, key, arrived, nbytes in reversed(items):
+            p = Pending(item, max(1, rows), key, arrived, level=self.queue.default_level, nbytes=nbytes)
             self.queue.appendleft(p)
             self.rows += p.rows
+            self.budget.used += nbytes
 
     def expire(self) -> list[Pending]:
-        """Requests whose queue timeout passed and whose policy rejects them; they leave the queue."""
+        """Requests whose queue timeout (or their client's) passed and whose policy rejects them; they
+        leave the queue."""
         gone = self.queue.expire(self.clock())
-        self.rows -= sum(p.rows for p in gone)
+        if gone:
+            self._left(gone)
         return gone
+
+    def _left(self, pendings: list[Pending]) -> None:
+        rows = nbytes = 0
+        for p in pendings:
+            rows += p.rows
+            nbytes += p.nbytes
+        self.rows -= rows
+        self.budget.used -= nbytes
 
     def timeout_deadline(self) -> float | None:
         return self.queue.next_deadline()
@@ -159,6 +193,7 @@ class DynamicBatcher:
         for p in reversed(pendings):
             self.queue.appendleft(p)
             self.rows += p.rows
+            self.budget.used += p.nbytes
 
     def next_batch(self, idle: bool = True) -> list[Pending] | None:
         """The requests to dispatch now (removed from the queue), or None to keep waiting."""
@@ -211,5 +246,10 @@ class DynamicBatcher:
 
     def _take(self, n: int) -> list[Pending]:
         out = [self.queue.popleft() for _ in range(n)]
-        self.rows -= sum(p.rows for p in out)
+        rows = nbytes = 0
+        for p in out:  # inline, not _left(): this runs for every batch
+            rows += p.rows
+            nbytes += p.nbytes
+        self.rows -= rows
+        self.budget.used -= nbytes
         return out

@@ -57,15 +57,18 @@ class Worker:
     restart_at: float | None = None
     reason: str = ""
     pid: int = 0
+    spawned_at: float = 0.0  # when its process was started: the load timeout's clock
+    load_failed: bool = False  # it reported that its model cannot load, or did not load in time
 
     def move(self, state: WorkerState) -> None:
         self.state = check_worker(self.state, state)
 
     # -- slots and batches in flight: the only writers of free, inflight and rows ---------------
-    def started(self) -> None:
+    def started(self, now: float) -> None:
         """A fresh process: no slot is free until it says it is ready."""
         self.move(WorkerState.STARTING)
         self.free, self.inflight, self.rows, self.restart_at = [], {}, 0, None
+        self.spawned_at = now
 
     def ready(self, msg: protocol.WorkerReady, now: float) -> None:
         self.move(WorkerState.READY)
@@ -97,6 +100,14 @@ class Worker:
         self.free.append(slot)
         return batch
 
+    def cannot_load(self, reason: str) -> None:
+        """Its model cannot load (its own report). A report that comes after its exit was taken for a
+        crash turns the pending restart into FAILED."""
+        self.load_failed, self.reason = True, reason
+        if self.state == WorkerState.DEAD and self.process is None:
+            self.move(WorkerState.FAILED)
+            self.restart_at = None
+
     def retire(self) -> None:
         """Its generation drained or was unloaded: never restarted (not even one waiting out its backoff)."""
         self.retired, self.restart_at = True, None
@@ -118,10 +129,11 @@ class Worker:
         return lost
 
     def exited(self, code: int | None, now: float, stopping: bool) -> None:
-        """Its process is reaped: FAILED for good after a failed load, else DEAD, with a restart
-        time unless it was retired or the pool stops."""
-        if code == protocol.EXIT_LOAD_FAILED or stopping or self.retired:
-            self.move(WorkerState.FAILED if code == protocol.EXIT_LOAD_FAILED else WorkerState.DEAD)
+        """Its process is reaped: FAILED for good after a failed load (its WorkerFailed message, or the
+        load timeout, said so: never its exit code, which a model's own code may produce), else DEAD,
+        with a restart time unless it was retired or the pool stops."""
+        if self.load_failed or stopping or self.retired:
+            self.move(WorkerState.FAILED if self.load_failed else WorkerState.DEAD)
             self.reason = self.reason or f"exit code {code}"
             return
         if self.state == WorkerState.READY and now - self.ready_at >= STABLE_AFTER_S:

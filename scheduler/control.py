@@ -14,10 +14,11 @@ from gepool.common import errors
 from gepool.common.errors import ConfigError
 from gepool.common.repository import load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
+from gepool.scheduler.batcher import QueueBudget
 from gepool.scheduler.books import Workers
 from gepool.scheduler.groups import Group
 from gepool.scheduler.models import LOADING, UNAVAILABLE, Model
-from gepool.scheduler.options import FrontOptions
+from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.states import WorkerState, check_model
 from gepool.scheduler.stats import Tee
@@ -44,6 +45,7 @@ class ModelControl:
         self.groups: dict[str, Group] = {}
         self.generation = 0
         self.poll_at: float | None = None
+        self.budget = QueueBudget(queued_bytes_limit(opts.max_queued_bytes))  # every model's queues share it
 
     @property
     def mode(self) -> str:
@@ -98,10 +100,11 @@ class ModelControl:
         group.signature = signature(self.opts.repository, name)
         for src in load_sources(self.opts.repository, name, auto_complete=self.opts.auto_complete_config):
             self.generation += 1
-            model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation, self.clock)
+            model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation, self.clock,
+                          self.budget)
             group.loading.append(model)
-            if src.error:
-                log.error("model %s version %s cannot load: %s", name, src.version, src.error)
+            if src.error or model.state == UNAVAILABLE:
+                log.error("model %s version %s cannot load: %s", name, src.version, src.error or model.reason)
                 continue
             self._place(model)
         self.settle(group)
@@ -116,7 +119,7 @@ class ModelControl:
         threads = cpu_threads(self.opts.cpu_threads, len(placements))
         for device, concurrency in placements:
             w = self.workers.add(model, device, threads, model.slots_per_worker * concurrency, model.slot_bytes)
-            w.concurrency = concurrency
+            w.concurrency, w.spawned_at = concurrency, self.clock()
             model.workers.append(w)
             self.out.spawn(w)
 

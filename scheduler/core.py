@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from gepool.common import errors
-from gepool.ipc import protocol
+from gepool.ipc import naming, protocol
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Worker, Workers
 from gepool.scheduler.control import ModelControl
@@ -23,6 +23,8 @@ from gepool.scheduler.status import Peers, answer_query, pool_status
 log = logging.getLogger("gepool.front")
 
 SERVER_NAME = "gepool"
+MAX_HEADER_BYTES = 256 << 10  # a message's msgpack header (names, shapes, fields): far more than any request needs
+MESSAGE_HEADROOM = 1 << 20  # what a request may carry beside its tensors: its header, and room to spare
 READY = WorkerState.READY
 
 
@@ -35,10 +37,11 @@ class Core:
         self.opts, self.out, self.clock = opts, out, clock
         self.workers = Workers()
         self.control = ModelControl(opts, self.workers, out, clock)
-        self.arenas = Arenas(on_drop=self._drop_arena)
+        self.arenas = Arenas(self._drop_arena, naming.segment_name(opts.owner_id, ""),
+                             zmq_may_register=opts.endpoint.startswith("ipc://"))
         self.polling = PollPolicy(opts.busy_poll_us)
         self.dispatch = Dispatcher(out.reply, self.arenas, self.polling, clock)
-        self.recovery = Recovery(self.workers, self.dispatch, out)
+        self.recovery = Recovery(self.workers, self.dispatch, out, opts.model_load_timeout_s)
         self.peers = Peers()  # the loop fills in what its channels know (lanes, their pids)
         self.stopping = False
         self.drain_deadline: float | None = None
@@ -56,6 +59,11 @@ class Core:
     def on_message(self, identity: bytes, parts: list) -> None:
         """A client's message, whichever channel carried it: the payload, then its tensor parts."""
         if not parts:
+            return
+        if parts[0].nbytes > MAX_HEADER_BYTES:  # before msgpack makes an object of every byte of it
+            self.out.reply(identity, [protocol.Error(0, errors.RequestTooLarge.code, f"a message header of "
+                                                     f"{parts[0].nbytes} bytes is larger than the "
+                                                     f"{MAX_HEADER_BYTES} this pool accepts").encode()])
             return
         try:
             msg = protocol.decode(parts[0])
@@ -100,7 +108,7 @@ class Core:
         if isinstance(msg, protocol.RegisterArena):
             return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
         if isinstance(msg, protocol.UnregisterArena):
-            return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena)})
+            return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena, identity)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
 
     def _infer(self, identity: bytes, msg: protocol.Infer, parts: list) -> None:
@@ -112,8 +120,12 @@ class Core:
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         model.check_servable()
         req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
+        budget = self.control.budget
+        if budget.used + req.nbytes > budget.limit:
+            raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
+                                     f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
         busy = any(w.inflight for w in model.workers)
-        if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy):
+        if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes):
             raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self.dirty.add(model)
@@ -135,6 +147,10 @@ class Core:
                 self.polling.prewakes += 1
                 return True
         return False
+
+    def message_limit(self) -> int:
+        """The most bytes one client message may declare: the largest slot of any model, plus headers."""
+        return max((m.slot_bytes for m in self.control.models()), default=0) + MESSAGE_HEADROOM
 
     def _drop_arena(self, name: str) -> None:
         for w in self.workers.values():
@@ -158,7 +174,8 @@ class Core:
             if w.retired:  # its generation was replaced or unloaded while it loaded
                 self.out.stop(w)
         elif isinstance(msg, protocol.WorkerFailed):
-            w.reason = msg.reason
+            w.cannot_load(msg.reason if type(msg.reason) is str else "its model cannot load")
+            self._refresh(w.model)
 
     def on_completions(self, w: Worker, records: Iterable[tuple[int, int]]) -> None:
         """What a worker's doorbell carried: each (slot, seq) is a batch done (or failed) in its slot."""
@@ -185,6 +202,7 @@ class Core:
     def tick(self, now: float) -> bool:
         """Housekeeping and every model's timers; True once a stop has drained."""
         self.recovery.watchdog(now)
+        self.recovery.load_watch(now)
         self.arenas.reap(now)
         if not self.stopping:
             self.recovery.restart_due(now)
@@ -202,8 +220,15 @@ class Core:
         queued = set()
         for model in models:
             if len(model.batcher):
-                for p in model.batcher.expire():  # a timer, not the end of a running batch
-                    self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
+                expired = model.batcher.expire()  # a timer, not the end of a running batch
+                for p in expired:
+                    if p.client_gone(model.batcher.clock()):
+                        # the client's own word for its deadline, so it raises the same either way
+                        err = errors.PoolUnavailable("no answer in time: the client's timeout passed while the "
+                                                     "request was queued, and it never ran")
+                    else:
+                        err = errors.Timeout("Request timeout expired")
+                    self.dispatch.reply_error(model, p.item, err)
                 self.dispatch.schedule(model)
                 if len(model.batcher):
                     queued.add(model)

@@ -190,7 +190,7 @@ class Dispatcher:
         for req in batch.requests:
             if can_retry and not req.retried:
                 req.retried = True
-                again.append((req, req.rows, req.key, req.arrived))
+                again.append((req, req.rows, req.key, req.arrived, req.nbytes))
             else:
                 self.reply_error(model, req, err)
         model.batcher.retry(again)

@@ -45,6 +45,7 @@ class Lane:
     receiver: lane.Receiver
     queue: collections.deque = field(default_factory=collections.deque)
     queued: int = 0
+    uid: int = -1  # the client's user, from the kernel too
 
 
 class Lanes:
@@ -69,6 +70,7 @@ class Lanes:
         self._minted = 0
         self.resume_at: float | None = None  # accepting paused until then
         self._scratch = bytearray(lane.RECORD_MAX)  # every lane's: one thread reads them, one record at a time
+        self.limit: Callable[[], int] = lambda: lane.MAX_MESSAGE_BYTES  # the front sets its own
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -120,8 +122,9 @@ class Lanes:
                 sock.close()
                 continue
             self._minted += 1
-            pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
-            conn = Lane(sock, _ID.pack(MARK, self._minted), pid, lane.Receiver(scratch=self._scratch))
+            pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            conn = Lane(sock, _ID.pack(MARK, self._minted), pid, lane.Receiver(scratch=self._scratch, limit=self.limit),
+                        uid=uid)
             self.by_fd[sock.fileno()] = conn
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), select.EPOLLIN)
@@ -146,6 +149,10 @@ class Lanes:
             except (EOFError, ConnectionError):
                 self._drop(conn)
                 break
+            except lane.Oversized as exc:  # its records are dropped as they come; the client hears why now
+                log.warning("refusing a lane message: %s", exc)
+                self.send(conn.identity, [_too_large(exc)])
+                continue
             except (lane.LaneError, MemoryError, OSError) as exc:
                 log.warning("closing a lane: %s", exc)
                 self._drop(conn)
@@ -154,6 +161,11 @@ class Lanes:
                 handled += 1
                 self.on_message(conn.identity, parts)
         return handled
+
+    def peer(self, identity: bytes) -> tuple[int, int] | None:
+        """(pid, uid) of the process on an open lane, as the kernel gave them; None for any other identity."""
+        conn = self.by_identity.get(identity)
+        return None if conn is None else (conn.pid, conn.uid)
 
     def owns(self, identity: bytes) -> bool:
         """An identity minted here (its lane may be gone since): never one for the ZMQ socket."""
@@ -236,3 +248,14 @@ def _unframeable(header, exc: lane.LaneError) -> bytes:
         req_id = 0
     return protocol.Error(req_id if type(req_id) is int else 0, errors.Internal.code,
                           f"the reply cannot travel over this client's lane: {exc}").encode()
+
+
+def _too_large(exc: lane.Oversized) -> bytes:
+    """The Error for a message declared larger than the front accepts (its req_id from its header)."""
+    req_id = 0
+    if exc.head is not None:
+        try:
+            req_id = getattr(protocol.decode(memoryview(exc.head)), "req_id", 0)
+        except protocol.ProtocolError:
+            pass
+    return protocol.Error(req_id if type(req_id) is int else 0, errors.RequestTooLarge.code, str(exc)).encode()

@@ -91,6 +91,8 @@ class Loop:
         self.core = Core(self.opts, self)
         if lanes is not None:
             self.core.peers = Peers(lanes.__len__, lanes.pids)
+            self.core.arenas.peer = lanes.peer
+            lanes.limit = self.core.message_limit
         for ch in self.channels.all:
             ch.on_message = self.core.on_message
             self.poller.register(ch.pollable, zmq.POLLIN)
@@ -230,7 +232,8 @@ class Loop:
             del self.by_bell[fd]
 
     def _on_exit(self, sentinel: int, w: Worker) -> None:
-        self._on_bell(w)  # what it finished before dying counts
+        self._on_workers()  # what it said before dying (a "cannot load" report) counts first
+        self._on_bell(w)  # and what it finished
         self._forget_bell(w)
         self.poller.unregister(sentinel)
         self.core.on_worker_exit(w, self.supervisor.reap(w))

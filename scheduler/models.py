@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -11,7 +12,7 @@ from gepool.common.config import ModelConfig, parse_size
 from gepool.common.render import render
 from gepool.common.repository import ModelSource
 from gepool.ipc import layout
-from gepool.scheduler.batcher import DynamicBatcher
+from gepool.scheduler.batcher import DynamicBatcher, QueueBudget
 from gepool.scheduler.queues import PolicyQueues
 from gepool.scheduler.requests import Admission
 from gepool.scheduler.states import ModelState, WorkerState, check_model
@@ -51,7 +52,8 @@ class Model:
     """One generation of one version of a model: its workers, queue and batcher."""
 
     def __init__(self, source: ModelSource, stats: ModelStats | None = None, generation: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, budget: QueueBudget | None = None) -> None:
+        """``budget``: the pool's queue budget, which this model's queued requests count against."""
         self.name, self.source, self.config = source.name, source, source.config
         self.version, self.generation = source.version, generation
         self.state = UNAVAILABLE if source.error else LOADING
@@ -68,17 +70,36 @@ class Model:
             self.batcher = DynamicBatcher(self.config.max_batch_size, db.preferred_batch_size if db else (),
                                           db.max_queue_delay_us if db else 0, enabled=db is not None,
                                           queues=queues, clock=clock,
-                                          adaptive=self.config.parameters.get("batch_policy") == "adaptive")
+                                          adaptive=self.config.parameters.get("batch_policy") == "adaptive",
+                                          budget=budget)
             self.slot_bytes = slot_bytes_for(self.config)
             self.admission = Admission(self.config, self.slot_bytes)
             ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
             self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)
             self._rendered = _render(self.config, self.name)
+            self.load_timeout_s = self._load_timeout()
         else:
+            self.load_timeout_s = None
             self.batcher = DynamicBatcher(0)
             self.slot_bytes = 0
             self.exec_timeout_s = DEFAULT_EXECUTION_TIMEOUT_MS / 1000
             self._rendered = _render(self.config, self.name) if self.config is not None else {}
+
+    def _load_timeout(self) -> float | None:
+        """The config's ``model_load_timeout_s`` parameter (None: the pool's); a bad one makes the model
+        UNAVAILABLE, naming it."""
+        raw = self.config.parameters.get("model_load_timeout_s")
+        if raw is None:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            self.state = UNAVAILABLE
+            self.reason = f"parameter model_load_timeout_s must be a number of seconds > 0, got '{raw}'"
+            return None
+        return value
 
     def worker_info(self, info: dict) -> None:
         """An NPU worker reports the batch sizes its .om was compiled for: without preferred sizes of

@@ -1,9 +1,12 @@
 """What a front is started with."""
 
 import logging
+import os
 from dataclasses import dataclass
 
 DRAIN_TIMEOUT_S = 30.0
+QUEUED_BYTES_SHARE = 4  # by default the queues may hold a quarter of the host's memory
+MODEL_LOAD_TIMEOUT_S = 180.0  # then a model still loading is UNAVAILABLE (below Pool.start()'s own timeout)
 
 
 @dataclass
@@ -22,3 +25,12 @@ class FrontOptions:
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
     busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never
     auto_complete_config: bool = True  # Triton's config auto-complete (off: --disable-auto-complete-config)
+    max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: default
+    model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a worker still loading after this is killed
+
+
+def queued_bytes_limit(asked: int) -> int:
+    """``max_queued_bytes`` as the front applies it: the asked number, or a share of the host's RAM."""
+    if asked < 0:
+        raise ValueError(f"max_queued_bytes must be >= 0 (0: a 1/{QUEUED_BYTES_SHARE} share of memory), not {asked}")
+    return asked or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // QUEUED_BYTES_SHARE

@@ -5,6 +5,9 @@ refuses at once), ``default_timeout_microseconds`` (a request not started in tim
 forgotten), ``timeout_action`` (REJECT answers it; DELAY moves it behind every live request of its
 level), and ``allow_timeout_override`` (a request's own timeout may only shorten the default, and
 is ignored when the default is 0, as Triton's PolicyQueue::Enqueue does).
+
+Apart from the policy, a request's own timeout is its client's: once it passes, nobody waits for the
+answer, so the request leaves its queue (whatever ``timeout_action`` says) and never runs.
 """
 
 import collections
@@ -36,7 +39,8 @@ class PolicyQueues:
         return priority if 1 <= priority <= self.levels else self.default_level
 
     def admit(self, pending: Any, priority: int, timeout_us: int) -> bool:
-        """Queues it, or returns False when its level is full. Sets ``pending.level`` and ``.deadline``."""
+        """Queues it, or returns False when its level is full. Sets ``pending.level``, ``.deadline`` and
+        ``.expires`` (``timeout_us``: its client's timeout, 0 for none)."""
         level = self.level_of(priority)
         policy = self.policies[level - 1]
         if policy.max_queue_size and len(self.live[level - 1]) + len(self.delayed[level - 1]) >= policy.max_queue_size:
@@ -45,7 +49,12 @@ class PolicyQueues:
         if policy.allow_timeout_override and 0 < timeout_us < timeout:
             timeout = timeout_us
         pending.level = level
-        pending.deadline = pending.enqueued + timeout / 1e6 if timeout else None
+        deadline = pending.policy_at = pending.enqueued + timeout / 1e6 if timeout else None
+        if timeout_us > 0:
+            pending.expires = pending.enqueued + timeout_us / 1e6
+            if deadline is None or pending.expires < deadline:
+                deadline = pending.expires
+        pending.deadline = pending.due = deadline
         self.live[level - 1].append(pending)
         self.size += 1
         if pending.deadline is not None:
@@ -73,6 +82,7 @@ class PolicyQueues:
         """Back at the head of its level (a request that could not be placed, or a retry)."""
         self.live[pending.level - 1].appendleft(pending)
         self.size += 1
+        pending.delayed, pending.deadline = False, pending.due
         if pending.deadline is not None:
             heapq.heappush(self._deadlines, (pending.deadline, next(self._tie), pending))
 
@@ -82,15 +92,20 @@ class PolicyQueues:
         return self._deadlines[0][0] if self._deadlines else None
 
     def expire(self, now: float) -> list[Any]:
-        """Requests whose timeout passed: REJECT ones are removed and returned; DELAY ones move back."""
+        """Requests whose timeout passed: REJECT ones, and those whose client's timeout passed, are
+        removed and returned; DELAY ones move back (until their client's timeout)."""
         rejected = []
         while (deadline := self.next_deadline()) is not None and deadline <= now:
             _, _, p = heapq.heappop(self._deadlines)
             p.deadline = None
             i = p.level - 1
-            self.live[i].remove(p)
-            if self.policies[i].timeout_action == DELAY:
+            (self.delayed[i] if p.delayed else self.live[i]).remove(p)
+            if self.policies[i].timeout_action == DELAY and (p.expires is None or p.expires > now):
+                p.delayed, p.due, p.policy_at = True, p.expires, None  # the policy is done with it
                 self.delayed[i].append(p)
+                if p.expires is not None:
+                    p.deadline = p.expires
+                    heapq.heappush(self._deadlines, (p.deadline, next(self._tie), p))
             else:
                 self.size -= 1
                 rejected.append(p)

@@ -12,8 +12,11 @@ log = logging.getLogger("gepool.recovery")
 
 
 class Recovery:
-    def __init__(self, workers: Workers, dispatch: Dispatcher, out: Outbox) -> None:
+    def __init__(self, workers: Workers, dispatch: Dispatcher, out: Outbox, load_timeout_s: float) -> None:
+        """``load_timeout_s``: how long a worker may take to load its model (a model's own
+        ``model_load_timeout_s`` parameter overrides it)."""
         self.workers, self.dispatch, self.out = workers, dispatch, out
+        self.load_timeout_s = load_timeout_s
 
     def on_exit(self, w: Worker, code: int | None, now: float, stopping: bool) -> None:
         """A reaped worker: each request of its lost batches runs once more on another ready worker of
@@ -47,15 +50,32 @@ class Recovery:
             log.error("worker %d (%s) hung; killing it", w.id, model.name)
             self.out.kill(w)
 
+    def load_watch(self, now: float) -> None:
+        """A worker still loading past its load timeout is killed; its exit makes it FAILED with that reason."""
+        for w in self.workers.values():
+            if w.state == WorkerState.STARTING and w.process is not None and not w.load_failed:
+                timeout = self._load_timeout(w)
+                if now >= w.spawned_at + timeout:
+                    w.load_failed = True
+                    w.reason = f"the model did not load within {timeout:g} s (model_load_timeout_s)"
+                    log.error("worker %d (%s): %s; killing it", w.id, w.model.name, w.reason)
+                    self.out.kill(w)
+
+    def _load_timeout(self, w: Worker) -> float:
+        own = w.model.load_timeout_s
+        return self.load_timeout_s if own is None else own
+
     def restart_due(self, now: float) -> None:
         for w in self.workers.values():
             if w.restart_at is not None and w.restart_at <= now and not w.retired:
-                w.started()
+                w.started(now)
                 self.out.spawn(w)
 
     def next_deadline(self) -> float | None:
-        """The nearest restart or watchdog deadline."""
+        """The nearest restart, load timeout or watchdog deadline."""
         deadlines = [w.restart_at for w in self.workers.values() if w.restart_at is not None]
+        deadlines += [w.spawned_at + self._load_timeout(w) for w in self.workers.values()
+                      if w.state == WorkerState.STARTING and w.process is not None and not w.load_failed]
         deadlines += [w.progress_at + w.model.exec_timeout_s for w in self.workers.values()
                       if w.inflight and w.state == WorkerState.READY]
         return min(deadlines) if deadlines else None

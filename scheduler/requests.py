@@ -32,6 +32,11 @@ class Request:
     where: list[int] | None = None  # the inputs' offsets in the client's arena (None: they came as frames)
 
 
+# A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
+# front's one thread: past this many elements that walk would hold up every other client.
+MAX_BYTES_ELEMENTS = 1 << 16
+BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
+
 _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size")
 _NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size")
 
@@ -101,9 +106,9 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
         raise InvalidArgument(f"missing input {sorted(plan.names - set(given))} for model '{config.name}'")
     arena = None
     if msg.arena != protocol.NO_ARENA:
-        arena = arenas.get(msg.arena)
-        if arena is None:
-            raise InvalidArgument(f"arena {msg.arena} is not registered")
+        arena = arenas.of_client(msg.arena, identity)
+        if arena is None:  # unknown, or another client's: the same words, and nothing touched
+            raise InvalidArgument(f"arena {msg.arena} is not registered by this client")
     batched = plan.batched
     shapes, buffers, rows, total = [], [], -1, 0
     for name, want_type, want_dims, itemsize in plan.inputs:
@@ -119,6 +124,9 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
         if batched:
             if rows == -1:
                 rows = shape[0]
+                if rows > config.max_batch_size:  # before any of its data is looked at
+                    raise InvalidArgument(f"batch size {rows} is outside 1..max_batch_size "
+                                          f"({config.max_batch_size}) of model '{config.name}'")
             elif rows != shape[0]:
                 seen = sorted({s[0] for s in shapes} | {shape[0]})
                 raise InvalidArgument(f"inputs disagree on the batch dimension: {seen}")
@@ -158,6 +166,14 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
         raise InvalidArgument(f"input '{name}': frame {where!r} does not exist ({len(frames)} tensor frames sent)")
     buf = frames[where]
     buf = buf.cast("B") if buf.format != "B" else buf
+    if count * BYTES_PREFIX > buf.nbytes:  # the declared count against the bytes actually sent
+        raise InvalidArgument(f"input '{name}': {count} BYTES elements need at least {count * BYTES_PREFIX} "
+                              f"bytes, {buf.nbytes} sent")
+    if dtypes.uniform_bytes(buf, count):
+        return buf
+    if count > MAX_BYTES_ELEMENTS:
+        raise RequestTooLarge(f"input '{name}': a BYTES tensor of elements of different lengths may hold at "
+                              f"most {MAX_BYTES_ELEMENTS} elements, not {count}")
     try:
         dtypes.bytes_offsets(buf, count)
     except ValueError as exc:

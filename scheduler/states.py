@@ -11,6 +11,8 @@ class WorkerState(enum.StrEnum):
            +---------- exit --------+--> DEAD --backoff over--> STARTING   (a restart)
                                     |     (kept DEAD: retired, or the pool stops)
                                     +--> FAILED                            (its load failed; final)
+
+    DEAD -> FAILED: the worker's "cannot load" message was handled after its exit.
     """
 
     STARTING = "STARTING"
@@ -37,7 +39,7 @@ class ModelState(enum.StrEnum):
 WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.STARTING: frozenset({WorkerState.STARTING, WorkerState.READY, WorkerState.DEAD, WorkerState.FAILED}),
     WorkerState.READY: frozenset({WorkerState.DEAD, WorkerState.FAILED}),
-    WorkerState.DEAD: frozenset({WorkerState.STARTING}),
+    WorkerState.DEAD: frozenset({WorkerState.STARTING, WorkerState.FAILED}),
     WorkerState.FAILED: frozenset(),
 }
 

@@ -180,15 +180,25 @@ def test_request_timeout_only_shortens_and_only_when_allowed():
     clock.advance(200)
     assert [p.item for p in b.expire()] == ["short"]
     clock.advance(900)
-    assert [p.item for p in b.expire()] == ["long"]
-    b, clock = make_q(Policy(allow_timeout_override=True))
-    b.add("x", timeout_us=100)  # default 0: Triton ignores the override
-    clock.advance(10_000)
-    assert b.expire() == [] and len(b) == 1
-    b, clock = make_q(Policy(default_timeout_us=1000))
-    b.add("y", timeout_us=100)  # override not allowed
-    clock.advance(200)
-    assert b.expire() == []
+    (long,) = b.expire()
+    assert long.item == "long" and long.expires > clock()  # the policy's timeout, before its client's
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(allow_timeout_override=True),  # default 0: Triton ignores the override as a queue timeout
+    Policy(default_timeout_us=1000),  # override not allowed
+    Policy(default_timeout_us=50, timeout_action=DELAY),  # delayed first, then its client gives up
+])
+def test_a_clients_own_timeout_always_takes_its_request_out(policy):
+    b, clock = make_q(policy)
+    b.add("x", timeout_us=100)
+    b.add("patient")
+    clock.advance(60)
+    b.expire()
+    clock.advance(60)
+    (gone,) = b.expire()
+    assert gone.item == "x" and gone.expires <= clock()
+    assert [p.item for p in b.queue] == ["patient"] and b.rows == 1
 
 
 def test_delay_action_moves_behind_live_requests():

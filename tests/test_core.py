@@ -430,3 +430,113 @@ def test_the_config_query_answers_with_the_config_being_served(tmp_path, harness
     h.ready_all()
     h.out.take()
     assert config()["max_batch_size"] == 4
+
+
+def test_queued_bytes_are_capped_pool_wide_and_freed_as_batches_leave(tmp_path, harness):
+    echo_model(tmp_path)
+    h = harness(max_queued_bytes=100)  # a request of one row holds 32 bytes (16 in, 16 out)
+    (w,) = h.out.spawned
+    h.ready_all()
+    budget = h.core.control.budget
+    first = h.infer(1.0)
+    h.step()  # runs at once: it leaves the queue and its bytes with it
+    assert len(w.bell.rung) == 1 and budget.used == 0
+    queued = [h.infer(float(i)) for i in range(3)]  # wait behind the running batch
+    h.step()
+    assert budget.used == 96 and h.out.take() == []
+    refused = h.infer(9.0)
+    (reply,) = results(h.out.take()).values()
+    assert reply.req_id == refused and reply.code == errors.Unavailable.code
+    assert "max_queued_bytes (100)" in reply.message
+    h.compute(w)  # the queued three go as one batch
+    assert budget.used == 0
+    h.compute(w)
+    got = results(h.out.take())
+    assert all(isinstance(got[r], np.ndarray) for r in [first, *queued])
+    again = h.infer(3.0)
+    h.step()
+    h.compute(w)
+    assert isinstance(results(h.out.take())[again], np.ndarray)
+
+
+def test_a_request_whose_clients_timeout_passed_leaves_its_queue_and_never_runs(tmp_path, harness):
+    echo_model(tmp_path)  # no queue policy: only the client's own timeout applies
+    h = harness()
+    (w,) = h.out.spawned
+    h.ready_all()
+    a = h.infer(1.0)
+    h.step()
+    late = h.infer(2.0, timeout_us=50_000)
+    patient = h.infer(3.0)
+    h.step()
+    assert h.core.next_deadline() == pytest.approx(h.clock.now + 0.05)
+    h.tick(0.06)
+    (reply,) = results(h.out.take()).values()
+    assert reply.req_id == late and reply.code == errors.PoolUnavailable.code and "client's timeout" in reply.message
+    assert h.core.control.budget.used == 32  # only the patient one is still held
+    h.compute(w)
+    h.compute(w)
+    got = results(h.out.take())
+    assert set(got) == {a, patient}  # the late one never ran
+    np.testing.assert_array_equal(got[patient], np.full((1, 4), 6.0, np.float32))
+
+
+def test_a_model_that_does_not_load_in_time_is_unavailable_and_the_pool_ready(tmp_path, harness):
+    echo_model(tmp_path, params='parameters { key: "model_load_timeout_s" value: { string_value: "2" } }')
+    echo_model(tmp_path, name="good")
+    h = harness()
+    hanging, good = sorted(h.out.spawned, key=lambda w: w.model.name != "echo")
+    h.ready(good)
+    h.tick(1.5)
+    assert h.out.killed == [] and h.out.status is None  # still loading, within its timeout
+    assert h.core.next_deadline() == pytest.approx(h.clock.now + 0.5)
+    h.tick(0.6)
+    assert h.out.killed == [hanging]
+    h.exit(hanging, -9)
+    assert hanging.state == WorkerState.FAILED and hanging.restart_at is None
+    status = h.out.status
+    assert status is not None and status["models"]["good"]["state"] == "READY"
+    group = h.core.control.group("echo")
+    (echo,) = group.failed
+    assert echo.state == ModelState.UNAVAILABLE and "did not load within 2 s (model_load_timeout_s)" in echo.reason
+    h.infer(1.0)
+    (reply,) = results(h.out.take()).values()
+    assert reply.code == errors.ModelNotReady.code and "model_load_timeout_s" in reply.message
+
+
+def test_a_bad_load_timeout_parameter_is_refused_naming_it(tmp_path, harness):
+    echo_model(tmp_path, params='parameters { key: "model_load_timeout_s" value: { string_value: "soon" } }')
+    h = harness()
+    assert h.out.spawned == []
+    (model,) = h.core.control.group("echo").failed
+    assert model.state == ModelState.UNAVAILABLE and "model_load_timeout_s" in model.reason and "'soon'" in model.reason
+
+
+def test_exit_code_3_at_run_time_is_a_crash_and_the_cannot_load_report_a_message(tmp_path, harness):
+    echo_model(tmp_path, count=2)
+    h = harness()
+    w1, w2 = h.out.spawned
+    h.ready(w1)
+    h.exit(w2, 3)  # exited while loading with the old "cannot load" code, but said nothing: a crash
+    assert w2.state == WorkerState.DEAD and w2.restart_at is not None
+    h.core.on_worker_message(protocol.WorkerFailed(w2.id, "RuntimeError: weights are missing"))  # said late
+    assert w2.state == WorkerState.FAILED and w2.restart_at is None and "weights" in w2.reason
+    h.tick(60)
+    assert w2 not in h.out.spawned[2:]  # never restarted
+    h.exit(w1, 3)  # a ready worker whose model's code exited with 3: restarted like any crash
+    assert w1.state == WorkerState.DEAD and w1.restart_at is not None
+    h.tick(1.0)
+    assert h.out.spawned[-1] is w1 and w1.state == WorkerState.STARTING
+
+
+def test_a_header_too_large_is_refused_before_it_is_decoded(tmp_path, harness):
+    from gepool.scheduler.core import MAX_HEADER_BYTES
+
+    echo_model(tmp_path)
+    h = harness()
+    h.ready_all()
+    lists = b"\xdd" + (MAX_HEADER_BYTES).to_bytes(4, "big") + b"\x90" * MAX_HEADER_BYTES  # an array of empty arrays
+    h.core.on_message(b"\0client", [memoryview(lists)])
+    (_, msg, _), = h.out.take()
+    assert isinstance(msg, protocol.Error) and msg.code == errors.RequestTooLarge.code
+    assert f"larger than the {MAX_HEADER_BYTES}" in msg.message

@@ -1,11 +1,15 @@
-"""Hostile input on the ZMQ endpoint: random and mutated multipart messages never take the front down."""
+"""Hostile input on the ZMQ endpoint and the lanes: random messages and framing never take the front down."""
+
+import socket
+import struct
 
 import msgpack
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gepool.ipc import protocol
+from gepool import Client
+from gepool.ipc import lane, protocol
 
 VALID = protocol.Infer(1, "tiny", -1, [["INPUT0", "FP32", [1, 16], 0]], None, 0, 0, protocol.NO_ARENA, 0, 0)
 values = st.recursive(
@@ -54,3 +58,51 @@ def test_valid_request_after_the_storm(client, pool):
     x = np.arange(16, dtype=np.float32)[None]
     np.testing.assert_array_equal(client.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
     assert client.status()["models"]["tiny"]["state"] == "READY"
+
+
+SIZES = st.sampled_from([0, 1, 7, 64, lane.RECORD_MAX, 2**31, 2**40, 2**63, 2**64 - 1]) | st.integers(0, 4096)
+
+
+@st.composite
+def lane_records(draw) -> list[bytes]:
+    """One lane's worth of records: garbage, or headers whose flag, part count and sizes lie."""
+    kind = draw(st.sampled_from(["garbage", "one", "many"]))
+    if kind == "garbage":
+        return draw(st.lists(st.binary(min_size=1, max_size=200), min_size=1, max_size=3))
+    sizes = draw(st.lists(SIZES, max_size=6))
+    count = draw(st.sampled_from([len(sizes)]) | st.integers(0, 2**32 - 1))
+    flag = draw(st.sampled_from([0, 1, 2, 255]))
+    head = bytes([flag]) + struct.pack("<I", count) + struct.pack(f"<{len(sizes)}Q", *sizes)
+    body = draw(st.sampled_from([VALID.encode(), b""]) | st.binary(max_size=300))
+    records = [head + body]
+    if kind == "many":
+        records += [bytes([draw(st.sampled_from([0, 1]))]) + draw(st.binary(max_size=300))
+                    for _ in range(draw(st.integers(1, 3)))]
+    return records
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=lane_records())
+def test_lane_framing_fuzz_never_takes_the_front_down(pool, records):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    try:
+        sock.connect(lane.path_for(pool.endpoint[len("ipc://"):]))
+        assert sock.recv(lane.RECORD_MAX) == lane.ACCEPTED
+        for record in records:
+            try:
+                sock.send(record)
+            except OSError:  # the front already hung up on an earlier record
+                break
+        sock.settimeout(0.2)
+        try:
+            reply = sock.recv(lane.RECORD_MAX)
+        except (TimeoutError, ConnectionError):
+            reply = b""  # waiting for the rest of a message, or hung up
+        if len(reply) > 13 and reply[0] == 0 and reply[1:5] == b"\x01\0\0\0":  # a one-part reply
+            msg = protocol.decode(reply[13:])
+            assert isinstance(msg, protocol.Error | protocol.Reply | protocol.Welcome | protocol.Result), msg
+    finally:
+        sock.close()
+    with Client(pool.endpoint, timeout=30) as c:  # over a lane of its own: the front still answers
+        assert c.status()["pool_id"]

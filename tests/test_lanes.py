@@ -2,6 +2,7 @@
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -442,3 +443,47 @@ def test_a_thread_that_ends_takes_its_lane_with_it(pool, client):
         assert seen and all(n >= base + 1 for n in seen), seen
         assert wait_until(lambda: client.status()["lanes"] <= base)
         assert c.infer("tiny", {"INPUT0": x})["OUTPUT0"][0, 0] == 1.0
+
+
+def test_a_declared_size_over_the_limit_is_refused_and_its_records_dropped():
+    a, b = _pair()
+    rx = lane.Receiver(limit=lambda: 100_000)
+    try:
+        big = [b"head", b"\1" * 150_000]  # over the limit: three records
+        for record in lane.records(big):
+            a.sendmsg(record)
+        with pytest.raises(lane.Oversized) as caught:
+            rx.recv(b)
+        assert caught.value.head == b"head" and caught.value.limit == 100_000
+        assert "larger than the 100000" in str(caught.value)
+        while rx.skip:  # the rest of it is read and thrown away
+            assert rx.recv(b) is None
+        small = [b"next", b"\2" * 80_000]  # under the limit: the lane carries on
+        for record in lane.records(small):
+            a.sendmsg(record)
+        while (got := rx.recv(b)) is None:
+            pass
+        assert [bytes(p) for p in got] == small
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_declared_size_costs_no_memory_until_its_bytes_arrive():
+    from tests.conftest import rss_kb
+
+    a, b = _pair()
+    rx = lane.Receiver(limit=lambda: 4 << 30)
+    try:
+        before = rss_kb(os.getpid())
+        receivers = []
+        for _ in range(2):  # 1 GiB declared, 100 bytes sent, twice
+            a.send(b"\x01" + struct.pack("<I2Q", 2, 4, 1 << 30) + b"head" + b"\0" * 64)
+            r = lane.Receiver(limit=lambda: 4 << 30)
+            assert r.recv(b) is None and r.body is not None
+            receivers.append(r)
+        assert rss_kb(os.getpid()) - before < 50 * 1024
+        del receivers, rx
+    finally:
+        a.close()
+        b.close()

@@ -21,7 +21,7 @@ from gepool.workers.backends import create_backend
 from gepool.workers.backends.base import AsyncBackend, Backend, SyncBackend
 from gepool.workers.execute import execute_slot, plan_outputs
 
-LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # distinct, so a model that cannot load is not restarted
+LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # for people reading exit codes: the front goes by WorkerFailed
 PARENT_CHECK_MS = 500
 FAREWELL_LINGER_MS = 2000
 EXIT_ORPHANED = 5  # let the load-failure message reach the front before exiting
@@ -46,7 +46,8 @@ class WorkerSpec:
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    """Entry point of a spawned worker process; exits with 0, or LOAD_FAILED_EXIT."""
+    """Entry point of a spawned worker process; exits with 0, or LOAD_FAILED_EXIT after telling the front
+    (WorkerFailed) that its model cannot load: the message, not the code, is what the front believes."""
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s worker{spec.worker_id} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front stops us
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
@@ -57,7 +58,7 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         backend = create_backend(spec.config, spec.version_dir, spec.device, spec.threads)
         warmup_runs = backend.warmup()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a model's initialize() calling sys.exit() cannot load either
         log.exception("model %s failed to load", spec.config.name)
         sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
         sock.send(protocol.WorkerFailed(spec.worker_id, f"{type(exc).__name__}: {exc}").encode())

@@ -65,7 +65,8 @@ class ProtocolMismatch(GepoolError):
 
 
 class PoolUnavailable(GepoolError):
-    """Raised on the client: no pool answered at the endpoint in time."""
+    """No answer in time: raised on the client when no pool answered at the endpoint within its timeout,
+    and sent by the front for a request it dropped from its queue once its client's timeout passed."""
 
     code, http_status = "POOL_UNAVAILABLE", 503
 
