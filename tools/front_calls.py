@@ -54,7 +54,7 @@ def calls(repo: str, requests: int, lane: bool) -> int:
     thread.start()
     prof = cProfile.Profile()
     prof.enable()
-    Front(opts, pool.start_worker, lambda status: ready.set()).run()
+    Front(opts, pool.start_worker, lambda status: ready.set(), place=pool.place_workers).run()
     prof.disable()
     thread.join()
     return pstats.Stats(prof).total_calls
