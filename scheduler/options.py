@@ -22,3 +22,4 @@ class FrontOptions:
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
     busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never
     auto_complete_config: bool = True  # Triton's config auto-complete (off: --disable-auto-complete-config)
+    cache_size: int = 0  # bytes of the response cache (Triton's --cache-config local,size=BYTES); 0: no cache

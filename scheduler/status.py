@@ -159,6 +159,11 @@ class ModelMetadata:
 
 
 def pool_status(core: Core, pid: int) -> dict:
+    cache = core.dispatch.cache
+    return {**_pool_status(core, pid), "cache": cache.as_dict() if cache is not None else None}
+
+
+def _pool_status(core: Core, pid: int) -> dict:
     return PoolStatus(core.opts.owner_id, core.opts.endpoint, core.stopping or core.grace_until is not None,
                       len(core.arenas), core.peers.lanes(), core.peers.lane_pids(), pid, core.polling.summary(),
                       core.opts.model_control_mode,
