@@ -311,6 +311,8 @@ class Pool:
                 "auto_complete_config": self.auto_complete_config,
                 "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes,
                 "cache_size": self.cache_size}
+        if not os.path.isdir(self.repository):
+            raise errors.InvalidArgument(f"model repository '{self.repository}' does not exist or is not a directory")
         # the death pipe: the front holds the read end, this process the write end (not inheritable, so no
         # other child keeps the front alive); when this process dies the front reads end of file and stops
         death_r, self._death_w = os.pipe()

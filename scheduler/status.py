@@ -176,6 +176,8 @@ def answer_query(core: Core, what: str, args: object) -> dict:
         return core.status()
     if what == "stats":
         return {name: g.stats_dict() for name, g in core.control.groups.items()}
+    if what == "index":
+        return {"models": core.control.index(bool(args.get("ready")) if isinstance(args, dict) else False)}
     if what in ("metadata", "config"):
         group = core.control.group(args.get("model") if isinstance(args, dict) else None)
         if what == "metadata":
@@ -184,4 +186,4 @@ def answer_query(core: Core, what: str, args: object) -> dict:
         if model is None or model.config is None:
             raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")
         return model.rendered_config()
-    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config, load, unload)")
+    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, index, metadata, config, load, unload)")
