@@ -56,7 +56,7 @@ class AsyncClient(ClientCore):
             await self.close()
             raise
 
-    async def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
+    async def infer(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
                     version: int | None = None, timeout: float | None = None) -> dict:
         if self.arena is not None and model not in self._meta:
             self._meta[model] = await self.model_metadata(model)

@@ -63,10 +63,12 @@ class Client(ClientCore):
             raise
 
     # -- requests ------------------------------------------------------------------------
-    def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *, version: int | None = None,
-              timeout: float | None = None) -> dict:
+    def infer(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
+              version: int | None = None, timeout: float | None = None) -> dict:
         """Runs one request and returns {output name: ndarray} (its ``model_version`` attribute: the version
-        that ran the request); raises a GepoolError subclass on failure."""
+        that ran the request); raises a GepoolError subclass on failure. ``outputs`` names the outputs wanted
+        (None: all); an item ``(name, class_count)`` returns that output as its top classes instead, BYTES
+        "value:index[:label]" per row (Triton's classification extension)."""
         wait = self.timeout if timeout is None else timeout
         for attempt in (1, 2):
             arena_id = self._arena_id
@@ -88,7 +90,7 @@ class Client(ClientCore):
                 out.release(self.arena)
         raise AssertionError("unreachable")
 
-    def infer_async(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
+    def infer_async(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
                     version: int | None = None, timeout: float | None = None) -> concurrent.futures.Future:
         """Sends at once; the Future resolves to the outputs or to the error."""
         out = self._encode(model, inputs, outputs, version, timeout)

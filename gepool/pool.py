@@ -54,7 +54,7 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
           poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True,
           http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0,
-          strict_readiness: bool = True) -> int:
+          strict_readiness: bool = True, cache_size: int = 0) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready, is restarted (with backoff) if it dies,
     and stops after the front has drained. ``http_restricted_api``: Triton's ``API[,API]:KEY=VALUE``
@@ -70,7 +70,7 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
                         curve_secret_key=curve_secret_key, curve_authorized_keys=curve_authorized_keys,
                         exit_grace_s=exit_grace_s, model_control_mode=model_control_mode,
                         load_models=tuple(load_models), poll_secs=poll_secs, busy_poll_us=busy_poll_us,
-                        auto_complete_config=auto_complete_config)
+                        auto_complete_config=auto_complete_config, cache_size=cache_size)
     gateway: list[_Sidecar] = []
 
     def ready(status: dict) -> None:
@@ -234,7 +234,7 @@ def _front_process(argv: list[str]) -> int:
                      busy_poll_us=args.get("busy_poll_us", 0),
                      auto_complete_config=args.get("auto_complete_config", True),
                      http_restricted_api=tuple(args.get("http_restricted_api", ())),
-                     http_max_body_bytes=args.get("http_max_body_bytes", 0))
+                     http_max_body_bytes=args.get("http_max_body_bytes", 0), cache_size=args.get("cache_size", 0))
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -275,7 +275,7 @@ class Pool:
                  curve_authorized_keys: str | None = None, exit_grace_s: float = 0.0,
                  model_control_mode: str = "none", load_models: tuple[str, ...] = (), poll_secs: float = 15.0,
                  busy_poll_us: int = 0, auto_complete_config: bool = True, http_restricted_api: tuple[str, ...] = (),
-                 http_max_body_bytes: int = 0) -> None:
+                 http_max_body_bytes: int = 0, cache_size: int = 0) -> None:
         """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
         ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
         public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key.
@@ -292,6 +292,7 @@ class Pool:
         self.model_control_mode, self.load_models, self.poll_secs = model_control_mode, list(load_models), poll_secs
         self.busy_poll_us, self.auto_complete_config = busy_poll_us, auto_complete_config
         self.http_restricted_api, self.http_max_body_bytes = list(http_restricted_api), http_max_body_bytes
+        self.cache_size = cache_size  # bytes of the response cache (0: none), Triton's --cache-config local,size=
         self.process = None
         self._death_w: int | None = None
         self.status: dict = {}
@@ -308,7 +309,10 @@ class Pool:
                 "model_control_mode": self.model_control_mode, "load_models": self.load_models,
                 "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us,
                 "auto_complete_config": self.auto_complete_config,
-                "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes}
+                "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes,
+                "cache_size": self.cache_size}
+        if not os.path.isdir(self.repository):
+            raise errors.InvalidArgument(f"model repository '{self.repository}' does not exist or is not a directory")
         # the death pipe: the front holds the read end, this process the write end (not inheritable, so no
         # other child keeps the front alive); when this process dies the front reads end of file and stops
         death_r, self._death_w = os.pipe()

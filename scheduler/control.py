@@ -20,7 +20,7 @@ from gepool.scheduler.groups import Group
 from gepool.scheduler.models import LOADING, UNAVAILABLE, Model
 from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.outbox import Outbox
-from gepool.scheduler.states import WorkerState, check_model
+from gepool.scheduler.states import ModelState, WorkerState, check_model
 from gepool.scheduler.stats import Tee
 
 log = logging.getLogger("gepool.control")
@@ -43,6 +43,7 @@ class ModelControl:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.opts, self.workers, self.out, self.clock = opts, workers, out, clock
         self.groups: dict[str, Group] = {}
+        self.unloaded: dict[str, list[int]] = {}  # names unloaded since their last load: the versions they had
         self.generation = 0
         self.poll_at: float | None = None
         self.budget = QueueBudget(queued_bytes_limit(opts.max_queued_bytes))  # every model's queues share it
@@ -56,6 +57,8 @@ class ModelControl:
 
     def start(self) -> None:
         opts = self.opts
+        if not os.path.isdir(opts.repository):  # in every mode: explicit loads would only fail later
+            raise FileNotFoundError(f"model repository '{opts.repository}' does not exist or is not a directory")
         names = list(opts.load_models) if self.mode == "explicit" else model_names(opts.repository)
         for name in names:
             self.load(name)
@@ -76,9 +79,11 @@ class ModelControl:
             raise errors.Unavailable(f"explicit model {what} is not allowed: this pool runs with model control "
                                      f"mode {self.mode.upper()} (start it with --model-control-mode explicit)")
         try:
-            model_dir(self.opts.repository, name)
+            folder = model_dir(self.opts.repository, name)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
+        if what == "load" and not os.path.isdir(folder):  # refused, and nothing is added to the index
+            raise errors.ModelNotFound(f"failed to load '{name}': the model repository has no folder '{name}'")
         if what == "unload":
             if name not in self.groups or self.groups[name].unloading:
                 raise errors.ModelNotFound(f"Request for unknown model: '{name}' is not loaded")
@@ -93,6 +98,7 @@ class ModelControl:
         if group is None or group.unloading and not group.models():
             group = self.groups[name] = Group(name)
         group.unloading = False
+        self.unloaded.pop(name, None)
         if waiter is not None:
             group.waiters.append(waiter)
         if group.loading:
@@ -102,6 +108,9 @@ class ModelControl:
             self.generation += 1
             model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation, self.clock,
                           self.budget)
+            if src.config is not None and src.config.response_cache and not self.opts.cache_size:
+                log.warning("model %s: response_cache is enabled, but this pool has no response cache "
+                            "(start it with --cache-config local,size=BYTES): its responses are not cached", name)
             group.loading.append(model)
             if src.error or model.state == UNAVAILABLE:
                 log.error("model %s version %s cannot load: %s", name, src.version, src.error or model.reason)
@@ -125,6 +134,8 @@ class ModelControl:
 
     def unload(self, name: str) -> None:
         group = self.groups[name]
+        self.unloaded[name] = sorted({m.version for m in (*group.serving.values(), *group.loading)
+                                      if m.version is not None})
         group.unloading = True
         group.draining += [*group.serving.values(), *group.loading]
         group.serving, group.loading = {}, []
@@ -159,6 +170,38 @@ class ModelControl:
                                               "failed": group.error})
             self.out.reply(identity, [msg.encode()])
         group.waiters = []
+
+    # -- the repository index ----------------------------------------------------------------
+    def index(self, ready_only: bool = False) -> list[dict]:
+        """Triton's repository index: every model folder, and every name still served. A name with versions
+        has one row per version with its state (and reason); one never loaded has its name only; one
+        unloaded is UNAVAILABLE, reason "unloaded"."""
+        try:
+            folders = model_names(self.opts.repository)
+        except FileNotFoundError:
+            folders = []
+        rows = []
+        for name in sorted(set(folders) | set(self.groups)):
+            group = self.groups.get(name)
+            if group is not None and group.unloading:
+                found = [(m.version, "UNLOADING", "") for m in group.models()]
+            elif group is not None:
+                found = [(m.version, ModelState.AVAILABLE if m.servable() else m.state, m.reason)
+                         for m in (*group.serving.values(), *group.loading)]
+                if not found:
+                    found = [(m.version, m.state, m.reason or group.error) for m in group.failed]
+            else:
+                found = [(v, ModelState.UNAVAILABLE, "unloaded") for v in self.unloaded.get(name, ())]
+            if not found and not ready_only:
+                rows.append({"name": name})
+            for version, state, reason in sorted(found, key=lambda f: f[0] if f[0] is not None else -1):
+                if ready_only and state != ModelState.AVAILABLE:
+                    continue
+                row = {"name": name, "version": "" if version is None else str(version), "state": str(state)}
+                if reason:
+                    row["reason"] = reason
+                rows.append(row)
+        return rows
 
     # -- draining and retiring --------------------------------------------------------------
     def retire(self, model: Model) -> None:

@@ -9,6 +9,7 @@ from gepool.common import errors
 from gepool.ipc import naming, protocol
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Worker, Workers
+from gepool.scheduler.cache import ResponseCache
 from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.models import Model
@@ -18,6 +19,7 @@ from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
 from gepool.scheduler.requests import admit
 from gepool.scheduler.states import ModelState, WorkerState
+from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
 
 log = logging.getLogger("gepool.front")
@@ -41,6 +43,8 @@ class Core:
                              zmq_may_register=opts.endpoint.startswith("ipc://"))
         self.polling = PollPolicy(opts.busy_poll_us)
         self.dispatch = Dispatcher(out.reply, self.arenas, self.polling, clock)
+        if opts.cache_size > 0:
+            self.dispatch.cache = ResponseCache(opts.cache_size)
         self.recovery = Recovery(self.workers, self.dispatch, out, opts.model_load_timeout_s)
         self.peers = Peers()  # the loop fills in what its channels know (lanes, their pids)
         self.stopping = False
@@ -118,15 +122,22 @@ class Core:
             raise errors.Unavailable("the pool is shutting down")
         group = self.control.group(msg.model)
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
-        model.check_servable()
-        req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
-        budget = self.control.budget
-        if budget.used + req.nbytes > budget.limit:
-            raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
-                                     f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
-        busy = any(w.inflight for w in model.workers)
-        if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes):
-            raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
+        try:
+            model.check_servable()
+            req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
+            if self.dispatch.cache is not None and model.config.response_cache \
+                    and self.dispatch.answer_cached(model, req):
+                return  # answered from the cache: no worker runs it
+            budget = self.control.budget
+            if budget.used + req.nbytes > budget.limit:
+                raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
+                                         f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
+            busy = any(w.inflight for w in model.workers)
+            if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes):
+                raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
+        except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
+            model.stats.failed(failure_reason(exc))
+            raise
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self.dirty.add(model)
         self._refused.discard(msg.model)

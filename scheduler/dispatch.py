@@ -12,10 +12,13 @@ from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import MAX_REQUESTS, TensorDesc
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Batch, Worker
+from gepool.scheduler.cache import ResponseCache, entry_frames, now_ns, private_inputs, request_key
+from gepool.scheduler.classify import classify
 from gepool.scheduler.models import Model
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.requests import Request
 from gepool.scheduler.states import WorkerState
+from gepool.scheduler.stats import failure_reason
 
 READY = WorkerState.READY
 # reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot
@@ -36,6 +39,7 @@ class Dispatcher:
         self.reply, self.arenas, self.clock = reply, arenas, clock
         self.polling = polling or PollPolicy()
         self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
+        self.cache: ResponseCache | None = None  # the pool's response cache, when it has one
 
     def schedule(self, model: Model) -> None:
         """Hands out batches while a worker can take one and the batcher says go."""
@@ -65,19 +69,22 @@ class Dispatcher:
         rows = sum(r.rows for r in reqs)
         batch = w.take(model.seq, reqs, rows, direct is not None, now)
         slot = w.ring.slots[batch.slot]
+        copy_in = 0.0
         if direct is not None:
             arena, ins, outs = direct
             slot.fill(model.seq, reqs[0].rows, ins, now, outs, arena)
         else:
+            started = time.perf_counter()
             self._copy_in(model, slot, reqs, now, w.info.get("per_request", False))
+            copy_in = time.perf_counter() - started
         self.last_batch_requests = len(reqs)
         self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
-        model.stats.dispatched(rows, [now - r.arrived for r in reqs])
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in)
         w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def _direct(self, model: Model, w: Worker, req: Request) -> tuple[str, list, list] | None:
         """(arena name, input places, output places) when ``req`` can run as a direct batch."""
-        if (req.where is None or req.outputs is not None or req.nbytes < DIRECT_MIN_BYTES
+        if (req.where is None or req.outputs is not None or req.cache_key is not None or req.nbytes < DIRECT_MIN_BYTES
                 or not model.admission.fixed_outputs or not w.info.get("arena_io")):
             return None
         arena = self.arenas.get(req.arena)
@@ -122,7 +129,7 @@ class Dispatcher:
             return
         slot = w.ring.slots[index]
         seq, outs, error, (_, t_start, t_end) = slot.result()
-        model.stats.computed(batch.rows, t_end - t_start)
+        copy_out = 0.0
         model.batcher.observe_cost(t_end - t_start)
         failed = slot.request_errors() if seq == batch.seq else {}  # requests the model failed one by one
         if error or seq != batch.seq:
@@ -141,6 +148,7 @@ class Dispatcher:
                 log.exception("internal error answering request %s", req.req_id)
                 self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
         else:
+            started = time.perf_counter()
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0
             now = self.clock()
@@ -157,7 +165,9 @@ class Dispatcher:
                     self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
                 row += req.rows
             del arrays  # views into the slot: gone before the slot is reused
+            copy_out = time.perf_counter() - started
         slot.release()
+        model.stats.computed(batch.rows, t_end - t_start, copy_out)
         self.polling.answered(self.clock(), len(batch.requests), t_end - t_start,
                               not any(x.inflight for x in model.workers))
 
@@ -165,6 +175,10 @@ class Dispatcher:
         batched = model.config.max_batch_size > 0
         names = [t.name for t in model.config.outputs if req.outputs is None or t.name in req.outputs]
         pieces = [arrays[n][row:row + req.rows] if batched else arrays[n] for n in names]
+        if req.classify is not None:
+            pieces = classify(model.config, names, pieces, req.classify)
+        if req.cache_key is not None:
+            self._keep(model, req, names, pieces)
         has_bytes = any(p.dtype == object for p in pieces)
         arena = self.arenas.get(req.arena) if req.out_size > 0 and not has_bytes else None
         if arena is not None:
@@ -183,6 +197,31 @@ class Dispatcher:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
         # copied: the pieces are views of a slot that is reused as soon as the batch is answered
         self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version).encode(), *pieces], True)
+
+    def answer_cached(self, model: Model, req: Request) -> bool:
+        """A request to a model whose responses are cached: answered here from the cache (True), or
+        marked so that its response is kept when it is answered."""
+        started = now_ns()
+        private_inputs(req)
+        key = request_key(model, req)
+        entry = self.cache.get(key)
+        if entry is None:
+            req.cache_key = key
+            model.stats.cache_missed(now_ns() - started, lookup=True)
+            return False
+        # the entry's frames are immutable bytes: sent without a copy
+        self.reply(req.identity, [protocol.Result(req.req_id, entry.refs, False, entry.version).encode(),
+                                  *entry.frames], False)
+        model.stats.cache_hit(now_ns() - started)
+        model.stats.answered(self.clock() - req.arrived)
+        return True
+
+    def _keep(self, model: Model, req: Request, names: list[str], pieces: list[np.ndarray]) -> None:
+        """A cache miss answered: its response goes into the cache (the miss's time includes this)."""
+        started = now_ns()
+        refs, frames = entry_frames(names, pieces)
+        self.cache.put(req.cache_key, refs, frames, model.version)
+        model.stats.cache_missed(now_ns() - started)
 
     def recover(self, model: Model, batch: Batch, err: errors.GepoolError, can_retry: bool) -> None:
         """A batch whose worker died: each request runs once more on another worker, or hears ``err``."""
@@ -209,7 +248,7 @@ class Dispatcher:
             self.reply_error(model, p.item, err)
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
-        model.stats.failed()
+        model.stats.failed(failure_reason(err))
         self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
 
 

@@ -27,6 +27,7 @@ class FrontOptions:
     auto_complete_config: bool = True  # Triton's config auto-complete (off: --disable-auto-complete-config)
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: default
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a worker still loading after this is killed
+    cache_size: int = 0  # bytes of the response cache (Triton's --cache-config local,size=BYTES); 0: no cache
 
 
 def queued_bytes_limit(asked: int) -> int:

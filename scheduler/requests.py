@@ -7,6 +7,7 @@ from gepool.common.config import ModelConfig
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arenas import Arena, Arenas
+from gepool.scheduler.classify import requested_outputs
 
 
 @dataclass(slots=True, eq=False)
@@ -30,6 +31,8 @@ class Request:
     key: tuple | None = field(default=None)
     retried: bool = False  # a request runs at most twice: once more if its worker dies under it
     where: list[int] | None = None  # the inputs' offsets in the client's arena (None: they came as frames)
+    classify: dict[str, int] | None = None  # outputs asked for as their top classes: name -> class count
+    cache_key: bytes | None = None  # a response cache miss: its response is kept under this key
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
@@ -53,8 +56,6 @@ def _check_fields(msg: protocol.Infer) -> None:
             raise InvalidArgument(f"{name} must be >= 0, got {getattr(msg, name)}")
     if type(msg.inputs) is not list:
         raise InvalidArgument("inputs must be a list")
-    if msg.outputs is not None and not (isinstance(msg.outputs, list) and all(isinstance(o, str) for o in msg.outputs)):
-        raise InvalidArgument("outputs must be null or a list of names")
 
 
 def _shape_of(name: str, shape: object) -> tuple[int, ...]:
@@ -143,19 +144,16 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
                                   f"of model '{config.name}'")
     else:
         rows = 1
-    if msg.outputs is not None:
-        bad = sorted(set(msg.outputs) - plan.out_names)
-        if bad:
-            raise InvalidArgument(f"unknown output {bad} for model '{config.name}' (it has {sorted(plan.out_names)})")
+    outputs, classify = (None, None) if msg.outputs is None else requested_outputs(msg.outputs, config)
     total += plan.out_row_bytes * rows
     if total + plan.slack > plan.slot_bytes:
         raise RequestTooLarge(f"the request needs {total + plan.slack} bytes in a slot; a slot of model "
                               f"'{config.name}' holds {plan.slot_bytes} (raise its 'slot_bytes' parameter)")
     key = tuple(s[1:] if batched else s for s in shapes) if plan.variable else None
-    return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total,
-                   set(msg.outputs) if msg.outputs is not None else None,
+    return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
-                   where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None)
+                   where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
+                   classify=classify)
 
 
 def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:

@@ -9,6 +9,11 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from gepool.common import errors
+
+# Triton's reason label of nv_inference_request_failure
+REJECTED, CANCELED, BACKEND, OTHER = "REJECTED", "CANCELED", "BACKEND", "OTHER"
+FAILURE_REASONS = (REJECTED, CANCELED, BACKEND, OTHER)
 # seconds; the same bounds for request, queue and compute time
 BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -40,25 +45,51 @@ class ModelStats:
     queue: Histogram = field(default_factory=Histogram)  # arrival -> copied into a slot
     compute: Histogram = field(default_factory=Histogram)  # worker start -> finish, per batch
     last_inference: float = 0.0  # wall clock of the last answer
+    failure_reasons: collections.Counter = field(default_factory=collections.Counter)
+    compute_input_s: float = 0.0  # the front's copy of a batch's inputs into its slot
+    compute_output_s: float = 0.0  # the front's slicing of a batch's outputs into its responses
+    batch_compute_input_s: collections.Counter = field(default_factory=collections.Counter)
+    batch_compute_output_s: collections.Counter = field(default_factory=collections.Counter)
+    cache_hits: int = 0
+    cache_hit_ns: int = 0  # lookups that hit
+    cache_misses: int = 0
+    cache_miss_ns: int = 0  # lookups that missed, and the insertion of their responses
 
-    def dispatched(self, rows: int, waits: list[float]) -> None:
+    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0) -> None:
+        """A batch handed to a worker, ``copy_in_s`` the front's copy of its inputs (Triton's compute_input)."""
         self.batches += 1
         self.rows += rows
         self.batch_sizes[rows] += 1
         for w in waits:
             self.queue.observe(w)
+        self.compute_input_s += copy_in_s
+        self.batch_compute_input_s[rows] += copy_in_s
 
-    def computed(self, rows: int, seconds: float) -> None:
+    def computed(self, rows: int, seconds: float, copy_out_s: float = 0.0) -> None:
+        """A batch done: ``seconds`` its run, ``copy_out_s`` the front's slicing of its outputs into its
+        responses (Triton's compute_output)."""
         self.compute.observe(seconds)
         self.batch_compute_s[rows] += seconds
+        self.compute_output_s += copy_out_s
+        self.batch_compute_output_s[rows] += copy_out_s
 
     def answered(self, seconds: float) -> None:
         self.requests += 1
         self.request.observe(seconds)
         self.last_inference = time.time()
 
-    def failed(self) -> None:
+    def failed(self, reason: str = OTHER) -> None:
         self.failures += 1
+        self.failure_reasons[reason] += 1
+
+    def cache_hit(self, ns: int) -> None:
+        self.cache_hits += 1
+        self.cache_hit_ns += ns
+
+    def cache_missed(self, ns: int, lookup: bool = False) -> None:
+        """A miss's time: its lookup (``lookup``: counted once), then the insertion of its response."""
+        self.cache_misses += lookup
+        self.cache_miss_ns += ns
 
     def as_dict(self) -> dict:
         return {
@@ -67,6 +98,13 @@ class ModelStats:
             "batch_compute_s": {int(k): v for k, v in sorted(self.batch_compute_s.items())},
             "queue_us": round(self.queue.total * 1e6), "compute_us": round(self.compute.total * 1e6),
             "request_us": round(self.request.total * 1e6), "last_inference": self.last_inference,
+            "failure_reasons": {r: self.failure_reasons.get(r, 0) for r in FAILURE_REASONS},
+            "compute_input_us": round(self.compute_input_s * 1e6),
+            "compute_output_us": round(self.compute_output_s * 1e6),
+            "batch_compute_input_s": {int(k): v for k, v in sorted(self.batch_compute_input_s.items())},
+            "batch_compute_output_s": {int(k): v for k, v in sorted(self.batch_compute_output_s.items())},
+            "cache_hit": {"count": self.cache_hits, "ns": self.cache_hit_ns},
+            "cache_miss": {"count": self.cache_misses, "ns": self.cache_miss_ns},
             "histograms": {"request": self.request.as_dict(), "queue": self.queue.as_dict(),
                            "compute": self.compute.as_dict()},
         }
@@ -79,18 +117,36 @@ class Tee:
     def __init__(self, *stats: ModelStats) -> None:
         self.parts = stats
 
-    def dispatched(self, rows: int, waits: list[float]) -> None:
+    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0) -> None:
         for s in self.parts:
-            s.dispatched(rows, waits)
+            s.dispatched(rows, waits, copy_in_s)
 
-    def computed(self, rows: int, seconds: float) -> None:
+    def computed(self, rows: int, seconds: float, copy_out_s: float = 0.0) -> None:
         for s in self.parts:
-            s.computed(rows, seconds)
+            s.computed(rows, seconds, copy_out_s)
 
     def answered(self, seconds: float) -> None:
         for s in self.parts:
             s.answered(seconds)
 
-    def failed(self) -> None:
+    def failed(self, reason: str = OTHER) -> None:
         for s in self.parts:
-            s.failed()
+            s.failed(reason)
+
+    def cache_hit(self, ns: int) -> None:
+        for s in self.parts:
+            s.cache_hit(ns)
+
+    def cache_missed(self, ns: int, lookup: bool = False) -> None:
+        for s in self.parts:
+            s.cache_missed(ns, lookup)
+
+
+def failure_reason(err: Exception) -> str:
+    """Triton's reason for a failed request: REJECTED by the scheduler (a full queue, a queue timeout, a
+    model that cannot take it), BACKEND (the model failed it, or its worker died under it), OTHER."""
+    if isinstance(err, (errors.Unavailable, errors.Timeout, errors.ModelNotReady)):
+        return REJECTED
+    if isinstance(err, (errors.ModelError, errors.WorkerDied)):
+        return BACKEND
+    return OTHER

@@ -159,6 +159,11 @@ class ModelMetadata:
 
 
 def pool_status(core: Core, pid: int) -> dict:
+    cache = core.dispatch.cache
+    return {**_pool_status(core, pid), "cache": cache.as_dict() if cache is not None else None}
+
+
+def _pool_status(core: Core, pid: int) -> dict:
     return PoolStatus(core.opts.owner_id, core.opts.endpoint, core.stopping or core.grace_until is not None,
                       len(core.arenas), core.peers.lanes(), core.peers.lane_pids(), pid, core.polling.summary(),
                       core.opts.model_control_mode,
@@ -171,6 +176,8 @@ def answer_query(core: Core, what: str, args: object) -> dict:
         return core.status()
     if what == "stats":
         return {name: g.stats_dict() for name, g in core.control.groups.items()}
+    if what == "index":
+        return {"models": core.control.index(bool(args.get("ready")) if isinstance(args, dict) else False)}
     if what in ("metadata", "config"):
         group = core.control.group(args.get("model") if isinstance(args, dict) else None)
         if what == "metadata":
@@ -179,4 +186,4 @@ def answer_query(core: Core, what: str, args: object) -> dict:
         if model is None or model.config is None:
             raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")
         return model.rendered_config()
-    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, metadata, config, load, unload)")
+    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, index, metadata, config, load, unload)")

@@ -5,7 +5,6 @@ import textwrap
 
 import pytest
 
-from gepool.common import config as config_module
 from gepool.common.config import parse_config
 from gepool.common.errors import ConfigError
 from gepool.common.labels import MAX_LABEL_FILE_BYTES
@@ -29,7 +28,6 @@ def write(tmp_path, text: str) -> str:
 
 
 @pytest.mark.parametrize("base, extra, field", [
-    (BASE, "response_cache { enable: true }", "response_cache"),
     (BASE, "model_transaction_policy { decoupled: true }", "decoupled"),
     (ONNX, 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" } ] } }',
      "execution_accelerators"),
@@ -100,19 +98,13 @@ def test_an_input_format_is_kept_and_shown(tmp_path):
 LABELS = BASE.replace('name: "y" ', 'name: "y" label_filename: "labels.txt" ')
 
 
-def test_labels_are_read_into_the_typed_config_then_refused_until_classification_lands(tmp_path, monkeypatch):
+def test_labels_are_read_into_the_typed_config(tmp_path):
     (tmp_path / "labels.txt").write_text("cat\ndog\nbird\n")
-    path = write(tmp_path, LABELS)
-    with pytest.raises(ConfigError, match="classification") as info:
-        parse_config(path, "m")
-    assert info.value.field == "label_filename"
-    monkeypatch.setattr(config_module, "refuse_unimplemented", lambda config, fail: None)
-    cfg = parse_config(path, "m")
+    cfg = parse_config(write(tmp_path, LABELS), "m")
     assert cfg.outputs[0].label_filename == "labels.txt" and cfg.outputs[0].labels == ("cat", "dog", "bird")
 
 
-def test_the_response_cache_is_kept_in_the_typed_config(tmp_path, monkeypatch):
-    monkeypatch.setattr(config_module, "refuse_unimplemented", lambda config, fail: None)
+def test_the_response_cache_is_kept_in_the_typed_config(tmp_path):
     assert parse_config(write(tmp_path, BASE + "response_cache { enable: true }\n"), "m").response_cache is True
 
 

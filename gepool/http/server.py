@@ -260,12 +260,8 @@ class Gateway:
     @route
     async def repository_index(self, request):
         body = await self._json_body(request)
-        status = await (await self.front()).status()
-        rows = [{"name": n, "version": str(m["version"] or ""), "state": m["state"], "reason": m["reason"]}
-                for n, m in sorted(status["models"].items())]
-        if body.get("ready"):
-            rows = [r for r in rows if r["state"] == ModelState.AVAILABLE]
-        return web.json_response(rows)
+        index = await (await self.front()).query("index", {"ready": bool(body.get("ready"))})
+        return web.json_response(index["models"])
 
     @route
     async def repository_control(self, request):
