@@ -189,7 +189,11 @@ class GeBackend(AsyncBackend):
         resets the device) and makes its models unavailable until then."""
         ret = self.acl.rt.set_context(self.context)
         while ret == C.SUCCESS and not self._health_stop.wait(HEALTH_POLL_S):
-            status = self.device_status()
+            try:
+                status = self.device_status()
+            except Exception:  # a reading that fails must not end the worker: log it and stop reading
+                log.exception("reading the device status failed; no more readings")
+                return
             self.info["device"] = status
             if status.get("health") == ABNORMAL:
                 self._lose(f"ascend:{self.device_id} reports an abnormal device status")
