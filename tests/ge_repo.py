@@ -58,3 +58,20 @@ def reports(folder: str) -> list[dict]:
             with open(os.path.join(folder, name)) as f:
                 out.append(json.load(f))
     return out
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")
+
+
+def run_script(script: str, *args: str, env: dict | None = None, timeout: float = 120) -> dict:
+    """Runs ``script`` in a fresh interpreter with the stand-in on its path; returns the JSON it prints last."""
+    import subprocess
+    import sys
+
+    full = dict(os.environ, **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join([STANDIN, TOOLS, full.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=full,
+                          timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -90,3 +90,98 @@ def test_bytes_to_ptr_needs_bytes():
         sys.path.remove(ge_repo.STANDIN)
         for name in [m for m in sys.modules if m == "acl" or m.startswith("acl.")]:
             del sys.modules[name]
+
+
+STRICT = r'''
+import ctypes, json, sys
+import numpy as np
+import acl
+out = {}
+acl.init(); acl.rt.set_device(0); ctx, _ = acl.rt.create_context(0)
+out["no_error_yet"] = acl.get_recent_err_msg()
+for name, call in (("mdl", lambda: acl.mdl.load_from_file(5)), ("rt", lambda: acl.rt.malloc("x", 0))):
+    try:
+        call()
+    except TypeError as e:
+        out["parse_" + name] = str(e)
+static, _ = acl.mdl.load_from_file(sys.argv[1])
+desc = acl.mdl.create_desc(); acl.mdl.get_desc(desc, static)
+out["miss"] = list(acl.mdl.get_input_index_by_name(desc, "ascend_mbatch_shape_data"))
+out["err_once"] = [acl.get_recent_err_msg() is not None, acl.get_recent_err_msg()]
+size = acl.mdl.get_input_size_by_index(desc, 0); osize = acl.mdl.get_output_size_by_index(desc, 0)
+s, _ = acl.rt.create_stream(); ev, _ = acl.rt.create_event()
+def datasets(in_size, out_size, extra=()):
+    ins, outs = acl.mdl.create_dataset(), acl.mdl.create_dataset()
+    for ds, n in [(ins, in_size), *extra, (outs, out_size)]:
+        p, _ = acl.rt.malloc(max(n, 1), 0)
+        acl.mdl.add_dataset_buffer(ds, acl.create_data_buffer(p, n))
+    return ins, outs
+ins, outs = datasets(size - 64, osize)
+out["short_by_64"] = acl.mdl.execute_async(static, ins, outs, s)
+ins, outs = datasets(size - 65, osize)
+out["short_by_65"] = acl.mdl.execute_async(static, ins, outs, s)  # refused when issued, not when run
+acl.rt.synchronize_stream(s)
+host, _ = acl.rt.malloc_host(size + 64); dev, _ = acl.rt.malloc(size, 0)
+out["unaligned_copy"] = acl.rt.memcpy_async(dev, size, host + 8, 64, 1, s)
+out["timeouts"] = []
+for t in (0, -2, 100, -1):
+    acl.rt.record_event(ev, s)
+    out["timeouts"].append(acl.rt.synchronize_event_with_timeout(ev, t))
+gears, _ = acl.mdl.load_from_file(sys.argv[2])
+gdesc = acl.mdl.create_desc(); acl.mdl.get_desc(gdesc, gears)
+idx, _ = acl.mdl.get_input_index_by_name(gdesc, "ascend_mbatch_shape_data")
+gins, gouts = acl.mdl.create_dataset(), acl.mdl.create_dataset()
+gsize = acl.mdl.get_input_size_by_index(gdesc, 0)
+p, _ = acl.rt.malloc(gsize, 0); acl.mdl.add_dataset_buffer(gins, acl.create_data_buffer(p, gsize // 2))
+mb, _ = acl.rt.malloc(4, 0); acl.mdl.add_dataset_buffer(gins, acl.create_data_buffer(mb, 4))
+tiny, _ = acl.rt.malloc(4, 0); tiny_ds = acl.mdl.create_dataset()
+acl.mdl.add_dataset_buffer(tiny_ds, acl.create_data_buffer(p, gsize))
+acl.mdl.add_dataset_buffer(tiny_ds, acl.create_data_buffer(tiny, 2))
+out["batch_zero"] = acl.mdl.set_dynamic_batch_size(gears, gins, idx, 0)
+out["length_before_gear"] = acl.mdl.set_dynamic_batch_size(gears, tiny_ds, idx, 3)
+out["four_bytes"] = acl.mdl.set_dynamic_batch_size(gears, gins, idx, 2)
+out["four_bytes_value"] = ctypes.c_uint32.from_address(mb).value
+gosize = acl.mdl.get_output_size_by_index(gdesc, 0)
+op, _ = acl.rt.malloc(gosize, 0)
+acl.mdl.add_dataset_buffer(gouts, acl.create_data_buffer(op, gosize))
+out["dynamic_unchecked"] = acl.mdl.execute_async(gears, gins, gouts, s)
+out["busy_destroy"] = acl.rt.destroy_stream(s)
+out["free_queued"] = acl.rt.free(p)
+out["sync"] = acl.rt.synchronize_stream(s)
+print(json.dumps(out))
+'''
+
+
+def test_standin_is_as_strict_as_cann(tmp_path):
+    ge_repo.net(str(tmp_path / "net.onnx"))
+    static, gears = tmp_path / "static.om", tmp_path / "gears.om"
+    static.write_text(json.dumps({"onnx": "net.onnx", "batch": 4}))
+    gears.write_text(json.dumps({"onnx": "net.onnx", "gears": [1, 2, 4], "exec_delay_ms": 300}))
+    env = dict(os.environ, PYTHONPATH=ge_repo.STANDIN, ACL_STANDIN_SOC="Ascend910B3")
+    proc = subprocess.run([sys.executable, "-c", STRICT, str(static), str(gears)], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["no_error_yet"] is None
+    assert out["parse_mdl"] == "acl.mdl.load_from_file args parse failed!"
+    assert out["parse_rt"] == "acl.rt.malloc args parse failed"
+    assert out["miss"][0] == 0 and out["miss"][1] != 0
+    assert out["err_once"] == [True, None]  # read once, then cleared
+    assert out["short_by_64"] == 0 and out["short_by_65"] == 145000
+    assert out["unaligned_copy"] == 107008
+    assert out["timeouts"] == [107000, 107000, 0, 0]
+    assert out["batch_zero"] == 100000 and out["length_before_gear"] == 145012
+    assert out["four_bytes"] == 0 and out["four_bytes_value"] == 2
+    assert out["dynamic_unchecked"] == 0
+    assert out["busy_destroy"] != 0 and out["free_queued"] != 0 and out["sync"] == 0
+
+
+def test_standin_ascend310_takes_only_infinite_waits(tmp_path):
+    script = ("import acl, json; acl.init(); acl.rt.set_device(0); acl.rt.create_context(0); "
+              "s, _ = acl.rt.create_stream(); e, _ = acl.rt.create_event(); acl.rt.record_event(e, s); "
+              "print(json.dumps([acl.rt.synchronize_event_with_timeout(e, 100), "
+              "acl.rt.synchronize_event_with_timeout(e, -1), acl.get_soc_name()]))")
+    env = dict(os.environ, PYTHONPATH=ge_repo.STANDIN, ACL_STANDIN_SOC="Ascend310")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [107000, 0, "Ascend310"]

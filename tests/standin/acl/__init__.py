@@ -34,12 +34,16 @@ def finalize() -> int:
         return S.SUCCESS
 
 
-def get_recent_err_msg() -> str:
-    return getattr(S.local, "err", "")
+def get_recent_err_msg() -> str | None:
+    """The calling thread's last error text, cleared by reading it ("获取并清空", docs/zh/api_ref/
+    13_exception_handling.md); None when there is none (py_init_acl.cpp builds "s" from a NULL)."""
+    text = getattr(S.local, "err", None)
+    S.local.err = None
+    return text or None
 
 
 def get_soc_name() -> str:
-    return "Ascend310P3-standin"
+    return S.SOC
 
 
 @checked("create_data_buffer", int, int)

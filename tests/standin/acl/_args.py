@@ -1,4 +1,7 @@
-"""Argument checking the way the C wrapper's PyArg_ParseTuple does it."""
+"""Argument checking the way the C wrapper's PyArg_ParseTuple does it.
+
+The texts are the wrappers' own: "acl.<sub>.<name> args parse failed", with a "!" after it in acl.mdl
+(hicann/runtime python/pyACL/mdl/mdl_wrap.cpp; rt/*.cpp and py_init_acl.cpp have none)."""
 
 import functools
 
@@ -16,7 +19,7 @@ def checked(name: str, *types, optional: tuple = ()):
                         ok = False
                         break
             if not ok:
-                raise TypeError(f"acl.{name} args parse failed")
+                raise TypeError(f"acl.{name} args parse failed{'!' if name.startswith('mdl.') else ''}")
             return fn(*args)
         return inner
     return wrap

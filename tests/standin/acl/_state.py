@@ -4,6 +4,11 @@ Handles are ints; device and pinned memory are real ctypes buffers, so pointers 
 and a copy moves real bytes. Each stream runs its operations on its own thread, in order, so
 nothing enqueued takes effect before the stream gets to it: a missing synchronize shows up as a
 wrong answer, as on an NPU.
+
+Switches (environment, read at import): ACL_STANDIN_SOC (the SoC name; "Ascend310..." takes only -1 as a
+timed-wait timeout), ACL_STANDIN_RUN_MODE ("host" or "device"), ACL_STANDIN_ABSENT (comma-separated
+functions this CANN release lacks, e.g. "rt.synchronize_event_with_timeout"), ACL_STANDIN_CONTROL_DIR
+(a folder whose device<N>.json the stand-in reads for each device's utilisation and status).
 """
 
 import ctypes
@@ -29,13 +34,26 @@ MODEL_CONTEXT = 107004
 INVALID_DEVICEID = 107001
 MEMORY_ALLOCATION = 207001
 MODEL_EXECUTE = 507011
+RT_PARAM_INVALID = 107000
+ADDR_UNALIGNED = 107008
+DEVICE_TASK_ABORT = 107022
+AICORE_EXCEPTION = 507015
+GE_PARAM_INVALID = 145000
+DYNAMIC_INPUT_LENGTH_INVALID = 145012
 EVENT_SYNC_TIMEOUT = 507047
+STREAM_SYNC_TIMEOUT = 507046
 DYNAMIC_BATCH_SIZE_INVALID = 145013
 EXEC_MODEL_DATA_SIZE_INVALID = 145006
 
 DEVICES = int(os.environ.get("ACL_STANDIN_DEVICES", "2"))
 DEVICE_MEMORY = int(os.environ.get("ACL_STANDIN_DEVICE_MEMORY", str(1 << 30)))
 REPORT_DIR = os.environ.get("ACL_STANDIN_REPORT_DIR", "")
+SOC = os.environ.get("ACL_STANDIN_SOC", "Ascend910B3")
+DEVICE_MODE = os.environ.get("ACL_STANDIN_RUN_MODE", "host") == "device"
+ABSENT = {name.strip() for name in os.environ.get("ACL_STANDIN_ABSENT", "").split(",") if name.strip()}
+CONTROL_DIR = os.environ.get("ACL_STANDIN_CONTROL_DIR", "")
+COPY_ALIGN = 64
+DEVICE_ALIGN = 512
 
 lock = threading.RLock()
 _ids = itertools.count(0x1000)
@@ -53,6 +71,24 @@ def set_error(code: int, text: str) -> int:
     return code
 
 
+def control(device: int) -> dict:
+    """What a test says device ``device`` reports now (utilisation, status), from the control folder."""
+    if not CONTROL_DIR:
+        return {}
+    try:
+        with open(os.path.join(CONTROL_DIR, f"device{device}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def drop_absent(module, prefix: str) -> None:
+    """Removes the functions ACL_STANDIN_ABSENT names: a CANN release without them has no attribute."""
+    for name in list(vars(module)):
+        if f"{prefix}{name}" in ABSENT:
+            delattr(module, name)
+
+
 def current_context():
     return getattr(local, "context", None)
 
@@ -60,15 +96,20 @@ def current_context():
 class Context:
     def __init__(self, device: int, default: bool) -> None:
         self.id, self.device, self.default, self.refs = new_id(), device, default, 1
+        self.aborted = False  # after a device exception every later task of the context fails
 
 
 class Memory:
-    """A real buffer standing for device or pinned memory."""
+    """A real buffer standing for device or pinned memory, its address ``offset`` bytes past an
+    ``align``-byte boundary (pyACL's malloc_host on a board gives no alignment guarantee)."""
 
-    def __init__(self, size: int, device: int | None, pinned: bool) -> None:
-        self.buf = ctypes.create_string_buffer(size)
+    def __init__(self, size: int, device: int | None, pinned: bool, align: int = DEVICE_ALIGN,
+                 offset: int = 0) -> None:
+        self.buf = ctypes.create_string_buffer(size + align + offset)
+        base = ctypes.addressof(self.buf)
         self.size, self.device, self.pinned = size, device, pinned
-        self.ptr = ctypes.addressof(self.buf)
+        self.ptr = (base + align - 1) // align * align + offset
+        self.host_api = False  # from malloc_host (device memory on a board, pinned memory on a host)
 
 
 class Event:
@@ -93,17 +134,21 @@ class Stream:
         self.thread = threading.Thread(target=self._run, name=f"acl-stream-{self.id:x}", daemon=True)
         self.thread.start()
 
-    def submit(self, op) -> None:
+    def submit(self, op, refs: tuple = ()) -> None:
+        """Queues ``op``; ``refs`` are the memory addresses and model ids it uses until it has run."""
         with lock:
             self.pending += 1
             self.idle.clear()
-        self.ops.put(op)
+            for r in refs:
+                in_use[r] = in_use.get(r, 0) + 1
+        self.ops.put((op, refs))
 
     def _run(self) -> None:
         while True:
-            op = self.ops.get()
-            if op is None:
+            item = self.ops.get()
+            if item is None:
                 return
+            op, refs = item
             try:
                 code = op()
             except Exception as exc:  # a stand-in bug must surface as a failure, not vanish
@@ -111,6 +156,10 @@ class Stream:
             if code and not self.error:
                 self.error = code
             with lock:
+                for r in refs:
+                    in_use[r] -= 1
+                    if not in_use[r]:
+                        del in_use[r]
                 self.pending -= 1
                 if not self.pending:
                     self.idle.set()
@@ -130,9 +179,22 @@ datasets: dict[int, list] = {}  # id -> [buffer ids]
 models: dict[int, object] = {}
 descs: dict[int, object] = {}
 device_used = [0] * DEVICES
+in_use: dict[int, int] = {}  # memory address or model id -> queued tasks that still use it
 
 stats = {"executes": 0, "executes_per_device": [0] * DEVICES, "active_executes": 0, "max_concurrent_executes": 0,
-         "active_ops": 0, "max_concurrent_ops": 0, "unpinned_async_copies": 0, "init_calls": 0}
+         "active_ops": 0, "max_concurrent_ops": 0, "unpinned_async_copies": 0, "init_calls": 0,
+         "released_while_queued": 0, "busy_stream_destroys": 0}
+
+
+def still_queued(handle: int, what: str) -> bool:
+    """True (and counted) when a queued task still uses ``handle``: releasing it now is the bug CANN
+    turns into a crash or garbage, so the caller refuses."""
+    with lock:
+        if handle in in_use:
+            stats["released_while_queued"] += 1
+            set_error(RT_PARAM_INVALID, f"{what} {handle:#x} is used by a task still queued on a stream")
+            return True
+    return False
 
 
 def op_started(kind: str) -> None:

@@ -1,14 +1,22 @@
 """acl.mdl: models, descriptions, datasets, execution (stand-in).
 
 A stand-in ``.om`` is a JSON file: ``{"onnx": "net.onnx", "gears": [1, 2, 4, 8]}`` (or ``"batch": N``
-for a fixed-batch model), computed with onnxruntime; optional faults for tests:
-``exec_delay_ms``, ``fail_on_value`` / ``hang_on_value`` (an execute whose first input holds that
-value fails / never finishes), ``fail_load`` (an error code load_from_file returns).
+for a fixed-batch model), computed with onnxruntime; ``"hw_gears": [[h, w], ...]`` or
+``"dims_gears": [[...], ...]`` stand for models ATC compiled with --dynamic_image_size / --dynamic_dims
+(they carry the same ascend_mbatch_shape_data input, and report no batch gears). Optional faults for
+tests: ``exec_delay_ms``, ``fail_on_value`` / ``hang_on_value`` / ``abort_on_value`` (an execute whose
+first input holds that value fails / never finishes / aborts its context, as an AI Core exception does),
+``fail_load`` (an error code load_from_file returns).
+
+Sources of the rules, cited beside each: the pyACL wrappers (hicann/runtime python/pyACL/mdl/mdl_wrap.cpp),
+GE (hicann/ge api/acl/acl_model/model/model.cpp, runtime/v1/executor/ge_executor.cc,
+runtime/v1/graph/load/model_manager/davinci_model.cc).
 """
 
 import ctypes
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -37,9 +45,12 @@ class _Model:
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
-        self.session = ort.InferenceSession(os.path.join(os.path.dirname(path), spec["onnx"]), opts,
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(os.path.join(os.path.dirname(os.path.realpath(path)), spec["onnx"]),
+                                            opts, providers=["CPUExecutionProvider"])
         self.gears = list(spec.get("gears", []))
+        self.hw_gears = [list(g) for g in spec.get("hw_gears", [])]
+        self.dims_gears = [list(g) for g in spec.get("dims_gears", [])]
+        self.dynamic = bool(self.gears or self.hw_gears or self.dims_gears)  # has ascend_mbatch_shape_data
         self.batch = max(self.gears) if self.gears else int(spec.get("batch", 1))
         self.spec, self.context = spec, context
         self.inputs = [_Tensor(a.name, _ORT_NUMPY[a.type], tuple(a.shape[1:])) for a in self.session.get_inputs()]
@@ -86,6 +97,8 @@ def unload(model_id: int) -> int:
     if ret:
         return ret
     if model.inflight:
+        with S.lock:
+            S.stats["released_while_queued"] += 1
         return S.set_error(S.RESOURCE_NOT_MATCH, "model still has executions in flight")
     del S.models[model_id]
     return S.SUCCESS
@@ -119,7 +132,7 @@ def _m(desc: int) -> _Model:
 
 def get_num_inputs(desc: int) -> int:
     m = _m(desc)
-    return len(m.inputs) + (1 if m.gears else 0)  # includes the dynamic-batch tensor
+    return len(m.inputs) + (1 if m.dynamic else 0)  # includes the dynamic-batch tensor
 
 
 def get_num_outputs(desc: int) -> int:
@@ -127,7 +140,7 @@ def get_num_outputs(desc: int) -> int:
 
 
 def _input(m: _Model, i: int):
-    return None if i == len(m.inputs) and m.gears else m.inputs[i]
+    return None if i == len(m.inputs) and m.dynamic else m.inputs[i]
 
 
 def get_input_size_by_index(desc: int, i: int) -> int:
@@ -181,32 +194,54 @@ def get_output_name_by_index(desc: int, i: int) -> str:
 @checked("mdl.get_input_index_by_name", int, str)
 def get_input_index_by_name(desc: int, name: str):
     m = _m(desc)
-    names = [t.name for t in m.inputs] + ([MBATCH_NAME] if m.gears else [])
+    names = [t.name for t in m.inputs] + ([MBATCH_NAME] if m.dynamic else [])
     if name not in names:
-        return -1, S.set_error(S.INVALID_PARAM, f"no input named {name}")
+        # the wrapper returns its size_t index as initialised, 0, beside the error (mdl_wrap.cpp)
+        return 0, S.set_error(S.INVALID_PARAM, f"no input named {name}")
     return names.index(name), S.SUCCESS
 
 
 @checked("mdl.get_dynamic_batch", int)
 def get_dynamic_batch(desc: int):
+    """A model without batch gears (static, dynamic HW or dims) reports batchCount 0 and ret 0."""
     m = _m(desc)
     return {"batchCount": len(m.gears), "batch": list(m.gears)}, S.SUCCESS
 
 
+@checked("mdl.get_dynamic_hw", int, int)
+def get_dynamic_hw(desc: int, index: int):
+    """{"hwCount": n, "hw": [[h, w], ...]} (mdl_wrap.cpp WrapAclMdlGetDynamicHW)."""
+    m = _m(desc)
+    return {"hwCount": len(m.hw_gears), "hw": [list(g) for g in m.hw_gears]}, S.SUCCESS
+
+
+@checked("mdl.get_input_dynamic_gear_count", int, int)
+def get_input_dynamic_gear_count(desc: int, index: int):
+    """(gear count, ret) for --dynamic_dims models (mdl_wrap.cpp WrapAclMdlGetInputDynamicGearCount)."""
+    return len(_m(desc).dims_gears), S.SUCCESS
+
+
 @checked("mdl.set_dynamic_batch_size", int, int, int, int)
 def set_dynamic_batch_size(model_id: int, dataset: int, index: int, batch: int) -> int:
+    """In GE's order (model.cpp aclmdlSetDynamicBatchSizeImpl, then ge_executor.cc SetDynamicBatchSize):
+    the model id, batch 0, the dataset's buffer and its address, a length under 4 bytes, the gear; then
+    the batch is written as 8 bytes where the buffer has them, else 4."""
     model, ret = _model(model_id)
     if ret:
         return ret
+    if batch == 0:
+        return S.set_error(S.INVALID_PARAM, "batchSize can't be zero")
+    buffers = S.datasets.get(dataset)
+    if buffers is None or not 0 <= index < len(buffers):
+        return S.set_error(S.INVALID_PARAM, f"failed to get data buffer by index[{index}]")
+    ptr, size = S.data_buffers[buffers[index]]
+    if not ptr:
+        return S.set_error(S.INVALID_PARAM, "data buffer addr cannot be null")
+    if size < 4:
+        return S.set_error(S.DYNAMIC_INPUT_LENGTH_INVALID, f"Dynamic input size [{size}] is less than [4]")
     if batch not in model.gears:
         return S.set_error(S.DYNAMIC_BATCH_SIZE_INVALID, f"batch {batch} is not a gear of {model.gears}")
-    buffers = S.datasets.get(dataset)
-    if buffers is None or index >= len(buffers):
-        return S.set_error(S.INVALID_PARAM, f"dataset {dataset:#x} has no buffer {index}")
-    ptr, size = S.data_buffers[buffers[index]]
-    if size < 8:
-        return S.set_error(S.INVALID_PARAM, "the dynamic-batch buffer is smaller than 8 bytes")
-    ctypes.c_int64.from_address(ptr).value = batch
+    (ctypes.c_uint64 if size >= 8 else ctypes.c_uint32).from_address(ptr).value = batch
     return S.SUCCESS
 
 
@@ -261,12 +296,32 @@ def execute_async(model_id: int, in_ds: int, out_ds: int, stream_id: int) -> int
     stream, ret = _stream(stream_id)
     if ret:
         return ret
+    from acl.rt import aborted
+
+    ret = aborted(stream.context)
+    if ret:
+        return ret
+    ins, outs = S.datasets.get(in_ds), S.datasets.get(out_ds)
+    if ins is None or outs is None or len(ins) != len(model.inputs) + model.dynamic:
+        return S.set_error(S.INVALID_PARAM, "datasets do not match the model's inputs")
+    if not model.dynamic:
+        # GE checks user buffers when the task is issued: a static model's buffer may be up to 64 bytes
+        # short of the model's size, no more (davinci_model.cc CheckUserAndModelSize, kDataMemAlignSizeCompare);
+        # dynamic models are not checked ("dynamic is max size").
+        for kind, tensors, bufs in (("input", model.inputs, ins), ("output", model.outputs, outs)):
+            for t, buf in zip(tensors, bufs):
+                size = S.data_buffers[buf][1]
+                if size + 64 < model.batch * t.row_bytes:
+                    return S.set_error(S.GE_PARAM_INVALID, f"{kind} {t.name}: the provided {size} bytes of buffer "
+                                       f"size plus the aligned 64 bytes is less than the tensor size "
+                                       f"{model.batch * t.row_bytes} bytes required by the model")
     with S.lock:
         if model.inflight and model.stream is not stream:
             return S.set_error(S.RESOURCE_NOT_MATCH, "one model id may not execute on two streams at once")
         model.inflight += 1
         model.stream = stream
     device = stream.context.device
+    refs = (model_id, *{S.data_buffers[b][0] for b in ins + outs})
 
     def run() -> int:
         S.op_started("execute")
@@ -280,13 +335,10 @@ def execute_async(model_id: int, in_ds: int, out_ds: int, stream_id: int) -> int
                 S.stats["executes_per_device"][device] += 1
 
     def _execute(model, in_ds, out_ds, stream) -> int:
-        ins, outs = S.datasets.get(in_ds), S.datasets.get(out_ds)
-        if ins is None or outs is None or len(ins) != len(model.inputs) + bool(model.gears):
-            return S.set_error(S.INVALID_PARAM, "datasets do not match the model's inputs")
         batch = model.batch
         if model.gears:
-            ptr, _ = S.data_buffers[ins[len(model.inputs)]]
-            batch = ctypes.c_int64.from_address(ptr).value or model.batch
+            ptr, size = S.data_buffers[ins[len(model.inputs)]]
+            batch = (ctypes.c_uint64 if size >= 8 else ctypes.c_uint32).from_address(ptr).value or model.batch
         feeds = {}
         for t, buf in zip(model.inputs, ins):
             view = _view(buf, t.dtype, batch, t.row_shape, t.row_bytes)
@@ -302,6 +354,9 @@ def execute_async(model_id: int, in_ds: int, out_ds: int, stream_id: int) -> int
             return S.set_error(S.MODEL_EXECUTE, "the device stopped answering")
         if spec.get("fail_on_value") is not None and (first == spec["fail_on_value"]).any():
             return S.set_error(S.MODEL_EXECUTE, "injected execution failure (AI Core exception)")
+        if spec.get("abort_on_value") is not None and (first == spec["abort_on_value"]).any():
+            stream.context.aborted = True
+            return S.set_error(S.AICORE_EXCEPTION, "injected AI Core exception: the context is aborted")
         results = model.session.run(None, feeds)
         for t, buf, value in zip(model.outputs, outs, results):
             view = _view(buf, t.dtype, batch, t.row_shape, t.row_bytes)
@@ -310,5 +365,8 @@ def execute_async(model_id: int, in_ds: int, out_ds: int, stream_id: int) -> int
             view[...] = value
         return S.SUCCESS
 
-    stream.submit(run)
+    stream.submit(run, refs)
     return S.SUCCESS
+
+
+S.drop_absent(sys.modules[__name__], "mdl.")

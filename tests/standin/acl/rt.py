@@ -1,13 +1,18 @@
-"""acl.rt: devices, contexts, streams, events, memory (stand-in)."""
+"""acl.rt: devices, contexts, streams, events, memory (stand-in).
+
+Sources of the rules, cited beside each: the pyACL wrappers (hicann/runtime python/pyACL/rt/*.cpp), the
+runtime API reference (hicann/runtime docs/zh/api_ref/*.md), the CANN 8.0 pyACL guide (aclpythondevg).
+"""
 
 import ctypes
+import sys
 import time
 
 from acl import _state as S
 from acl._args import checked
 
 HOST_TO_HOST, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = 0, 1, 2, 3
-ACL_HOST = 1  # run mode: the stand-in is a host talking to a PCIe card
+ACL_DEVICE, ACL_HOST = 0, 1  # aclrtRunMode
 
 
 def _need_context():
@@ -52,7 +57,7 @@ def get_device_count():
 
 @checked("rt.get_run_mode")
 def get_run_mode():
-    return ACL_HOST, S.SUCCESS
+    return (ACL_DEVICE if S.DEVICE_MODE else ACL_HOST), S.SUCCESS
 
 
 @checked("rt.create_context", int)
@@ -111,12 +116,25 @@ def _stream(stream_id: int):
     return stream, S.SUCCESS
 
 
+def aborted(ctx) -> int:
+    """Once a device exception aborted a context, every task on it fails (the context is gone until
+    the device is reset: rt_error_codes.h ACL_ERROR_RT_DEVICE_TASK_ABORT)."""
+    if ctx is not None and ctx.aborted:
+        return S.set_error(S.DEVICE_TASK_ABORT, "device task aborting: the context hit a device exception")
+    return S.SUCCESS
+
+
 @checked("rt.destroy_stream", int)
 def destroy_stream(stream_id: int) -> int:
     stream, ret = _stream(stream_id)
     if ret:
         return ret
-    stream.idle.wait()  # the real call waits for pending tasks
+    # "Before aclrtDestroyStream, call aclrtSynchronizeStream so that every task of the stream is done"
+    # (docs/zh/api_ref/06_stream_management.md): destroying a busy stream is refused and counted.
+    if not stream.idle.is_set():
+        with S.lock:
+            S.stats["busy_stream_destroys"] += 1
+        return S.set_error(S.RT_PARAM_INVALID, "the stream still has tasks: synchronize it before destroying it")
     stream.stop()
     del S.streams[stream_id]
     return S.SUCCESS
@@ -129,7 +147,34 @@ def synchronize_stream(stream_id: int) -> int:
         return ret
     stream.idle.wait()
     code, stream.error = stream.error, S.SUCCESS
-    return code
+    return code or aborted(stream.context)
+
+
+@checked("rt.synchronize_stream_with_timeout", int, int)
+def synchronize_stream_with_timeout(stream_id: int, timeout_ms: int) -> int:
+    stream, ret = _stream(stream_id)
+    if ret:
+        return ret
+    ret = _check_timeout(timeout_ms)
+    if ret:
+        return ret
+    if not stream.idle.wait(None if timeout_ms < 0 else timeout_ms / 1000):
+        return S.set_error(S.STREAM_SYNC_TIMEOUT, f"stream wait timed out after {timeout_ms} ms")
+    code, stream.error = stream.error, S.SUCCESS
+    return code or aborted(stream.context)
+
+
+def _check_timeout(timeout_ms: int) -> int:
+    """A timed wait takes -1 (forever) or > 0 ms (docs/zh/api_ref/07_event_management.md,
+    aclrtSynchronizeEventWithTimeout); the CANN 8.0 pyACL guide (synchronize_event_with_timeout) says
+    Atlas 200/300/500 (Ascend 310) accept only -1. Anything else is ACL_ERROR_RT_PARAM_INVALID."""
+    if timeout_ms == -1:
+        return S.SUCCESS
+    if timeout_ms <= 0 or timeout_ms < -1:
+        return S.set_error(S.RT_PARAM_INVALID, f"timeout {timeout_ms} must be -1 or > 0")
+    if S.SOC.startswith("Ascend310") and not S.SOC.startswith(("Ascend310P", "Ascend310B")):
+        return S.set_error(S.RT_PARAM_INVALID, f"{S.SOC} supports only -1 (wait forever) as a timeout")
+    return S.SUCCESS
 
 
 @checked("rt.create_event")
@@ -157,6 +202,9 @@ def record_event(event_id: int, stream_id: int) -> int:
         return ret
     if event is None:
         return S.set_error(S.INVALID_RESOURCE_HANDLE, f"event {event_id:#x} does not exist")
+    ret = aborted(stream.context)
+    if ret:
+        return ret
     event.done.clear()
 
     def record():
@@ -168,13 +216,7 @@ def record_event(event_id: int, stream_id: int) -> int:
     return S.SUCCESS
 
 
-@checked("rt.synchronize_event", int)
-def synchronize_event(event_id: int) -> int:
-    return synchronize_event_with_timeout(event_id, -1)
-
-
-@checked("rt.synchronize_event_with_timeout", int, int)
-def synchronize_event_with_timeout(event_id: int, timeout_ms: int) -> int:
+def _wait_event(event_id: int, timeout_ms: int) -> int:
     event = S.events.get(event_id)
     if event is None:
         return S.set_error(S.INVALID_RESOURCE_HANDLE, f"event {event_id:#x} does not exist")
@@ -183,6 +225,17 @@ def synchronize_event_with_timeout(event_id: int, timeout_ms: int) -> int:
     if event.status:
         S.set_error(event.status, "a task recorded before this event failed")
     return event.status
+
+
+@checked("rt.synchronize_event", int)
+def synchronize_event(event_id: int) -> int:
+    return _wait_event(event_id, -1)
+
+
+@checked("rt.synchronize_event_with_timeout", int, int)
+def synchronize_event_with_timeout(event_id: int, timeout_ms: int) -> int:
+    ret = _check_timeout(timeout_ms)
+    return ret or _wait_event(event_id, timeout_ms)
 
 
 @checked("rt.query_event_status", int)
@@ -213,8 +266,10 @@ def malloc(size: int, policy: int):
 @checked("rt.free", int)
 def free(ptr: int) -> int:
     mem = S.memory.get(ptr)
-    if mem is None or mem.pinned:
-        return S.set_error(S.INVALID_PARAM, f"{ptr:#x} is not device memory")
+    if mem is None or mem.pinned or mem.host_api:
+        return S.set_error(S.INVALID_PARAM, f"{ptr:#x} is not device memory from malloc")
+    if S.still_queued(ptr, "device memory"):
+        return S.RT_PARAM_INVALID
     with S.lock:
         S.device_used[mem.device] -= mem.size
     del S.memory[ptr]
@@ -225,7 +280,14 @@ def free(ptr: int) -> int:
 def malloc_host(size: int):
     if size <= 0:
         return 0, S.set_error(S.INVALID_PARAM, "size must be > 0")
-    mem = S.Memory(size, None, pinned=True)
+    if S.DEVICE_MODE:
+        # ACL_DEVICE: "malloc_host returns device memory ... alignment not guaranteed" (CANN 8.0 pyACL
+        # guide, malloc_host): ordinary device memory, here 32 bytes off a 64-byte boundary on purpose.
+        ctx = S.current_context()
+        mem = S.Memory(size, ctx.device if ctx else 0, pinned=False, align=S.COPY_ALIGN, offset=32)
+    else:
+        mem = S.Memory(size, None, pinned=True, align=S.COPY_ALIGN)  # page-locked, 64-byte aligned
+    mem.host_api = True
     S.memory[mem.ptr] = mem
     return mem.ptr, S.SUCCESS
 
@@ -233,8 +295,10 @@ def malloc_host(size: int):
 @checked("rt.free_host", int)
 def free_host(ptr: int) -> int:
     mem = S.memory.get(ptr)
-    if mem is None or not mem.pinned:
+    if mem is None or not mem.host_api:
         return S.set_error(S.INVALID_PARAM, f"{ptr:#x} is not host memory from malloc_host")
+    if S.still_queued(ptr, "host memory"):
+        return S.RT_PARAM_INVALID
     del S.memory[ptr]
     return S.SUCCESS
 
@@ -266,15 +330,23 @@ def memcpy_async(dst: int, dest_max: int, src: int, count: int, kind: int, strea
     stream, ret = _stream(stream_id)
     if ret:
         return ret
+    ret = aborted(stream.context)
+    if ret:
+        return ret
+    # "src and dst must be 64-byte aligned" (CANN 8.0 pyACL guide, memcpy_async): the caller's job.
+    for name, ptr in (("dst", dst), ("src", src)):
+        if ptr % S.COPY_ALIGN:
+            return S.set_error(S.ADDR_UNALIGNED, f"memcpy_async {name} {ptr:#x} is not 64-byte aligned")
     ret = _check_copy(dst, dest_max, src, count, kind)
     if ret:
         return ret
     host = {1: src, 2: dst}.get(kind)
-    if host is not None:
+    if host is not None and not S.DEVICE_MODE:
         mem = S.find_memory(host, count)
         if mem is None or not mem.pinned:
             with S.lock:
                 S.stats["unpinned_async_copies"] += 1  # "unpredictable errors may occur" on a real card
+    refs = tuple(m.ptr for m in (S.find_memory(dst, count), S.find_memory(src, count)) if m is not None)
 
     def copy():
         if kind == HOST_TO_HOST:
@@ -286,7 +358,7 @@ def memcpy_async(dst: int, dest_max: int, src: int, count: int, kind: int, strea
             S.op_finished("copy")
         return S.SUCCESS
 
-    stream.submit(copy)
+    stream.submit(copy, refs)
     return S.SUCCESS
 
 
@@ -298,7 +370,30 @@ def get_mem_info(attr: int):
     return S.DEVICE_MEMORY - S.device_used[ctx.device], S.DEVICE_MEMORY, S.SUCCESS
 
 
+@checked("rt.get_device_utilization_rate", int)
+def get_device_utilization_rate(device_id: int):
+    """(dict, ret) with cube/vector/aicpu/memory utilisation in percent (rt/rt_device.cpp
+    GetPyDictFromUtilizationInfo); the values come from the control folder."""
+    if not 0 <= device_id < S.DEVICES:
+        return {}, S.set_error(S.INVALID_DEVICEID, f"device {device_id} does not exist")
+    c = S.control(device_id)
+    return {"cube_utilization": int(c.get("cube", 0)), "vector_utilization": int(c.get("vector", 0)),
+            "aicpu_utilization": int(c.get("aicpu", 0)), "memory_utilization": int(c.get("memory", 0)),
+            "utilization_extend": 0}, S.SUCCESS
+
+
+@checked("rt.query_device_status", int)
+def query_device_status(device_id: int):
+    """(status, ret): 0 ACL_RT_DEVICE_STATUS_NORMAL, 1 ABNORMAL (acl_rt.h aclrtDeviceStatus; rt/rt_device.cpp)."""
+    if not 0 <= device_id < S.DEVICES:
+        return 0xFFFF, S.set_error(S.INVALID_DEVICEID, f"device {device_id} does not exist")
+    return int(S.control(device_id).get("status", 0)), S.SUCCESS
+
+
 def _sleep_until_stopped(stream, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end and not stream.stopped:
         time.sleep(0.01)
+
+
+S.drop_absent(sys.modules[__name__], "rt.")
