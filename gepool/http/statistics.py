@@ -1,0 +1,57 @@
+"""The front's per-model stats in Triton's terms: the statistics extension's JSON, and what /metrics reads.
+
+One place reads the front's stats dicts, so that /v2/models/stats and the Prometheus series agree. What
+the front may not report (the response cache, measured compute input/output, failures by reason) is 0
+until it does.
+"""
+
+NS = 1_000_000_000
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")  # Triton's nv_inference_request_failure reasons
+
+
+def duration(stats: dict, name: str, per_batch: bool = True) -> tuple[int, int]:
+    """(count, ns) of one of Triton's duration statistics: ``name`` as ``{"count", "ns"}`` (Triton's
+    form), or (``per_batch``) ``<name>_us`` counted per batch; (0, 0) when the front does not report it."""
+    value = stats.get(name)
+    if isinstance(value, dict):
+        return int(value.get("count", 0)), int(value.get("ns", 0))
+    us = stats.get(f"{name}_us") if per_batch else None
+    if us is not None:
+        return int(stats.get("batches", 0)), int(us) * 1000
+    return 0, 0
+
+
+def failures(stats: dict) -> dict[str, int]:
+    """Failed requests by Triton's reason: the front's ``failures_by_reason`` when it reports them, else
+    every failure as OTHER."""
+    by_reason = stats.get("failures_by_reason")
+    if isinstance(by_reason, dict):
+        return {reason: int(by_reason.get(reason, 0)) for reason in FAILURE_REASONS}
+    return {reason: int(stats.get("failures", 0)) if reason == "OTHER" else 0 for reason in FAILURE_REASONS}
+
+
+def _pair(count: int, ns: int) -> dict:
+    return {"count": count, "ns": ns}
+
+
+def model_statistics(name: str, version: str, s: dict) -> dict:
+    """One entry of Triton's ``model_stats`` from the front's stats of one model."""
+    sizes, compute = s["batch_sizes"], s["batch_compute_s"]
+    return {
+        "name": name, "version": version, "last_inference": int(s["last_inference"] * 1000),
+        "inference_count": s["rows"], "execution_count": s["batches"],
+        "inference_stats": {
+            "success": _pair(s["requests"], s["request_us"] * 1000),
+            "fail": _pair(s["failures"], 0),
+            "queue": _pair(s["histograms"]["queue"]["count"], s["queue_us"] * 1000),
+            "compute_input": _pair(*duration(s, "compute_input")),
+            "compute_infer": _pair(s["batches"], s["compute_us"] * 1000),
+            "compute_output": _pair(*duration(s, "compute_output")),
+            "cache_hit": _pair(*duration(s, "cache_hit", False)),
+            "cache_miss": _pair(*duration(s, "cache_miss", False))},
+        "response_stats": {},
+        "batch_stats": [{"batch_size": int(size), "compute_input": _pair(n, 0),
+                         "compute_infer": _pair(n, int(compute.get(size, 0) * NS)),
+                         "compute_output": _pair(n, 0)} for size, n in sizes.items()],
+        "memory_usage": [],
+    }
