@@ -156,6 +156,19 @@ def test_bad_gateway_flags_are_one_line_and_exit_2(tmp_path, flags, words):
     assert line.startswith("gepool: error: ") and words in line, line
 
 
+def sidecars(pid: int) -> list[int]:
+    from tests.conftest import _descendants
+
+    def cmdline(p: int) -> bytes:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    return [p for p in _descendants(pid) if b"_gateway_main" in cmdline(p)]
+
+
 ISO_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ worker\d+ DEBUG CHATTY-EXEC", re.M)
 
 
@@ -196,6 +209,21 @@ def test_log_settings_change_the_logging_of_the_front_its_workers_and_the_sideca
 
         assert triton.update_log_settings({"log_format": "ISO8601"})["log_format"] == "ISO8601"
         assert wait_until(lambda: infer("first", 4.0) or ISO_LINE.search(pool.log()), 60), pool.log()[-2000:]
+
+        # a sidecar that dies is restarted with the options it was started with: it adopts the front's settings
+        (sidecar,) = sidecars(pool.proc.pid)
+        os.kill(sidecar, signal.SIGKILL)
+        assert wait_until(lambda: sidecars(pool.proc.pid) not in ([], [sidecar]), 60)
+        seen = len(pool.log())
+
+        def logged_by_the_new_sidecar() -> bool:
+            try:
+                request(pool.http, "GET", "/v2/health/live")
+            except OSError:  # started, not yet listening
+                return False
+            return " http DEBUG HTTP request: GET /v2/health/live" in pool.log()[seen:]
+
+        assert wait_until(logged_by_the_new_sidecar, 60), pool.log()[seen:]
 
         for refused, words in (({"log_warning": False}, "log_warning false with log_info on"),
                                ({"log_file": "/tmp/elsewhere.log"}, "log file location can not be updated"),
