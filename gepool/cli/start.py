@@ -57,9 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "poll: follow the repository's changes")
     p.add_argument("--load-model", dest="load_models", action="append", default=[], metavar="NAME",
                    help="explicit mode: a model to load at start (repeatable)")
-    p.add_argument("--repository-poll-secs", dest="poll_secs", type=float, default=DEFAULT.poll_secs,
+    p.add_argument("--repository-poll-secs", dest="poll_secs", type=float, default=DEFAULT.poll_secs, metavar="S",
                    help=f"poll mode: seconds between scans (default {DEFAULT.poll_secs:g})")
-    p.add_argument("--exit-timeout-secs", dest="exit_grace_s", type=float, default=DEFAULT.exit_grace_s,
+    p.add_argument("--exit-timeout-secs", dest="exit_grace_s", type=float, default=DEFAULT.exit_grace_s, metavar="S",
                    help="on SIGTERM, report not ready but keep serving this long before draining (default 0)")
     p.add_argument("--curve-secret-key", metavar="FILE",
                    help="ZMQ certificate file: CURVE encryption and authentication for a tcp endpoint")
