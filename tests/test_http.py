@@ -411,11 +411,13 @@ def test_cpu_utilization_is_the_busy_share_between_readings_and_memory_is_total_
     # busy (user nice system irq softirq steal) +60 +10 +30 +5 +5 +0 = 110; idle (idle iowait) +80 +20 = 100
     stat.write_text("cpu  160 10 130 880 20 5 5 0 0 0\n")
     now[0] = 0.5
-    assert cpu.read() == 0.0  # closer to the last reading than MIN_INTERVAL_S: the last interval's value
-    now[0] = 2.0
-    assert cpu.read() == pytest.approx(110 / 210)
-    now[0] = 4.0
-    assert cpu.read() == 0.0  # nothing moved since
+    assert cpu.read() == pytest.approx(110 / 210)  # within MIN_INTERVAL_S: the interval goes on
+    stat.write_text("cpu  170 10 130 970 20 5 5 0 0 0\n")  # +10 busy, +90 idle more
+    now[0] = 1.5
+    assert cpu.read() == pytest.approx(120 / 310)  # still from the start; a new interval begins here
+    stat.write_text("cpu  200 10 130 980 20 5 5 0 0 0\n")  # +30 busy, +10 idle since
+    now[0] = 1.6
+    assert cpu.read() == pytest.approx(30 / 40)
     meminfo.write_text("MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    250 kB\n")
     assert memory(str(meminfo)) == (1000 * 1024, 750 * 1024)
     meminfo.write_text("MemTotal:       1000 kB\n")

@@ -4,7 +4,7 @@ import time
 
 PROC_STAT = "/proc/stat"
 PROC_MEMINFO = "/proc/meminfo"
-MIN_INTERVAL_S = 1.0  # scrapes closer than this report the last interval again (a too short one is noise)
+MIN_INTERVAL_S = 1.0  # the shortest interval a reading starts anew from (a few jiffies would be noise)
 _BUSY = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal: the columns after "cpu" in /proc/stat
 _IDLE = (3, 4)  # idle iowait
 
@@ -44,22 +44,22 @@ def memory(path: str = PROC_MEMINFO) -> tuple[int, int]:
 
 
 class CpuUtilization:
-    """The share of CPU time spent busy over the interval since the previous reading ([0.0, 1.0]); the
-    first interval starts when this is made."""
+    """The share of CPU time spent busy ([0.0, 1.0]) since the start of the current interval, which
+    begins when this is made and again at each reading at least MIN_INTERVAL_S after its start (so a
+    scrape right after another still reports a second or more, not a few jiffies)."""
 
     def __init__(self, clock=time.monotonic, path: str = PROC_STAT) -> None:
         self.clock, self.path = clock, path
-        self.last, self.at, self.value = cpu_times(path), clock(), 0.0
+        self.since, self.at, self.value = cpu_times(path), clock(), 0.0
 
     def read(self) -> float:
-        now = self.clock()
-        if now - self.at < MIN_INTERVAL_S:
+        now, times = self.clock(), cpu_times(self.path)
+        if times is None or self.since is None:
+            self.since, self.at, self.value = times, now, 0.0
             return self.value
-        times = cpu_times(self.path)
-        if times is None or self.last is None:
-            self.last, self.at, self.value = times, now, 0.0
-            return self.value
-        busy, idle = (max(new - old, 0) for new, old in zip(times, self.last))
-        self.value = busy / (busy + idle) if busy + idle else 0.0
-        self.last, self.at = times, now
+        busy, idle = (max(new - old, 0) for new, old in zip(times, self.since))
+        if busy + idle:
+            self.value = busy / (busy + idle)
+        if now - self.at >= MIN_INTERVAL_S:
+            self.since, self.at = times, now
         return self.value

@@ -11,14 +11,14 @@ FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")  # Triton's nv_in
 
 def duration(stats: dict, name: str, per_batch: bool = True) -> tuple[int, int]:
     """(count, ns) of one of Triton's duration statistics: ``name`` as ``{"count", "ns"}`` (Triton's
-    form), or (``per_batch``) ``<name>_us`` counted per batch; (0, 0) when the front does not report it."""
+    form), else (``per_batch``) ``<name>_us`` (0 when absent) over the batches; else (0, 0)."""
     value = stats.get(name)
     if isinstance(value, dict):
         return int(value.get("count", 0)), int(value.get("ns", 0))
-    us = stats.get(f"{name}_us") if per_batch else None
-    if us is not None:
-        return int(stats.get("batches", 0)), int(us) * 1000
-    return 0, 0
+    if not per_batch:
+        return 0, 0
+    # counted per batch even while unmeasured, as before: perf_analyzer divides these times by the count
+    return int(stats.get("batches", 0)), int(stats.get(f"{name}_us", 0)) * 1000
 
 
 def failures(stats: dict) -> dict[str, int]:
