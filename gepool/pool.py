@@ -15,10 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from gepool.common import errors
 from gepool.ipc import naming
-from gepool.ipc.sockets import default_endpoint, runtime_dir
+from gepool.ipc.sockets import runtime_dir
+from gepool.options import OPTION_NAMES, PoolOptions
 
 START_TIMEOUT_S = 300.0
 GATEWAY_START_TIMEOUT_S = 60.0
@@ -48,44 +51,27 @@ def place_workers(config):
     return placements(config)
 
 
-def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0, log_level: int = logging.INFO,
-          on_ready=None, owner_id: str | None = None, http_port: int = 0, http_host: str = "127.0.0.1",
-          metrics_port: int = 0, curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
-          exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
-          poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True,
-          http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0,
-          strict_readiness: bool = True, cache_size: int = 0) -> int:
+def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready, is restarted (with backoff) if it dies,
-    and stops after the front has drained. ``http_restricted_api``: Triton's ``API[,API]:KEY=VALUE``
-    groups; ``http_max_body_bytes`` (0: the repository's largest slot plus room for the JSON header);
-    ``strict_readiness`` False makes its /v2/health/ready answer ready while any model is unavailable."""
-    from gepool.http.access import Restrictions
-    from gepool.scheduler.front import Front, FrontOptions
+    and stops after the front has drained."""
+    from gepool.scheduler.front import Front
 
-    Restrictions.parse(http_restricted_api)  # a bad group fails the start, not a sidecar restart loop
-
-    opts = FrontOptions(repository=os.path.abspath(repository), endpoint=endpoint or default_endpoint(),
-                        owner_id=owner_id or naming.new_owner_id(), cpu_threads=cpu_threads, log_level=log_level,
-                        curve_secret_key=curve_secret_key, curve_authorized_keys=curve_authorized_keys,
-                        exit_grace_s=exit_grace_s, model_control_mode=model_control_mode,
-                        load_models=tuple(load_models), poll_secs=poll_secs, busy_poll_us=busy_poll_us,
-                        auto_complete_config=auto_complete_config, cache_size=cache_size)
+    options.check()  # a bad option fails the start, not a sidecar restart loop
+    front = options.front_options()
     gateway: list[_Sidecar] = []
 
     def ready(status: dict) -> None:
-        if http_port or metrics_port:
-            args = _gateway_args(status["endpoint"], http_host, http_port, metrics_port, log_level, curve_secret_key,
-                                 http_restricted_api, http_max_body_bytes or _default_max_body(opts.repository),
-                                 strict_readiness)
-            gateway.append(_Sidecar(args))
-            status["http"] = f"http://{http_host}:{http_port}" if http_port else None
-            status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
+        if options.http_port or options.metrics_port:
+            gateway.append(_Sidecar(_gateway_args(status["endpoint"], options, front.repository)))
+            host = options.http_host
+            status["http"] = f"http://{host}:{options.http_port}" if options.http_port else None
+            status["metrics"] = f"http://{host}:{options.metrics_port}/metrics" if options.metrics_port else None
         if on_ready is not None:
             on_ready(status)
 
     try:
-        return Front(opts, start_worker, ready, place=place_workers).run()
+        return Front(front, start_worker, ready, place=place_workers).run()
     finally:
         for sidecar in gateway:
             sidecar.stop()
@@ -100,15 +86,15 @@ def _default_max_body(repository: str) -> int:
     return max(slots, default=DEFAULT_VARIABLE_SLOT_BYTES) + BODY_HEADROOM_BYTES
 
 
-def _gateway_args(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
-                  curve_key: str | None = None, restricted: tuple[str, ...] = (), max_body: int = 0,
-                  strict_readiness: bool = True) -> list[str]:
-    return ["--endpoint", endpoint, "--http-host", host, "--http-port", str(http_port),
-            "--metrics-port", str(metrics_port), "--log-level", logging.getLevelName(log_level),
-            "--strict-readiness", "true" if strict_readiness else "false",
-            *(["--curve-key", curve_key] if curve_key else []),
-            *(["--http-max-body-bytes", str(max_body)] if max_body else []),
-            *(f"--http-restricted-api={group}" for group in restricted)]
+def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[str]:
+    """The sidecar's command line (``gepool.http.server.main``) for a pool with these options."""
+    max_body = options.http_max_body_bytes or _default_max_body(repository)
+    return ["--endpoint", endpoint, "--http-host", options.http_host, "--http-port", str(options.http_port),
+            "--metrics-port", str(options.metrics_port), "--log-level", logging.getLevelName(options.log_level),
+            "--strict-readiness", "true" if options.strict_readiness else "false",
+            *(["--curve-key", options.curve_secret_key] if options.curve_secret_key else []),
+            "--http-max-body-bytes", str(max_body),
+            *(f"--http-restricted-api={group}" for group in options.http_restricted_api)]
 
 
 class _Sidecar:
@@ -211,10 +197,10 @@ def _stop(proc: subprocess.Popen) -> int | None:
 
 
 def _front_process(argv: list[str]) -> int:
-    """`python -m gepool.pool ARGS_JSON READY_FD [DEATH_FD]`: a front whose readiness is one JSON line on
+    """`python -m gepool.pool OPTIONS_JSON READY_FD [DEATH_FD]`: a front whose readiness is one JSON line on
     READY_FD, and that stops (as on SIGTERM) once DEATH_FD reads end of file: its Pool's process is gone."""
-    args, fd = json.loads(argv[0]), int(argv[1])
-    logging.basicConfig(level=args["log_level"], format="%(asctime)s front %(name)s %(levelname)s %(message)s")
+    options, fd = PoolOptions.decode(argv[0]), int(argv[1])
+    logging.basicConfig(level=options.log_level, format="%(asctime)s front %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the Pool's owner stops us with SIGTERM
     if len(argv) > 2:
         _watch_owner(int(argv[2]))
@@ -225,16 +211,7 @@ def _front_process(argv: list[str]) -> int:
         out.flush()
 
     try:
-        code = serve(args["repository"], args["endpoint"], cpu_threads=args["cpu_threads"],
-                     log_level=args["log_level"], on_ready=lambda status: report("ready", status),
-                     http_port=args["http_port"], http_host=args["http_host"], metrics_port=args["metrics_port"],
-                     curve_secret_key=args["curve_secret_key"], curve_authorized_keys=args["curve_authorized_keys"],
-                     exit_grace_s=args["exit_grace_s"], model_control_mode=args["model_control_mode"],
-                     load_models=tuple(args["load_models"]), poll_secs=args["poll_secs"],
-                     busy_poll_us=args.get("busy_poll_us", 0),
-                     auto_complete_config=args.get("auto_complete_config", True),
-                     http_restricted_api=tuple(args.get("http_restricted_api", ())),
-                     http_max_body_bytes=args.get("http_max_body_bytes", 0), cache_size=args.get("cache_size", 0))
+        code = serve(options, on_ready=lambda status: report("ready", status))
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -269,56 +246,48 @@ class Pool:
     answers or fails every request in flight, stops the workers and leaves no segment behind.
     """
 
-    def __init__(self, model_repository: str, *, endpoint: str | None = None, cpu_threads: int = 0,
-                 log_level: int = logging.WARNING, start_timeout: float = START_TIMEOUT_S, http_port: int = 0,
-                 http_host: str = "127.0.0.1", metrics_port: int = 0, curve_secret_key: str | None = None,
-                 curve_authorized_keys: str | None = None, exit_grace_s: float = 0.0,
-                 model_control_mode: str = "none", load_models: tuple[str, ...] = (), poll_secs: float = 15.0,
-                 busy_poll_us: int = 0, auto_complete_config: bool = True, http_restricted_api: tuple[str, ...] = (),
-                 http_max_body_bytes: int = 0, cache_size: int = 0) -> None:
-        """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
-        ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
-        public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key.
-        ``busy_poll_us``: 0 polls adaptively while traffic is sequential (``scheduler/polling.py``),
-        N > 0 polls N microseconds before any sleep (a core's time under light load), -1 never polls.
+    def __init__(self, model_repository: "str | PoolOptions", *, start_timeout: float = START_TIMEOUT_S,
+                 **options) -> None:
+        """``Pool("models", http_port=8000, ...)`` takes the fields of ``gepool.options.PoolOptions`` as
+        keywords (or one PoolOptions), each also readable as ``pool.<name>``. ``http_port`` /
+        ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar; ``curve_secret_key`` (a ZMQ
+        certificate file) turns on CURVE for a tcp endpoint, admitting the public keys in
+        ``curve_authorized_keys`` (a folder of .key files) or, without it, any key. ``busy_poll_us``: 0
+        polls adaptively while traffic is sequential (``scheduler/polling.py``), N > 0 polls N
+        microseconds before any sleep (a core's time under light load), -1 never polls.
         ``auto_complete_config=False`` is Triton's ``--disable-auto-complete-config``: every model needs a
-        complete config.pbtxt, which is still checked against an ONNX model's file."""
-        self.repository = model_repository
-        self.endpoint = endpoint or f"ipc://{runtime_dir()}/pool-{naming.new_owner_id()}.sock"
-        self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout
-        self.http_port, self.http_host, self.metrics_port = http_port, http_host, metrics_port
-        self.curve_secret_key, self.curve_authorized_keys = curve_secret_key, curve_authorized_keys
-        self.exit_grace_s = exit_grace_s
-        self.model_control_mode, self.load_models, self.poll_secs = model_control_mode, list(load_models), poll_secs
-        self.busy_poll_us, self.auto_complete_config = busy_poll_us, auto_complete_config
-        self.http_restricted_api, self.http_max_body_bytes = list(http_restricted_api), http_max_body_bytes
-        self.cache_size = cache_size  # bytes of the response cache (0: none), Triton's --cache-config local,size=
+        complete config.pbtxt, which is still checked against an ONNX model's file. A repository that is
+        not a folder, or a bad option, raises at once, naming it."""
+        if isinstance(model_repository, PoolOptions):
+            opts = replace(model_repository, **options)
+        else:
+            opts = PoolOptions(repository=model_repository, **options)
+        if opts.endpoint is None:  # a socket of its own, so that pools of one user do not collide
+            opts.endpoint = f"ipc://{runtime_dir()}/pool-{naming.new_owner_id()}.sock"
+        opts.check()
+        self.options, self.start_timeout = opts, start_timeout
         self.process = None
         self._death_w: int | None = None
         self.status: dict = {}
         self._clients: list = []
 
+    def __getattr__(self, name: str):
+        options = self.__dict__.get("options")
+        if options is not None and name in OPTION_NAMES:
+            return getattr(options, name)
+        raise AttributeError(f"'Pool' object has no attribute '{name}'")
+
     def start(self) -> "Pool":
         """Starts the front as a fresh interpreter (not a fork or a spawn of the caller's main module, so
         no ``if __name__ == "__main__"`` guard is needed) and waits for its readiness line."""
         read_fd, write_fd = os.pipe()
-        args = {"repository": self.repository, "endpoint": self.endpoint, "cpu_threads": self.cpu_threads,
-                "log_level": self.log_level, "http_port": self.http_port, "http_host": self.http_host,
-                "metrics_port": self.metrics_port, "curve_secret_key": self.curve_secret_key,
-                "curve_authorized_keys": self.curve_authorized_keys, "exit_grace_s": self.exit_grace_s,
-                "model_control_mode": self.model_control_mode, "load_models": self.load_models,
-                "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us,
-                "auto_complete_config": self.auto_complete_config,
-                "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes,
-                "cache_size": self.cache_size}
-        if not os.path.isdir(self.repository):
-            raise errors.InvalidArgument(f"model repository '{self.repository}' does not exist or is not a directory")
         # the death pipe: the front holds the read end, this process the write end (not inheritable, so no
         # other child keeps the front alive); when this process dies the front reads end of file and stops
         death_r, self._death_w = os.pipe()
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", json.dumps(args), str(write_fd),
-                                             str(death_r)], pass_fds=(write_fd, death_r), stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen([sys.executable, "-m", "gepool.pool", self.options.encode(),
+                                             str(write_fd), str(death_r)], pass_fds=(write_fd, death_r),
+                                            stdin=subprocess.DEVNULL)
         except BaseException:
             os.close(self._death_w)
             self._death_w = None
@@ -335,7 +304,7 @@ class Pool:
             code = self.stop()
             raise errors.Unavailable(f"pool failed to start: {body} (exit code {code})")
         self.status = body
-        self.endpoint = body["endpoint"]  # the bound one, when a tcp port was left to the system
+        self.options.endpoint = body["endpoint"]  # the bound one, when a tcp port was left to the system
         return self
 
     def client(self, **kwargs):

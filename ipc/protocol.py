@@ -35,6 +35,7 @@ class MsgType(enum.IntEnum):
     WORKER_FAILED = 21
     STOP = 24  # 22 and 23 (run, done) moved to the doorbells (gepool.ipc.doorbell)
     DROP_ARENA = 25
+    SET_LOGGING = 26
 
 
 class ProtocolError(ValueError):
@@ -195,3 +196,13 @@ class DropArena(_Base):
 
     TYPE = MsgType.DROP_ARENA
     name: str
+
+
+@_message
+class SetLogging(_Base):
+    """Front -> worker: log from now on at this level (Triton's verbose level, date format)."""
+
+    TYPE = MsgType.SET_LOGGING
+    level: int
+    verbose: int
+    format: str

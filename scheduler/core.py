@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from gepool.common import errors
+from gepool.common.logsettings import LogSettings
 from gepool.ipc import naming, protocol
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Worker, Workers
@@ -55,6 +56,7 @@ class Core:
         self.dirty: set[Model] = set()  # models a request or a completion touched since the last schedule
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
+        self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:
         self.control.start()
@@ -108,12 +110,23 @@ class Core:
                 name = msg.args.get("model") if isinstance(msg.args, dict) else None
                 body = self.control.request(msg.what, name, (identity, msg.req_id))
                 return None if body is None else protocol.Reply(msg.req_id, body)
+            if msg.what == "logging":
+                return protocol.Reply(msg.req_id, self.log_settings(msg.args))
             return protocol.Reply(msg.req_id, answer_query(self, msg.what, msg.args))
         if isinstance(msg, protocol.RegisterArena):
             return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
         if isinstance(msg, protocol.UnregisterArena):
             return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena, identity)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
+
+    def log_settings(self, args: object) -> dict:
+        """The 'logging' query: the front's and its workers' log settings, first changed by Triton's
+        settings in ``args["update"]`` when given."""
+        update = args.get("update") if isinstance(args, dict) else None
+        if update is not None:
+            self.logging = self.logging.updated(update)
+            self.out.log_settings(self.logging)
+        return self.logging.as_wire()
 
     def _infer(self, identity: bytes, msg: protocol.Infer, parts: list) -> None:
         if type(msg.req_id) is not int or type(msg.model) is not str:

@@ -11,6 +11,7 @@ import zmq
 
 from gepool.common import errors
 from gepool.common.config import ModelConfig
+from gepool.common.logsettings import LogSettings
 from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import make_socket, runtime_dir
 from gepool.scheduler.books import Worker
@@ -51,6 +52,7 @@ class Loop:
         self.core: Core | None = None
         self.auth = None
         self.poller = zmq.Poller()
+        self.log_changed: LogSettings | None = None  # log settings changed at run time (None: as started)
         self.reply: Callable[..., None]  # the outbox's reply: the channels' own, bound once they are open
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -215,6 +217,8 @@ class Loop:
                 w = self.core.workers.get(getattr(msg, "worker", None))
                 if w is not None and isinstance(msg, protocol.WorkerReady):
                     self.supervisor.mapped(w)
+                    if self.log_changed is not None:  # spawned before the change reached it, perhaps
+                        self._send_logging(w, self.log_changed)
                 self.core.on_worker_message(msg)
             except Exception:  # a bug here must not take every model down; the log keeps the traceback
                 log.exception("internal error handling %s from a worker", type(msg).__name__)
@@ -264,6 +268,17 @@ class Loop:
 
     def drop_arena(self, w: Worker, name: str) -> None:
         self._send_worker(w, protocol.DropArena(name))
+
+    def log_settings(self, settings: LogSettings) -> None:
+        settings.apply()
+        self.supervisor.log_level = settings.level
+        self.log_changed = settings
+        for w in self.core.workers.values():
+            if w.process is not None:  # one still loading reads it once it serves; one not yet connected, on ready
+                self._send_logging(w, settings)
+
+    def _send_logging(self, w: Worker, settings: LogSettings) -> None:
+        self._send_worker(w, protocol.SetLogging(settings.level, settings.verbose, settings.format))
 
     def ready(self, status: dict) -> None:
         if self.on_ready is not None:

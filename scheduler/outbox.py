@@ -3,6 +3,7 @@
 from typing import Protocol
 
 from gepool.common.config import ModelConfig
+from gepool.common.logsettings import LogSettings
 from gepool.scheduler.books import Worker
 
 
@@ -28,6 +29,9 @@ class Outbox(Protocol):
 
     def drop_arena(self, w: Worker, name: str) -> None:
         """Tells a worker that maps client arenas to unmap one that was released."""
+
+    def log_settings(self, settings: LogSettings) -> None:
+        """Logs with these settings from now on: this process, every worker, and those started later."""
 
     def ready(self, status: dict) -> None:
         """Every worker of the first load has settled: the pool is ready (said once)."""

@@ -1,5 +1,6 @@
 """Pool lifecycle with real processes: clean exit, a killed worker, shutdown while requests run."""
 
+import logging
 import os
 import signal
 import time
@@ -257,3 +258,33 @@ def test_a_pool_never_stopped_dies_with_the_process_that_started_it(small_repo, 
         for pid in processes:  # survivors of a failed run, so that they do not outlive the tests
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_missing_repository_is_an_error_at_once_naming_the_folder(tmp_path):
+    """Before any process starts: not a front that comes up empty, nor a wait for its start-up."""
+    def fronts() -> set[int]:
+        return {p for p in _descendants(os.getpid()) if b"gepool.pool" in open(f"/proc/{p}/cmdline", "rb").read()}
+
+    before = fronts()
+    missing = str(tmp_path / "no-such-models")
+    (tmp_path / "a-file").write_text("")
+    for path in (missing, str(tmp_path / "a-file")):
+        with pytest.raises(FileNotFoundError, match=f"the model repository '{path}' is not a folder"):
+            Pool(path)
+        with pytest.raises(FileNotFoundError, match="is not a folder"):
+            with Pool(path):
+                pass
+    assert fronts() == before, "a front was started for a repository that is not there"
+
+
+def test_pool_keywords_are_its_options_and_readable_on_it(small_repo):
+    from gepool.options import PoolOptions
+
+    repo, _ = small_repo
+    pool = Pool(repo, cpu_threads=2, exit_grace_s=0.5)
+    assert isinstance(pool.options, PoolOptions) and pool.options.repository == repo
+    assert (pool.cpu_threads, pool.exit_grace_s, pool.http_port, pool.log_level) == (2, 0.5, 0, logging.WARNING)
+    assert pool.endpoint.startswith("ipc://") and pool.endpoint.endswith(".sock")  # one of its own
+    assert not hasattr(pool, "no_such_option")
+    with Pool(PoolOptions(repository=repo, cpu_threads=1)) as started:
+        assert started.status["models"]["tiny"]["worker_threads"] == [1]

@@ -21,6 +21,7 @@ SAMPLES = [
     protocol.WorkerFailed(3, "no weights"),
     protocol.Stop(),
     protocol.DropArena("/gepool.1x2.arena"),
+    protocol.SetLogging(10, 1, "ISO8601"),
 ]
 
 

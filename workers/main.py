@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import zmq
 
 from gepool.common.config import ModelConfig
+from gepool.common.logsettings import LogSettings
 from gepool.ipc import protocol
 from gepool.ipc.doorbell import PREPARE, BellPaths, WorkerBell
 from gepool.ipc.ring import Ring, RingHandle, Slot, TensorDesc
@@ -163,6 +164,8 @@ def _stop_asked(sock: zmq.Socket, arenas: ArenaMaps | None) -> bool:
             return True
         if isinstance(msg, protocol.DropArena) and arenas is not None:
             arenas.drop(msg.name)
+        if isinstance(msg, protocol.SetLogging):
+            LogSettings(msg.level, msg.verbose, msg.format).apply()
 
 
 PREPARE_POLL_S = 200e-6  # how long a prepared worker polls for its batch before it sleeps again

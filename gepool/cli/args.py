@@ -38,6 +38,13 @@ def verbosity(text: str) -> int:
     return int(text)
 
 
+def byte_count(text: str) -> int:
+    """A size in bytes: a whole number >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"takes a number of bytes >= 1, not '{text}'")
+    return int(text)
+
+
 def endpoint(text: str) -> str:
     """ipc://PATH or tcp://HOST:PORT as given; HOST:PORT becomes tcp://HOST:PORT."""
     if text.startswith("ipc://") and len(text) > len("ipc://"):

@@ -5,32 +5,45 @@ import logging
 import os
 import sys
 
-from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, endpoint, say, verbosity
+from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, verbosity
+from gepool.http.access import API_NAMES
+from gepool.options import DEFAULT, MODEL_CONTROL_MODES, OPTION_NAMES, PoolOptions
 
 log = logging.getLogger("gepool.cli")
 FAILED_EXIT = 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags; each one that sets a pool option has that option's name (gepool/options.py) as its dest."""
     p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append", required=True,
                    metavar="DIR", help="folder of <model>/config.pbtxt and <model>/<version>/ (--model-store: "
                                        "the same, as tritonserver's)")
     p.add_argument("--endpoint", type=endpoint, metavar="ENDPOINT",
                    help=f"where clients reach the pool: {ENDPOINT_FORMS}, tcp port * for a free one "
                         "(default: ipc in your runtime folder)")
-    p.add_argument("--cpu-threads", type=int, default=0,
+    p.add_argument("--cpu-threads", type=int, default=DEFAULT.cpu_threads,
                    help="onnxruntime threads per CPU model, split among its instances (default: every core)")
     p.add_argument("--exit-on-error", type=boolean, default=True, metavar="BOOL",
                    help="true (default): exit non-zero, listing them, if models fail to load at start; "
                         "false: serve the others")
-    p.add_argument("--strict-readiness", type=boolean, default=True, metavar="BOOL",
+    p.add_argument("--strict-readiness", type=boolean, default=DEFAULT.strict_readiness, metavar="BOOL",
                    help="true (default): /v2/health/ready is ready only when every model is; "
                         "false: whenever the pool answers")
+    p.add_argument("--disable-auto-complete-config", dest="auto_complete_config", action="store_false",
+                   help="as tritonserver's: no config is completed from its model file, so every model needs "
+                        "a complete config.pbtxt (an ONNX model's is still checked against its file)")
     p.add_argument("--allow-http", type=boolean, default=True, metavar="BOOL",
                    help="serve the KServe v2 HTTP protocol (default true)")
     p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default 8000; 0: off)")
-    p.add_argument("--http-host", default="127.0.0.1",
-                   help="address the HTTP and metrics ports bind (default 127.0.0.1)")
+    p.add_argument("--http-host", default=DEFAULT.http_host,
+                   help=f"address the HTTP and metrics ports bind (default {DEFAULT.http_host})")
+    p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+                   help="as tritonserver's (repeatable): requests to these HTTP APIs must carry header KEY with "
+                        f"VALUE, else 403; APIs: {', '.join(API_NAMES)}")
+    p.add_argument("--http-max-body-bytes", "--http-max-input-size", type=byte_count, default=0, metavar="N",
+                   help="the largest HTTP request body, in bytes (413 above it; default: the largest slot of "
+                        "the repository's models plus 1 MiB for the JSON header; --http-max-input-size: the "
+                        "same, as tritonserver's)")
     p.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL",
                    help="serve Prometheus metrics (default true)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002; 0: off)")
@@ -39,22 +52,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-verbose", type=verbosity, metavar="N", help="1 or more: log verbose (debug) messages too")
     for level in ("info", "warning", "error"):
         p.add_argument(f"--log-{level}", type=boolean, metavar="BOOL", help=f"log {level} messages (default true)")
-    p.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none",
+    p.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=DEFAULT.model_control_mode,
                    help="none (default): serve the repository as started; explicit: load/unload on request; "
                         "poll: follow the repository's changes")
-    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+    p.add_argument("--load-model", dest="load_models", action="append", default=[], metavar="NAME",
                    help="explicit mode: a model to load at start (repeatable)")
-    p.add_argument("--repository-poll-secs", type=float, default=15.0,
-                   help="poll mode: seconds between scans (default 15)")
-    p.add_argument("--exit-timeout-secs", type=float, default=0.0,
+    p.add_argument("--repository-poll-secs", dest="poll_secs", type=float, default=DEFAULT.poll_secs, metavar="S",
+                   help=f"poll mode: seconds between scans (default {DEFAULT.poll_secs:g})")
+    p.add_argument("--exit-timeout-secs", dest="exit_grace_s", type=float, default=DEFAULT.exit_grace_s, metavar="S",
                    help="on SIGTERM, report not ready but keep serving this long before draining (default 0)")
     p.add_argument("--curve-secret-key", metavar="FILE",
                    help="ZMQ certificate file: CURVE encryption and authentication for a tcp endpoint")
     p.add_argument("--curve-authorized-keys", metavar="DIR",
                    help="folder of client .key files admitted over CURVE (default: any key)")
-    p.add_argument("--busy-poll-us", type=int, default=0,
+    p.add_argument("--max-queued-bytes", type=byte_count, default=DEFAULT.max_queued_bytes, metavar="N",
+                   help="bytes of requests every model's queues may hold together; past it a request is answered "
+                        "UNAVAILABLE (default: a quarter of the host's memory)")
+    p.add_argument("--model-load-timeout-secs", dest="model_load_timeout_s", type=float,
+                   default=DEFAULT.model_load_timeout_s, metavar="S",
+                   help=f"a model still loading after S seconds is UNAVAILABLE, its worker killed "
+                        f"(default {DEFAULT.model_load_timeout_s:g})")
+    p.add_argument("--cache-config", dest="cache_size", type=_cache_config, default=0, metavar="local,size=BYTES",
+                   help="Triton's local response cache of BYTES, for models with response_cache { enable: true }")
+    p.add_argument("--busy-poll-us", type=int, default=DEFAULT.busy_poll_us,
                    help="0 (default): while traffic is sequential the front polls, instead of sleeping, "
                         "for what is due within microseconds; N > 0: polls N us before any sleep; -1: never polls")
+
+
+def _cache_config(text: str) -> int:
+    from gepool.scheduler.cache import parse_cache_config
+
+    try:
+        return parse_cache_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def pool_options(args: argparse.Namespace) -> PoolOptions:
+    """The pool options of a ``gepool start`` command line: each flag whose dest names an option, then
+    what several flags decide together."""
+    from gepool.ipc.sockets import default_endpoint
+
+    given = {name: value for name, value in vars(args).items() if name in OPTION_NAMES}
+    given.update(repository=args.model_repository[0], endpoint=args.endpoint or default_endpoint(),
+                 log_level=log_threshold(args), http_port=args.http_port if args.allow_http else 0,
+                 metrics_port=args.metrics_port if args.allow_metrics else 0)
+    return PoolOptions(**given)
 
 
 class _LoadFailed(Exception):
@@ -82,7 +125,6 @@ def log_threshold(args) -> int:
 
 
 def run(args) -> int:
-    from gepool.ipc.sockets import default_endpoint
     from gepool.pool import serve
 
     if len(args.model_repository) > 1:
@@ -95,14 +137,15 @@ def run(args) -> int:
                                    ("--curve-authorized-keys", args.curve_authorized_keys, os.path.isdir, "folder")):
         if path and not want(path):
             raise UsageError(f"{flag} '{path}' is not a {what}")
-    level = log_threshold(args)
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    endpoint = args.endpoint or default_endpoint()
-    http_port = args.http_port if args.allow_http else 0
-    metrics_port = args.metrics_port if args.allow_metrics else 0
+    options = pool_options(args)
+    try:
+        options.check()
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    logging.basicConfig(level=options.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.debug("serving %s on %s: http port %s, metrics port %s, strict readiness %s, exit on error %s",
-              repository, endpoint, http_port or "off", metrics_port or "off", args.strict_readiness,
-              args.exit_on_error)
+              repository, options.endpoint, options.http_port or "off", options.metrics_port or "off",
+              options.strict_readiness, args.exit_on_error)
 
     def ready(status: dict) -> None:
         for name, m in status["models"].items():
@@ -119,14 +162,9 @@ def run(args) -> int:
             print(f"metrics on {status['metrics']}", flush=True)
         print(f"gepool ready on {status['endpoint']}", flush=True)
 
-    print(f"gepool starting on {endpoint}", flush=True)
+    print(f"gepool starting on {options.endpoint}", flush=True)
     try:
-        return serve(repository, endpoint, cpu_threads=args.cpu_threads, log_level=level, on_ready=ready,
-                     http_port=http_port, http_host=args.http_host, metrics_port=metrics_port,
-                     curve_secret_key=args.curve_secret_key, curve_authorized_keys=args.curve_authorized_keys,
-                     exit_grace_s=args.exit_timeout_secs, model_control_mode=args.model_control_mode,
-                     load_models=tuple(args.load_model), poll_secs=args.repository_poll_secs,
-                     busy_poll_us=args.busy_poll_us, strict_readiness=args.strict_readiness)
+        return serve(options, on_ready=ready)
     except _LoadFailed as exc:
         (failed,) = exc.args
         for name, reason in failed:
@@ -139,6 +177,6 @@ def run(args) -> int:
 def _failed_at_start(status: dict, args) -> list[tuple[str, str]]:
     """(name, reason) of each model asked for at start that is not serving: every model of the
     repository, or in explicit mode those named by --load-model."""
-    asked = set(args.load_model) if args.model_control_mode == "explicit" else None
+    asked = set(args.load_models) if args.model_control_mode == "explicit" else None
     return [(name, m["reason"] or m["state"]) for name, m in status["models"].items()
             if m["state"] == "UNAVAILABLE" and (asked is None or name in asked)]

@@ -30,6 +30,7 @@ class OutputRequest:
     region: str | None = None
     region_size: int = 0
     region_offset: int = 0
+    class_count: int = 0  # Triton's classification extension: the top N classes, not the tensor (0: the tensor)
 
 
 @dataclass
@@ -243,7 +244,8 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
             region = _region_name(what, op) if "shared_memory_region" in op else None
             outputs.append(OutputRequest(
                 o["name"], bool(op.get("binary_data", binary_output)), region,
-                _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0)))
+                _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0),
+                _param_int(what, op, "classification", 0)))
     return InferRequest(inputs, outputs, binary_output, header.get("id"), params)
 
 

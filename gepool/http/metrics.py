@@ -8,23 +8,33 @@ time, batch size) and gepool's own gauges go through prometheus_client.
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
+from gepool.http.statistics import duration, failures
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-_TRITON = (  # name, type, help, stats key (or callable)
-    ("nv_inference_request_success", "counter", "Number of successful inference requests, all batch sizes",
-     "requests"),
-    ("nv_inference_count", "counter", "Number of inferences performed (does not include cached requests)", "rows"),
-    ("nv_inference_exec_count", "counter", "Number of model executions performed", "batches"),
-    ("nv_inference_request_duration_us", "counter", "Cumulative inference request duration in microseconds",
-     "request_us"),
-    ("nv_inference_queue_duration_us", "counter", "Cumulative inference queuing duration in microseconds",
-     "queue_us"),
-    ("nv_inference_compute_input_duration_us", "counter", "Cumulative compute input duration in microseconds",
-     None),
-    ("nv_inference_compute_infer_duration_us", "counter", "Cumulative compute inference duration in microseconds",
-     "compute_us"),
-    ("nv_inference_compute_output_duration_us", "counter", "Cumulative inference compute output duration in "
-     "microseconds", None),
+_TRITON = (  # name, help, (count, microseconds) or a count from one model's stats
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+     lambda s: s["requests"]),
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)", lambda s: s["rows"]),
+    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
+     lambda s: s["batches"]),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds (includes cached "
+     "requests)", lambda s: s["request_us"]),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds (includes cached "
+     "requests)", lambda s: s["queue_us"]),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds (does not "
+     "include cached requests)", lambda s: duration(s, "compute_input")[1] // 1000),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds (does not "
+     "include cached requests)", lambda s: s["compute_us"]),
+    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds "
+     "(does not include cached requests)", lambda s: duration(s, "compute_output")[1] // 1000),
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", lambda s: duration(s, "cache_hit", False)[0]),
+    ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
+     lambda s: duration(s, "cache_hit", False)[1] // 1000),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model",
+     lambda s: duration(s, "cache_miss", False)[0]),
+    ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in microseconds",
+     lambda s: duration(s, "cache_miss", False)[1] // 1000),
 )
 
 
@@ -32,25 +42,32 @@ def _labels(**kv) -> str:
     return ",".join(f'{k}="{v}"' for k, v in kv.items())
 
 
-def render(status: dict, stats: dict) -> bytes:
+def render(status: dict, stats: dict, host: tuple[float, int, int] | None = None) -> bytes:
+    """The /metrics text; ``host`` is (CPU utilization, RAM total bytes, RAM used bytes) for Triton's
+    nv_cpu_* gauges."""
     lines = []
     models = status.get("models", {})
-    for name, kind, help_text, key in _TRITON:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    versions = {model: str(models.get(model, {}).get("version") or 1) for model in stats}
+    for name, help_text, value in _TRITON:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         for model, s in stats.items():
-            version = str(models.get(model, {}).get("version") or 1)
-            lines.append(f"{name}{{{_labels(model=model, version=version)}}} {s.get(key, 0) if key else 0}")
+            lines.append(f"{name}{{{_labels(model=model, version=versions[model])}}} {value(s)}")
     lines += ["# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes",
               "# TYPE nv_inference_request_failure counter"]
     for model, s in stats.items():
-        version = str(models.get(model, {}).get("version") or 1)
-        lines.append(f"nv_inference_request_failure{{{_labels(model=model, reason='OTHER', version=version)}}} "
-                     f"{s.get('failures', 0)}")
+        for reason, count in failures(s).items():
+            labels = _labels(model=model, reason=reason, version=versions[model])
+            lines.append(f"nv_inference_request_failure{{{labels}}} {count}")
     lines += ["# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting "
               "execution per-model.", "# TYPE nv_inference_pending_request_count gauge"]
     for model, m in models.items():
         lines.append(f"nv_inference_pending_request_count{{{_labels(model=model, version=str(m.get('version') or 1))}}}"
                      f" {m.get('queued', 0)}")
+    if host is not None:
+        for name, help_text, value in (("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", host[0]),
+                                       ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", host[1]),
+                                       ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", host[2])):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
     registry = CollectorRegistry()
     registry.register(_Collector(status, stats))
     return ("\n".join(lines) + "\n").encode() + generate_latest(registry)

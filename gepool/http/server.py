@@ -23,8 +23,10 @@ from aiohttp import web
 import gepool
 from gepool.aio import AsyncClient
 from gepool.common import errors
-from gepool.http import kserve, limits, metrics, peer
+from gepool.common.logsettings import LogSettings
+from gepool.http import host, kserve, limits, metrics, peer, trace
 from gepool.http.access import Restrictions
+from gepool.http.host import CpuUtilization
 from gepool.http.limits import (
     BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -35,14 +37,17 @@ from gepool.http.limits import (
 )
 from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
+from gepool.http.statistics import model_statistics
 from gepool.scheduler.states import ModelState
 
 log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",
-              "model_repository", "parameters"]
+              "model_repository", "parameters", "logging", "trace"]
 PARENT_CHECK_S = 1.0
 CONNECT_RETRY_S = 0.5  # a client fails at once where no pool listens: wait before trying again
 REQUEST_TIMEOUT_S = 300.0
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -59,6 +64,7 @@ class Gateway:
         self.max_body, self.body_timeout = max_body, body_timeout
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
+        self.cpu = CpuUtilization()
 
     async def connect(self) -> None:
         """Keeps trying: the gateway listens before the front is ready, and outlives nothing it needs."""
@@ -71,8 +77,16 @@ class Gateway:
                 await asyncio.sleep(CONNECT_RETRY_S)
                 continue
             self.client = client
+            await self._adopt_log_settings()
             self.connected.set()
             return
+
+    async def _adopt_log_settings(self) -> None:
+        """Logs as the front does: its settings may have changed since this sidecar was started."""
+        try:
+            LogSettings.from_wire(await self.client.query("logging", {})).apply()
+        except errors.GepoolError as exc:
+            log.warning("could not read the pool's log settings: %s", exc)
 
     async def front(self) -> AsyncClient:
         await self.connected.wait()
@@ -82,6 +96,7 @@ class Gateway:
     @staticmethod
     def route(handler):
         async def wrapped(self, request: web.Request) -> web.Response:
+            log.debug("HTTP request: %s %s", request.method, request.path)
             refusal = self.restrictions.refusal(request.path, request.headers)
             if refusal is not None:  # before anything else, as Triton does
                 return _error(403, refusal)
@@ -120,6 +135,17 @@ class Gateway:
         except (peer.Unidentified, ValueError) as exc:
             raise errors.PermissionDenied(f"{why} needs a caller on this host's loopback whose user the kernel can "
                                           f"name, and this one cannot be identified: {exc}") from None
+
+    def _owner_only(self, request: web.Request, api: str, what: str) -> None:
+        """PermissionDenied unless the caller is the pool's own user or root, or ``api`` is restricted by a
+        header (which the request then carried: the route checked it first)."""
+        if self.restrictions.restricts(api):
+            return
+        uid = self._caller(request, what)
+        if uid not in (self.owner_uid, 0):
+            raise errors.PermissionDenied(
+                f"{what} is allowed only to the pool's own user (uid {self.owner_uid}) and root, not to uid {uid}; "
+                f"a pool started with --http-restricted-api {api}:KEY=VALUE lets requests carrying that header do it")
 
     async def _model_meta(self, request: web.Request) -> dict:
         meta = await (await self.front()).model_metadata(request.match_info["model"])
@@ -174,30 +200,8 @@ class Gateway:
         wanted = request.match_info.get("model")
         if wanted is not None and wanted not in stats:
             raise errors.ModelNotFound(f"Request for unknown model: '{wanted}' is not found")
-        out = []
-        for name, s in stats.items():
-            if wanted is not None and name != wanted:
-                continue
-            version = str(status["models"][name].get("version") or "")
-            ns = 1_000_000_000
-            sizes, compute = s["batch_sizes"], s["batch_compute_s"]
-            out.append({
-                "name": name, "version": version, "last_inference": int(s["last_inference"] * 1000),
-                "inference_count": s["rows"], "execution_count": s["batches"],
-                "inference_stats": {
-                    "success": {"count": s["requests"], "ns": s["request_us"] * 1000},
-                    "fail": {"count": s["failures"], "ns": 0},
-                    "queue": {"count": s["histograms"]["queue"]["count"], "ns": s["queue_us"] * 1000},
-                    "compute_input": {"count": s["batches"], "ns": 0},
-                    "compute_infer": {"count": s["batches"], "ns": s["compute_us"] * 1000},
-                    "compute_output": {"count": s["batches"], "ns": 0},
-                    "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}},
-                "response_stats": {},
-                "batch_stats": [{"batch_size": int(size), "compute_input": {"count": n, "ns": 0},
-                                 "compute_infer": {"count": n, "ns": int(compute.get(size, 0) * ns)},
-                                 "compute_output": {"count": n, "ns": 0}} for size, n in sizes.items()],
-                "memory_usage": [],
-            })
+        out = [model_statistics(name, str(status["models"][name].get("version") or ""), s)
+               for name, s in stats.items() if wanted is None or name == wanted]
         return web.json_response({"model_stats": out})
 
     # -- inference -------------------------------------------------------------------------
@@ -243,7 +247,9 @@ class Gateway:
                 meta = await self._model_meta(request)
                 raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
                                              f"model '{model}'")
-            names = [o.name for o in req.outputs] if req.outputs is not None else None
+            # an output asked for as classes travels as [name, class_count] (the front's classification)
+            names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
+                if req.outputs is not None else None
             outputs = await (await self.front()).infer(model, req.inputs, names, version=version)
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
@@ -270,13 +276,7 @@ class Gateway:
                                                                  (body.get("parameters") or {})):
             raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
                                          "repository and load again")
-        if not self.restrictions.restricts("model-repository"):
-            uid = self._caller(request, "loading and unloading models")
-            if uid not in (self.owner_uid, 0):
-                raise errors.PermissionDenied(
-                    f"loading and unloading models is allowed only to the pool's own user (uid {self.owner_uid}) "
-                    f"and root, not to uid {uid}; a pool started with --http-restricted-api "
-                    f"model-repository:KEY=VALUE lets requests carrying that header do it")
+        self._owner_only(request, "model-repository", "loading and unloading models")
         client = await self.front()
         model = request.match_info["model"]
         if request.match_info["action"] == "load":
@@ -314,11 +314,39 @@ class Gateway:
             return _error(400, "CUDA shared memory is not supported by gepool (no CUDA device)")
         return web.Response(status=200)
 
+    # -- logging and trace settings ---------------------------------------------------------
+    @route
+    async def logging_settings(self, request):
+        """Triton's logging extension: the pool's settings (the front's, its workers' and this sidecar's),
+        changed first by a POST's (the pool's own user's: more logging is more disk and more detail)."""
+        args = {}
+        if request.method == "POST":
+            body = await self._json_body(request)
+            self._owner_only(request, "logging", "changing the log settings")
+            args = {"update": body}
+        settings = LogSettings.from_wire(await (await self.front()).query("logging", args))
+        if request.method == "POST":
+            settings.apply()
+        return web.json_response(settings.as_triton())
+
+    @route
+    async def trace_settings(self, request):
+        """Triton's trace extension, with tracing off: a POST that would turn it on is refused."""
+        if "model" in request.match_info:
+            try:
+                await self._model_meta(request)
+            except errors.ModelNotFound:
+                raise errors.InvalidArgument(f"Request for unknown model : {request.match_info['model']}") from None
+        if request.method == "POST":
+            trace.check_update(await self._json_body(request))
+        return web.json_response(trace.settings())
+
     # -- metrics ---------------------------------------------------------------------------
     @route
     async def metrics(self, request):
         client = await self.front()
-        text = metrics.render(await client.status(), await client.stats())
+        status, stats = await client.status(), await client.stats()
+        text = metrics.render(status, stats, (self.cpu.read(), *host.memory()))
         return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -340,6 +368,10 @@ def http_app(gw: Gateway) -> web.Application:
     for repo in ("/v2/repository", "/v2/repository/{repo}"):
         r.add_post(repo + "/index", gw.repository_index)
         r.add_post(repo + "/models/{model}/{action:load|unload}", gw.repository_control)
+    for path in ("/v2/logging", "/v2/trace/setting", m + "/trace/setting"):
+        handler = gw.logging_settings if path == "/v2/logging" else gw.trace_settings
+        r.add_get(path, handler)
+        r.add_post(path, handler)
     r.add_get("/v2/systemsharedmemory/status", gw.shm_status)
     r.add_get("/v2/systemsharedmemory/region/{region}/status", gw.shm_status)
     r.add_post("/v2/systemsharedmemory/region/{region}/register", gw.shm_register)

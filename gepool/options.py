@@ -1,0 +1,89 @@
+"""The pool's options: one dataclass, from the command line or ``Pool(...)`` through to the front process."""
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, fields
+
+from gepool.ipc import naming
+from gepool.ipc.sockets import default_endpoint
+from gepool.scheduler.options import MODEL_LOAD_TIMEOUT_S, FrontOptions
+
+MODEL_CONTROL_MODES = ("none", "explicit", "poll")
+
+
+@dataclass
+class PoolOptions:
+    """Everything a pool is started with. A new option is one field here (named as the front's own
+    ``FrontOptions`` field when the front needs it: ``front_options`` copies every field the two share)
+    and, for ``gepool start``, one flag in ``gepool/cli/start.py`` whose ``dest`` is the field's name."""
+
+    repository: str
+    endpoint: str | None = None  # None: the default ipc endpoint in the user's runtime folder
+    owner_id: str | None = None  # the id in the names of the pool's segments and files; None: a new one
+    cpu_threads: int = 0  # onnxruntime threads per CPU model, split among its instances; 0: every core
+    log_level: int = logging.WARNING  # the least severe level logged, in the front, its workers and the sidecar
+    exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
+    model_control_mode: str = "none"  # Triton's none | explicit | poll
+    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start
+    poll_secs: float = 15.0  # poll mode: seconds between repository scans
+    curve_secret_key: str | None = None  # a ZMQ certificate file: CURVE on a tcp endpoint
+    curve_authorized_keys: str | None = None  # a folder of client public keys; None: any key may connect
+    busy_poll_us: int = 0  # 0: adaptive polling; N > 0: poll N us before any sleep; -1: never poll
+    auto_complete_config: bool = True  # False: Triton's --disable-auto-complete-config
+    http_port: int = 0  # the KServe v2 HTTP sidecar's port; 0: no HTTP
+    http_host: str = "127.0.0.1"  # the address the HTTP and metrics ports bind
+    metrics_port: int = 0  # Prometheus /metrics; 0: none
+    http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
+    http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
+    strict_readiness: bool = True  # False: /v2/health/ready is ready while any model is unavailable
+    max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: a RAM share
+    model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a model still loading after this is UNAVAILABLE
+    cache_size: int = 0  # bytes of the response cache (Triton's --cache-config local,size=BYTES); 0: no cache
+
+    def __post_init__(self) -> None:
+        self.load_models = tuple(self.load_models)  # lists from JSON and argparse
+        self.http_restricted_api = tuple(self.http_restricted_api)
+
+    def check(self) -> None:
+        """Refuses, naming it, an option no pool can start with (before any process is started)."""
+        if not os.path.isdir(self.repository):
+            raise FileNotFoundError(f"the model repository '{self.repository}' is not a folder")
+        if self.model_control_mode not in MODEL_CONTROL_MODES:
+            raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
+                             f"'{self.model_control_mode}'")
+        for name in ("http_port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be a port number (0: off), not {getattr(self, name)}")
+        for name in ("cpu_threads", "exit_grace_s", "http_max_body_bytes", "max_queued_bytes", "cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.model_load_timeout_s <= 0:
+            raise ValueError(f"model_load_timeout_s must be > 0, not {self.model_load_timeout_s}")
+        if self.poll_secs <= 0:
+            raise ValueError(f"poll_secs must be > 0, not {self.poll_secs}")
+        if self.busy_poll_us < -1:
+            raise ValueError(f"busy_poll_us must be -1 (never poll), 0 (adaptive) or a time, not {self.busy_poll_us}")
+        from gepool.http.access import Restrictions
+
+        Restrictions.parse(self.http_restricted_api)  # ValueError in Triton's words
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, text: str) -> "PoolOptions":
+        return cls(**json.loads(text))
+
+    def front_options(self) -> FrontOptions:
+        """The front's own options: every field the two share, by name, with the endpoint and owner id
+        decided (the front binds and names its files with them)."""
+        ours = {f.name for f in fields(self)}
+        shared = {f.name: getattr(self, f.name) for f in fields(FrontOptions) if f.name in ours}
+        shared.update(repository=os.path.abspath(self.repository), endpoint=self.endpoint or default_endpoint(),
+                      owner_id=self.owner_id or naming.new_owner_id())
+        return FrontOptions(**shared)
+
+
+DEFAULT = PoolOptions(repository="")
+OPTION_NAMES = frozenset(f.name for f in fields(PoolOptions))

@@ -1,0 +1,236 @@
+"""``gepool start``'s gateway flags and Triton's logging extension, each through a real ``gepool start``."""
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests import repo as test_repo
+from tests.conftest import free_port, wait_until
+
+httpclient = pytest.importorskip("tritonclient.http")
+START_TIMEOUT_S = 120
+
+CHATTY_PY = '''
+import logging
+
+import numpy as np
+
+log = logging.getLogger("chatty")
+
+
+class Model:
+    def initialize(self, config):
+        log.info("CHATTY-INIT %s", config["name"])
+
+    def execute(self, inputs):
+        x = inputs["X"]
+        log.debug("CHATTY-EXEC %s", float(x[0, 0]))
+        return {"Y": x.copy()}
+'''
+
+
+def chatty(repo: str, name: str) -> None:
+    """A python model that logs at INFO when it loads and at DEBUG for each batch."""
+    test_repo.write(f"{repo}/{name}/1/model.py", CHATTY_PY)
+    test_repo.write(f"{repo}/{name}/config.pbtxt", """
+        backend: "python"
+        max_batch_size: 4
+        input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+    """)
+
+
+class Started:
+    """``gepool start ARGS`` with an HTTP port, until its ready line; its stderr goes to a file (the log of
+    every process of the pool), so that a verbose pool cannot fill a pipe. SIGTERM on leaving."""
+
+    def __init__(self, tmp_path, *args: str) -> None:
+        self.http = free_port()
+        self.log_path = str(tmp_path / "stderr.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--endpoint",
+                                      f"ipc://{tmp_path}/gw.sock", "--http-port", str(self.http), "--metrics-port",
+                                      "0", *args], stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("gepool ready on"):
+                break
+        assert self.lines and self.lines[-1].startswith("gepool ready on"), (self.lines, self.log())
+        self.triton = httpclient.InferenceServerClient(f"127.0.0.1:{self.http}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> int:
+        self.triton.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "Started":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def request(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body or None, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, json.loads(data) if data else {}
+    finally:
+        conn.close()
+
+
+def test_restricted_api_body_limit_and_disabled_auto_complete_flags(tmp_path):
+    """--http-restricted-api (repeatable) guards the APIs it names with a header; --http-max-input-size
+    (the alias of --http-max-body-bytes) bounds a body; --disable-auto-complete-config leaves a model
+    without config.pbtxt unservable, naming why, while a complete one serves."""
+    repo = str(tmp_path / "models")
+    test_repo.make_models.make_tiny(repo)
+    os.makedirs(f"{repo}/bare/1")
+    shutil.copy(f"{repo}/tiny/1/model.onnx", f"{repo}/bare/1/model.onnx")  # no config.pbtxt
+    with Started(tmp_path, "--model-repository", repo, "--exit-on-error", "false", "--disable-auto-complete-config",
+                 "--http-restricted-api", "model-config,metadata:X-Config-Key=open sesame",
+                 "--http-restricted-api=model-repository:X-Admin=yes", "--http-max-input-size", "4096") as pool:
+        assert "model tiny: READY (version 1, 1 worker(s))" in pool.lines
+        (bare,) = [line for line in pool.lines if line.startswith("model bare: ")]
+        assert bare.startswith("model bare: UNAVAILABLE - ") and "auto-complete is disabled" in bare, bare
+        port = pool.http
+        for path in ("/v2/models/tiny/config", "/v2/models/tiny", "/v2"):
+            status, reply = request(port, "GET", path)
+            assert status == 403 and reply["error"] == "This API is restricted, expecting header 'X-Config-Key'"
+            assert request(port, "GET", path, headers={"X-Config-Key": "wrong"})[0] == 403
+            assert request(port, "GET", path, headers={"X-Config-Key": "open sesame"})[0] == 200
+        status, reply = request(port, "POST", "/v2/repository/index")
+        assert status == 403 and "X-Admin" in reply["error"]
+        assert request(port, "POST", "/v2/repository/index", headers={"X-Admin": "yes"})[0] == 200
+        assert pool.triton.is_server_live() and pool.triton.is_model_ready("tiny")  # health is not restricted
+        x = np.ones((4, 16), np.float32)  # 256 bytes of data: a body well under 4096
+        inp = httpclient.InferInput("INPUT0", [4, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_array_equal(pool.triton.infer("tiny", [inp]).as_numpy("OUTPUT0"), 2 * x + 1)
+        big = json.dumps({"inputs": [{"name": "INPUT0", "shape": [8, 16], "datatype": "FP32",
+                                      "data": [1.0] * 128}]}).encode() + b" " * 4096
+        status, reply = request(port, "POST", "/v2/models/tiny/infer", big)
+        assert status == 413 and "over the 4096-byte limit" in reply["error"], reply
+        assert pool.stop() == 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--http-restricted-api", "inference"], "option format is '<config name>:<setting>=<value>'"),
+    (["--http-restricted-api", "nosuch:K=V"], "unknown restricted api 'nosuch'"),
+    (["--http-max-body-bytes", "0"], "--http-max-body-bytes/--http-max-input-size: takes a number of bytes >= 1"),
+    (["--http-max-input-size", "lots"], "--http-max-body-bytes/--http-max-input-size: takes a number of bytes"),
+])
+def test_bad_gateway_flags_are_one_line_and_exit_2(tmp_path, flags, words):
+    out = subprocess.run([sys.executable, "-m", "gepool.cli", "start", "--model-repository", str(tmp_path), *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("gepool: error: ") and words in line, line
+
+
+def sidecars(pid: int) -> list[int]:
+    from tests.conftest import _descendants
+
+    def cmdline(p: int) -> bytes:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    return [p for p in _descendants(pid) if b"_gateway_main" in cmdline(p)]
+
+
+ISO_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ worker\d+ DEBUG CHATTY-EXEC", re.M)
+
+
+def test_log_settings_change_the_logging_of_the_front_its_workers_and_the_sidecar(tmp_path):
+    from tritonclient.utils import InferenceServerException
+
+    repo = str(tmp_path / "models")
+    chatty(repo, "first")
+    chatty(repo, "second")
+    with Started(tmp_path, "--model-repository", repo, "--log-info", "false", "--model-control-mode", "explicit",
+                 "--load-model", "first") as pool:
+        triton = pool.triton
+
+        def infer(model: str, value: float) -> None:
+            inp = httpclient.InferInput("X", [1, 1], "FP32")
+            inp.set_data_from_numpy(np.full((1, 1), value, np.float32))
+            assert triton.infer(model, [inp]).as_numpy("Y")[0, 0] == value
+
+        quiet = {"log_file": "", "log_info": False, "log_warning": True, "log_error": True, "log_verbose_level": 0,
+                 "log_format": "default"}
+        assert triton.get_log_settings() == quiet
+        infer("first", 1.0)
+        assert "CHATTY" not in pool.log() and " INFO " not in pool.log() and " DEBUG " not in pool.log()
+
+        verbose = dict(quiet, log_info=True, log_verbose_level=1)
+        assert triton.update_log_settings({"log_verbose_level": 1, "log_info": True}) == verbose
+        assert triton.get_log_settings() == verbose
+        # the worker that was already running logs its model's debug messages (it reads the change
+        # between batches, so a batch racing the change may still be quiet)
+        assert wait_until(lambda: infer("first", 2.0) or "CHATTY-EXEC 2.0" in pool.log(), 60), pool.log()
+        triton.load_model("second")  # the front logs at INFO, a worker started now logs too, and the sidecar
+        infer("second", 3.0)
+        log = pool.log()
+        assert re.search(r" gepool\.front INFO worker \d+ \(second v1\) ready", log), log
+        assert re.search(r" worker\d+ INFO CHATTY-INIT second", log), log
+        assert wait_until(lambda: "CHATTY-EXEC 3.0" in pool.log(), 30), pool.log()
+        assert " http DEBUG HTTP request: POST /v2/repository/models/second/load" in log, log
+
+        assert triton.update_log_settings({"log_format": "ISO8601"})["log_format"] == "ISO8601"
+        assert wait_until(lambda: infer("first", 4.0) or ISO_LINE.search(pool.log()), 60), pool.log()[-2000:]
+
+        # a sidecar that dies is restarted with the options it was started with: it adopts the front's settings
+        (sidecar,) = sidecars(pool.proc.pid)
+        os.kill(sidecar, signal.SIGKILL)
+        assert wait_until(lambda: sidecars(pool.proc.pid) not in ([], [sidecar]), 60)
+        seen = len(pool.log())
+
+        def logged_by_the_new_sidecar() -> bool:
+            try:
+                request(pool.http, "GET", "/v2/health/live")
+            except OSError:  # started, not yet listening
+                return False
+            return " http DEBUG HTTP request: GET /v2/health/live" in pool.log()[seen:]
+
+        assert wait_until(logged_by_the_new_sidecar, 60), pool.log()[seen:]
+
+        for refused, words in (({"log_warning": False}, "log_warning false with log_info on"),
+                               ({"log_file": "/tmp/elsewhere.log"}, "log file location can not be updated"),
+                               ({"log_info": "yes"}, "'log_info' must be true or false"),
+                               ({"log_verbosity": 1}, "unknown log setting 'log_verbosity'")):
+            with pytest.raises(InferenceServerException) as info:
+                triton.update_log_settings(refused)
+            assert info.value.status() == "400" and words in info.value.message(), info.value.message()
+        assert triton.get_log_settings() == dict(verbose, log_format="ISO8601")  # the refusals changed nothing
+        assert pool.stop() == 0

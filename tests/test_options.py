@@ -1,0 +1,62 @@
+"""One options object: from ``gepool start``'s flags and ``Pool(...)``'s keywords through to the front."""
+
+import logging
+from dataclasses import fields
+
+import pytest
+
+from gepool.cli import build_parser
+from gepool.cli.start import pool_options
+from gepool.options import DEFAULT, OPTION_NAMES, PoolOptions
+from gepool.scheduler.options import FrontOptions
+
+FRONT_ONLY = {"drain_timeout_s"}  # the front's own, set by no user
+NOT_FLAGS = {"repository", "owner_id"}  # --model-repository gives the repository; the owner id is made per pool
+
+
+def test_every_front_option_is_a_pool_option_and_every_pool_option_a_flag():
+    """A field added to FrontOptions but not to PoolOptions (or to PoolOptions without its flag) fails here."""
+    front = {f.name for f in fields(FrontOptions)}
+    assert front - FRONT_ONLY <= OPTION_NAMES, sorted(front - FRONT_ONLY - OPTION_NAMES)
+    dests = set(vars(build_parser().parse_args(["start", "--model-repository", "."])))
+    assert OPTION_NAMES - NOT_FLAGS <= dests, sorted(OPTION_NAMES - NOT_FLAGS - dests)
+
+
+def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
+    args = build_parser().parse_args([
+        "start", "--model-repository", str(tmp_path), "--endpoint", "tcp://127.0.0.1:*", "--cpu-threads", "3",
+        "--log-info", "false", "--exit-timeout-secs", "2.5", "--model-control-mode", "explicit", "--load-model", "a",
+        "--load-model", "b", "--repository-poll-secs", "4", "--busy-poll-us", "-1", "--disable-auto-complete-config",
+        "--http-port", "9000", "--http-host", "0.0.0.0", "--allow-metrics", "false", "--strict-readiness", "false",
+        "--http-restricted-api", "inference:K=V", "--http-restricted-api", "logging,trace:A=B",
+        "--http-max-input-size", "123456"])
+    options = pool_options(args)
+    assert options == PoolOptions(
+        repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
+        exit_grace_s=2.5, model_control_mode="explicit", load_models=("a", "b"), poll_secs=4.0, busy_poll_us=-1,
+        auto_complete_config=False, http_port=9000, http_host="0.0.0.0", metrics_port=0, strict_readiness=False,
+        http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456)
+    assert PoolOptions.decode(options.encode()) == options
+    front = options.front_options()
+    assert front.repository == str(tmp_path) and front.owner_id
+    for f in fields(FrontOptions):
+        if f.name not in FRONT_ONLY | {"repository", "owner_id"}:
+            assert getattr(front, f.name) == getattr(options, f.name), f.name
+    defaults = pool_options(build_parser().parse_args(["start", "--model-repository", str(tmp_path)]))
+    assert (defaults.http_port, defaults.metrics_port, defaults.log_level) == (8000, 8002, logging.INFO)
+    assert defaults.poll_secs == DEFAULT.poll_secs and defaults.auto_complete_config and defaults.strict_readiness
+
+
+@pytest.mark.parametrize("given, error, words", [
+    ({"model_control_mode": "sometimes"}, ValueError, "model_control_mode must be one of none, explicit, poll"),
+    ({"http_restricted_api": ["inference"]}, ValueError, "option format is '<config name>:<setting>=<value>'"),
+    ({"http_port": 70000}, ValueError, "http_port must be a port number"),
+    ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
+    ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),
+    ({"no_such_option": 1}, TypeError, "no_such_option"),
+])
+def test_a_bad_option_is_refused_at_once_naming_it(tmp_path, given, error, words):
+    from gepool import Pool
+
+    with pytest.raises(error, match=words):
+        Pool(str(tmp_path), **given)
