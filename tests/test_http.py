@@ -426,20 +426,11 @@ def test_cpu_utilization_is_the_busy_share_between_readings_and_memory_is_total_
 
 def test_classification_is_asked_of_the_front_never_ignored(triton):
     """``InferRequestedOutput(..., class_count=N)`` reaches the front as [name, N]: the top N classes come
-    back in Triton's "value:index" form, or, from a front without the classification extension, a 400
-    (a request for classes is never answered with the raw tensor)."""
-    from tritonclient.utils import InferenceServerException
-
+    back in Triton's "value:index" form (a request for classes is never answered with the raw tensor)."""
     x = np.array([[0, 5, 1, 7, 2, 3, 4, 6, 8, 9, 15, 10, 11, 12, 14, 13]], np.float32)
     inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
     inp.set_data_from_numpy(x)
-    try:
-        result = triton.infer("tiny", [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=3)])
-    except InferenceServerException as exc:
-        assert exc.status() == "400", exc.message()
-        if "outputs must be null or a list of names" in exc.message():
-            pytest.skip("this tree's front has no classification extension yet: the request is refused")
-        raise
+    result = triton.infer("tiny", [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=3)])
     assert result.as_numpy("OUTPUT0").tolist() == [[b"31.000000:10", b"29.000000:14", b"27.000000:15"]]
 
 
