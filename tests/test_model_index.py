@@ -69,7 +69,7 @@ def test_tritonclient_reads_the_same_index(explicit):
 @pytest.mark.parametrize("mode", ["none", "explicit", "poll"])
 def test_a_missing_repository_fails_the_start_in_every_mode(tmp_path, mode):
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(errors.InvalidArgument, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
         Pool(missing, model_control_mode=mode).start()
     control = ModelControl(FrontOptions(missing, "ipc:///nowhere", "x", model_control_mode=mode), Workers(), None)
     with pytest.raises(FileNotFoundError, match="does not exist"):
