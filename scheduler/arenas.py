@@ -4,8 +4,9 @@ unregisters).
 
 An arena belongs to the identity that registered it and to every lane of the process that made it
 (a client's threads each have a lane; the kernel names a lane's process). A client on a lane may
-register only an arena its own process made and owns; one on the ZMQ socket, only over the owner-only
-ipc endpoint (a tcp peer could name any client's segment); nobody may register the pool's own segments.
+register only an arena its own process made and owns; nobody may register the pool's own segments. A
+ZMQ peer is not identified by the kernel: on the owner-only ipc endpoint it is the pool's user; on a tcp
+endpoint without CURVE it may be any local user (see the security notes).
 """
 
 import logging
@@ -42,16 +43,14 @@ def _no_peer(identity: bytes) -> tuple[int, int] | None:
 
 
 class Arenas:
-    def __init__(self, on_drop: Callable[[str], None] | None = None, own_prefix: str = "",
-                 zmq_may_register: bool = True) -> None:
+    def __init__(self, on_drop: Callable[[str], None] | None = None, own_prefix: str = "") -> None:
         """``on_drop(name)``: an arena was released (workers that mapped it for direct batches unmap it).
-        ``own_prefix``: the names of the pool's own segments. ``zmq_may_register``: the ZMQ endpoint is
-        owner-only (ipc), so its peers are the pool's user."""
+        ``own_prefix``: the names of the pool's own segments."""
         self._arenas: dict[int, Arena] = {}
         self._next = 0
         self.check_at = 0.0
         self.on_drop = on_drop
-        self.own_prefix, self.zmq_may_register = own_prefix, zmq_may_register
+        self.own_prefix = own_prefix
         self.peer: Callable[[bytes], tuple[int, int] | None] = _no_peer  # a lane's (pid, uid); the loop sets it
 
     def __len__(self) -> int:
@@ -79,9 +78,6 @@ class Arenas:
         peer = self.peer(identity)
         if self.own_prefix and name.startswith(self.own_prefix):
             raise errors.PermissionDenied(f"{name} is one of the pool's own segments, not an arena")
-        if peer is None and not self.zmq_may_register:
-            raise errors.PermissionDenied("an arena is registered over the pool's ipc endpoint or a lane, "
-                                          "not over a tcp endpoint (its peers may be anyone)")
         if peer is not None and pid != peer[0]:
             raise errors.PermissionDenied(f"arena {name} was not made by this client's process (pid {peer[0]})")
         if peer is not None:

@@ -40,8 +40,7 @@ class Core:
         self.opts, self.out, self.clock = opts, out, clock
         self.workers = Workers()
         self.control = ModelControl(opts, self.workers, out, clock)
-        self.arenas = Arenas(self._drop_arena, naming.segment_name(opts.owner_id, ""),
-                             zmq_may_register=opts.endpoint.startswith("ipc://"))
+        self.arenas = Arenas(self._drop_arena, naming.segment_name(opts.owner_id, ""))
         self.polling = PollPolicy(opts.busy_poll_us)
         self.dispatch = Dispatcher(out.reply, self.arenas, self.polling, clock)
         if opts.cache_size > 0:
