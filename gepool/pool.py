@@ -54,12 +54,13 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
           exit_grace_s: float = 0.0, model_control_mode: str = "none", load_models: tuple[str, ...] = (),
           poll_secs: float = 15.0, busy_poll_us: int = 0, auto_complete_config: bool = True,
           http_restricted_api: tuple[str, ...] = (), http_max_body_bytes: int = 0,
-          strict_readiness: bool = True) -> int:
+          strict_readiness: bool = True, grpc_port: int = 0) -> int:
     """Runs a front in this process until SIGINT/SIGTERM; returns its exit code. With an HTTP or metrics
     port, the sidecar process starts once the front is ready, is restarted (with backoff) if it dies,
     and stops after the front has drained. ``http_restricted_api``: Triton's ``API[,API]:KEY=VALUE``
     groups; ``http_max_body_bytes`` (0: the repository's largest slot plus room for the JSON header);
-    ``strict_readiness`` False makes its /v2/health/ready answer ready while any model is unavailable."""
+    ``strict_readiness`` False makes its /v2/health/ready answer ready while any model is unavailable;
+    ``grpc_port`` (0: off) serves Triton's KServe v2 gRPC service from the same sidecar, on ``http_host``."""
     from gepool.http.access import Restrictions
     from gepool.scheduler.front import Front, FrontOptions
 
@@ -74,13 +75,14 @@ def serve(repository: str, endpoint: str | None = None, *, cpu_threads: int = 0,
     gateway: list[_Sidecar] = []
 
     def ready(status: dict) -> None:
-        if http_port or metrics_port:
+        if http_port or metrics_port or grpc_port:
             args = _gateway_args(status["endpoint"], http_host, http_port, metrics_port, log_level, curve_secret_key,
                                  http_restricted_api, http_max_body_bytes or _default_max_body(opts.repository),
-                                 strict_readiness)
+                                 strict_readiness, grpc_port)
             gateway.append(_Sidecar(args))
             status["http"] = f"http://{http_host}:{http_port}" if http_port else None
             status["metrics"] = f"http://{http_host}:{metrics_port}/metrics" if metrics_port else None
+            status["grpc"] = f"{http_host}:{grpc_port}" if grpc_port else None
         if on_ready is not None:
             on_ready(status)
 
@@ -102,9 +104,10 @@ def _default_max_body(repository: str) -> int:
 
 def _gateway_args(endpoint: str, host: str, http_port: int, metrics_port: int, log_level: int,
                   curve_key: str | None = None, restricted: tuple[str, ...] = (), max_body: int = 0,
-                  strict_readiness: bool = True) -> list[str]:
+                  strict_readiness: bool = True, grpc_port: int = 0) -> list[str]:
     return ["--endpoint", endpoint, "--http-host", host, "--http-port", str(http_port),
-            "--metrics-port", str(metrics_port), "--log-level", logging.getLevelName(log_level),
+            "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port),
+            "--log-level", logging.getLevelName(log_level),
             "--strict-readiness", "true" if strict_readiness else "false",
             *(["--curve-key", curve_key] if curve_key else []),
             *(["--http-max-body-bytes", str(max_body)] if max_body else []),
@@ -234,7 +237,8 @@ def _front_process(argv: list[str]) -> int:
                      busy_poll_us=args.get("busy_poll_us", 0),
                      auto_complete_config=args.get("auto_complete_config", True),
                      http_restricted_api=tuple(args.get("http_restricted_api", ())),
-                     http_max_body_bytes=args.get("http_max_body_bytes", 0))
+                     http_max_body_bytes=args.get("http_max_body_bytes", 0),
+                     grpc_port=args.get("grpc_port", 0))
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -275,14 +279,15 @@ class Pool:
                  curve_authorized_keys: str | None = None, exit_grace_s: float = 0.0,
                  model_control_mode: str = "none", load_models: tuple[str, ...] = (), poll_secs: float = 15.0,
                  busy_poll_us: int = 0, auto_complete_config: bool = True, http_restricted_api: tuple[str, ...] = (),
-                 http_max_body_bytes: int = 0) -> None:
+                 http_max_body_bytes: int = 0, grpc_port: int = 0) -> None:
         """``http_port`` / ``metrics_port`` (0: off) also start the KServe v2 HTTP sidecar;
         ``curve_secret_key`` (a ZMQ certificate file) turns on CURVE for a tcp endpoint, admitting the
         public keys in ``curve_authorized_keys`` (a folder of .key files) or, without it, any key.
         ``busy_poll_us``: 0 polls adaptively while traffic is sequential (``scheduler/polling.py``),
         N > 0 polls N microseconds before any sleep (a core's time under light load), -1 never polls.
         ``auto_complete_config=False`` is Triton's ``--disable-auto-complete-config``: every model needs a
-        complete config.pbtxt, which is still checked against an ONNX model's file."""
+        complete config.pbtxt, which is still checked against an ONNX model's file. ``grpc_port`` (0: off)
+        serves Triton's KServe v2 gRPC service from the sidecar, on ``http_host`` like HTTP."""
         self.repository = model_repository
         self.endpoint = endpoint or f"ipc://{runtime_dir()}/pool-{naming.new_owner_id()}.sock"
         self.cpu_threads, self.log_level, self.start_timeout = cpu_threads, log_level, start_timeout
@@ -292,6 +297,7 @@ class Pool:
         self.model_control_mode, self.load_models, self.poll_secs = model_control_mode, list(load_models), poll_secs
         self.busy_poll_us, self.auto_complete_config = busy_poll_us, auto_complete_config
         self.http_restricted_api, self.http_max_body_bytes = list(http_restricted_api), http_max_body_bytes
+        self.grpc_port = grpc_port
         self.process = None
         self._death_w: int | None = None
         self.status: dict = {}
@@ -308,7 +314,8 @@ class Pool:
                 "model_control_mode": self.model_control_mode, "load_models": self.load_models,
                 "poll_secs": self.poll_secs, "busy_poll_us": self.busy_poll_us,
                 "auto_complete_config": self.auto_complete_config,
-                "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes}
+                "http_restricted_api": self.http_restricted_api, "http_max_body_bytes": self.http_max_body_bytes,
+                "grpc_port": self.grpc_port}
         # the death pipe: the front holds the read end, this process the write end (not inheritable, so no
         # other child keeps the front alive); when this process dies the front reads end of file and stops
         death_r, self._death_w = os.pipe()
