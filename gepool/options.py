@@ -34,6 +34,7 @@ class PoolOptions:
     http_port: int = 0  # the KServe v2 HTTP sidecar's port; 0: no HTTP
     http_host: str = "127.0.0.1"  # the address the HTTP and metrics ports bind
     metrics_port: int = 0  # Prometheus /metrics; 0: none
+    grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar on http_host; 0: none
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
     strict_readiness: bool = True  # False: /v2/health/ready is ready while any model is unavailable
@@ -52,7 +53,7 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
-        for name in ("http_port", "metrics_port"):
+        for name in ("http_port", "metrics_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number (0: off), not {getattr(self, name)}")
         for name in ("cpu_threads", "exit_grace_s", "http_max_body_bytes", "max_queued_bytes", "cache_size"):

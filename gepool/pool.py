@@ -62,11 +62,12 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
     gateway: list[_Sidecar] = []
 
     def ready(status: dict) -> None:
-        if options.http_port or options.metrics_port:
+        if options.http_port or options.metrics_port or options.grpc_port:
             gateway.append(_Sidecar(_gateway_args(status["endpoint"], options, front.repository)))
             host = options.http_host
             status["http"] = f"http://{host}:{options.http_port}" if options.http_port else None
             status["metrics"] = f"http://{host}:{options.metrics_port}/metrics" if options.metrics_port else None
+            status["grpc"] = f"{host}:{options.grpc_port}" if options.grpc_port else None
         if on_ready is not None:
             on_ready(status)
 
@@ -90,7 +91,8 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
     """The sidecar's command line (``gepool.http.server.main``) for a pool with these options."""
     max_body = options.http_max_body_bytes or _default_max_body(repository)
     return ["--endpoint", endpoint, "--http-host", options.http_host, "--http-port", str(options.http_port),
-            "--metrics-port", str(options.metrics_port), "--log-level", logging.getLevelName(options.log_level),
+            "--metrics-port", str(options.metrics_port), "--grpc-port", str(options.grpc_port),
+            "--log-level", logging.getLevelName(options.log_level),
             "--strict-readiness", "true" if options.strict_readiness else "false",
             *(["--curve-key", options.curve_secret_key] if options.curve_secret_key else []),
             "--http-max-body-bytes", str(max_body),

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve the KServe v2 HTTP protocol (default true)")
     p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default 8000; 0: off)")
     p.add_argument("--http-host", default=DEFAULT.http_host,
-                   help=f"address the HTTP and metrics ports bind (default {DEFAULT.http_host})")
+                   help=f"address the HTTP, gRPC and metrics ports bind (default {DEFAULT.http_host})")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="as tritonserver's (repeatable): requests to these HTTP APIs must carry header KEY with "
                         f"VALUE, else 403; APIs: {', '.join(API_NAMES)}")
@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest HTTP request body, in bytes (413 above it; default: the largest slot of "
                         "the repository's models plus 1 MiB for the JSON header; --http-max-input-size: the "
                         "same, as tritonserver's)")
+    p.add_argument("--allow-grpc", type=boolean, default=True, metavar="BOOL",
+                   help="serve Triton's KServe v2 gRPC protocol (default true)")
+    p.add_argument("--grpc-port", type=int, default=8001,
+                   help="KServe v2 gRPC port (default 8001; 0: off); binds --http-host")
     p.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL",
                    help="serve Prometheus metrics (default true)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002; 0: off)")
@@ -96,7 +100,8 @@ def pool_options(args: argparse.Namespace) -> PoolOptions:
     given = {name: value for name, value in vars(args).items() if name in OPTION_NAMES}
     given.update(repository=args.model_repository[0], endpoint=args.endpoint or default_endpoint(),
                  log_level=log_threshold(args), http_port=args.http_port if args.allow_http else 0,
-                 metrics_port=args.metrics_port if args.allow_metrics else 0)
+                 metrics_port=args.metrics_port if args.allow_metrics else 0,
+                 grpc_port=args.grpc_port if args.allow_grpc else 0)
     return PoolOptions(**given)
 
 
@@ -158,6 +163,8 @@ def run(args) -> int:
             raise _LoadFailed(failed)
         if status.get("http"):
             print(f"HTTP (KServe v2) on {status['http']}", flush=True)
+        if status.get("grpc"):
+            print(f"gRPC (KServe v2) on {status['grpc']}", flush=True)
         if status.get("metrics"):
             print(f"metrics on {status['metrics']}", flush=True)
         print(f"gepool ready on {status['endpoint']}", flush=True)

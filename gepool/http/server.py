@@ -388,7 +388,7 @@ def http_app(gw: Gateway) -> web.Application:
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
-                strict_readiness: bool = True) -> None:
+                strict_readiness: bool = True, grpc_port: int = 0) -> None:
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
@@ -402,6 +402,10 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         await runner.setup()
         await web.TCPSite(runner, host, port, reuse_address=True).start()
         runners.append(runner)
+    if grpc_port:
+        from gepool.grpc import server as grpc_server
+
+        grpc_listener = await grpc_server.start(gw, host, grpc_port)
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
     parent = os.getppid()
@@ -418,6 +422,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
             if os.getppid() != parent:
                 log.warning("the pool that started this gateway is gone; exiting")
                 break
+    if grpc_port:
+        await grpc_server.stop(grpc_listener)
     for runner in runners:
         await runner.cleanup()
     connecting.cancel()
@@ -433,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--grpc-port", type=int, default=0, help="Triton's KServe v2 gRPC service here (0: off)")
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--curve-key", help="the pool's CURVE certificate, when its endpoint uses CURVE")
@@ -460,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
-                      args.strict_readiness == "true"))
+                      args.strict_readiness == "true", args.grpc_port))
     return 0
 
 

@@ -1,0 +1,123 @@
+"""The gateway's gRPC server: Triton's inference service, gRPC health and reflection, on the gateway's loop.
+
+One ``grpc.aio`` server shares the gateway's event loop, its client of the front, its shared-memory
+regions and its size limit (``grpc.max_receive_message_length`` is the HTTP body limit).
+"""
+
+import asyncio
+import ipaddress
+import logging
+
+import grpc
+
+from gepool.common import errors
+from gepool.grpc import grpc_service_pb2 as pb
+from gepool.grpc import health_pb2, health_pb2_grpc
+from gepool.grpc.reflection import Reflection
+from gepool.grpc.service import INTERNAL_MESSAGE, SERVICE, InferenceService, parse_message, status_of
+
+log = logging.getLogger("gepool.grpc")
+HEALTH_SERVICE = "grpc.health.v1.Health"
+WATCH_INTERVAL_S = 1.0  # how often a health Watch looks at the pool's readiness
+STOP_GRACE_S = 5.0  # calls in flight when the gateway stops get this long to finish
+_Status = health_pb2.HealthCheckResponse
+
+
+async def _abort(context, exc: BaseException, what: str) -> None:
+    if isinstance(exc, errors.GepoolError):
+        await context.abort(status_of(exc), exc.message)
+    log.error("internal error on %s", what, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
+    async def handler(raw: bytes, context):
+        try:
+            return await method(parse_message(request_cls, raw), context)
+        except Exception as exc:
+            await _abort(context, exc, method.__name__)
+    return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=None,
+                                               response_serializer=response_cls.SerializeToString)
+
+
+def inference_handler(service: InferenceService) -> grpc.GenericRpcHandler:
+    """Every RPC of the service, taking its request as bytes (see service.py for why)."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        response_cls = getattr(pb, m.output_type.name)
+        if m.client_streaming:
+            handlers[m.name] = grpc.stream_stream_rpc_method_handler(
+                service.stream, request_deserializer=None, response_serializer=response_cls.SerializeToString)
+        else:
+            handlers[m.name] = _unary(getattr(service, m.name), getattr(pb, m.input_type.name), response_cls)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1: SERVING while the pool is ready (as ServerReady), NOT_SERVING otherwise (draining,
+    models not loaded, the front not reached yet). The empty service name means the whole server."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    async def _status(self, name: str) -> int:
+        if name not in ("", SERVICE):
+            return _Status.SERVICE_UNKNOWN
+        try:
+            ready = await self.service.ready()
+        except errors.GepoolError:
+            ready = False
+        return _Status.SERVING if ready else _Status.NOT_SERVING
+
+    async def Check(self, request, context):
+        status = await self._status(request.service)
+        if status == _Status.SERVICE_UNKNOWN:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
+        return _Status(status=status)
+
+    async def List(self, request, context):
+        out = health_pb2.HealthListResponse()
+        for name in ("", SERVICE):
+            out.statuses[name].status = await self._status(name)
+        return out
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            status = await self._status(request.service)
+            if status != last:
+                yield _Status(status=status)
+                last = status
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+def _address(host: str, port: int) -> str:
+    try:
+        return f"[{host}]:{port}" if ipaddress.ip_address(host).version == 6 else f"{host}:{port}"
+    except ValueError:
+        return f"{host}:{port}"
+
+
+async def start(gw, host: str, port: int) -> grpc.aio.Server:
+    """Listens on host:port (refusing a port another process holds) and serves until ``stop``."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", gw.max_body),
+        ("grpc.max_send_message_length", -1),  # outputs are bounded by the pool's slots
+        ("grpc.so_reuseport", 0),  # else a second server binds the same port and steals half the calls
+    ])
+    service = InferenceService(gw, host, port)
+    server.add_generic_rpc_handlers((inference_handler(service),))
+    health_pb2_grpc.add_HealthServicer_to_server(Health(service), server)
+    server.add_generic_rpc_handlers(Reflection([SERVICE, HEALTH_SERVICE]).handlers())
+    try:
+        bound = server.add_insecure_port(_address(host, port))
+    except RuntimeError as exc:
+        raise errors.Unavailable(f"cannot listen for gRPC on {_address(host, port)}: {exc}") from None
+    if bound != port:
+        raise errors.Unavailable(f"cannot listen for gRPC on {_address(host, port)}")
+    await server.start()
+    return server
+
+
+async def stop(server: grpc.aio.Server) -> None:
+    await server.stop(STOP_GRACE_S)

@@ -1,0 +1,280 @@
+"""GRPCInferenceService: each of Triton's RPCs answered through the gateway's client of the front.
+
+Handlers receive the request as bytes and parse it themselves, so a malformed message is answered
+INVALID_ARGUMENT with what protobuf said (grpcio's own deserializer would answer INTERNAL). Errors
+carry the same messages as over HTTP, with the gRPC status codes Triton uses.
+"""
+
+import asyncio
+import ipaddress
+import logging
+
+import grpc
+from google.protobuf import json_format, message
+
+import gepool
+from gepool.common import errors
+from gepool.grpc import grpc_service_pb2 as pb
+from gepool.grpc import stats, tensors
+from gepool.http import peer
+from gepool.http.limits import INLINE_PARSE_BYTES
+from gepool.scheduler.states import ModelState
+
+log = logging.getLogger("gepool.grpc")
+SERVICE = "inference.GRPCInferenceService"
+EXTENSIONS = ["model_configuration", "statistics", "system_shared_memory", "model_repository", "parameters"]
+MAX_STREAM_INFLIGHT = 256  # requests of one stream running at once; reading the stream waits beyond it
+
+_STATUS = {  # gepool's error code -> the gRPC status Triton answers with
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT, "MODEL_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "MODEL_NOT_READY": grpc.StatusCode.UNAVAILABLE, "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
+    "REQUEST_TOO_LARGE": grpc.StatusCode.INVALID_ARGUMENT, "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "TIMEOUT": grpc.StatusCode.UNAVAILABLE, "POOL_UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "PROTOCOL": grpc.StatusCode.INTERNAL,
+}
+INTERNAL_MESSAGE = "internal error (the sidecar's log has the details)"
+
+
+class Unsupported(errors.GepoolError):
+    """An RPC gepool answers as a Triton built without that feature does."""
+
+    code, http_status = "UNAVAILABLE", 503
+
+
+def status_of(exc: errors.GepoolError) -> grpc.StatusCode:
+    return _STATUS.get(exc.code, grpc.StatusCode.INTERNAL)
+
+
+def parse_message(cls: type[message.Message], raw: bytes) -> message.Message:
+    try:
+        return cls.FromString(raw)
+    except message.DecodeError as exc:
+        raise errors.InvalidArgument(f"malformed {cls.DESCRIPTOR.name}: {exc}") from None
+
+
+class InferenceService:
+    """The RPCs, by name, over one Gateway (its client of the front, regions and limits)."""
+
+    def __init__(self, gw, host: str, port: int) -> None:
+        self.gw, self.host, self.port = gw, host, port
+
+    # -- helpers ---------------------------------------------------------------------------
+    def caller(self, context: grpc.aio.ServicerContext | str, why: str) -> int:
+        """The uid of the local process on the other end of this call (``peer.py``), or PermissionDenied.
+        ``context`` may be the call's ``context.peer()`` already read ("ipv4:127.0.0.1:PORT")."""
+        try:
+            kind, _, rest = (context if isinstance(context, str) else context.peer()).partition(":")
+            if kind not in ("ipv4", "ipv6"):
+                raise peer.Unidentified("the connection is not TCP")
+            addr, _, port = rest.rpartition(":")
+            addr = addr.strip("[]")
+            try:
+                local = ipaddress.ip_address(self.host)
+                local_ip = addr if local.is_unspecified else self.host
+            except ValueError:  # a host name: the connection came to the peer's own loopback address
+                local_ip = addr
+            return peer.peer_uid((addr, int(port)), (local_ip, self.port))
+        except (peer.Unidentified, ValueError) as exc:
+            raise errors.PermissionDenied(f"{why} needs a caller on this host's loopback whose user the kernel can "
+                                          f"name, and this one cannot be identified: {exc}") from None
+
+    async def model_meta(self, name: str, version_text: str) -> dict:
+        meta = await (await self.gw.front()).model_metadata(name)
+        version = tensors.version(version_text)
+        if version is not None and str(version) not in meta.get("versions", []):
+            raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
+        return meta
+
+    async def ready(self) -> bool:
+        if not self.gw.connected.is_set():
+            return False
+        status = await self.gw.client.status()
+        return not status["stopping"] and (not self.gw.strict_readiness or all(
+            m["state"] == ModelState.AVAILABLE for m in status["models"].values()))
+
+    # -- health and metadata ---------------------------------------------------------------
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=await self.ready())
+
+    async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="gepool", version=gepool.__version__, extensions=EXTENSIONS)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        try:
+            meta = await self.model_meta(request.name, request.version)
+        except errors.ModelNotFound:  # Triton: not ready, not an error
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=meta["state"] == ModelState.AVAILABLE)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
+        meta = await self.model_meta(request.name, request.version)
+        out = pb.ModelMetadataResponse(name=meta["name"], versions=meta.get("versions", []),
+                                       platform=meta.get("platform", ""))
+        for kind in ("inputs", "outputs"):
+            for t in meta.get(kind, []):
+                getattr(out, kind).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        return out
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        await self.model_meta(request.name, request.version)
+        config = await (await self.gw.front()).query("config", {"model": request.name})
+        out = pb.ModelConfigResponse()
+        json_format.ParseDict(config, out.config)
+        return out
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context) -> pb.ModelStatisticsResponse:
+        client = await self.gw.front()
+        if request.name:
+            await self.model_meta(request.name, request.version)
+        rows = stats.rows(await client.stats(), await client.status(), request.name or None)
+        return json_format.ParseDict({"model_stats": rows}, pb.ModelStatisticsResponse())
+
+    # -- inference -------------------------------------------------------------------------
+    async def infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        held: dict[str, object] = {}  # region name -> Region, referenced until the request has ended
+        regions, peer_text = self.gw.regions, context.peer()
+
+        def acquire(name: str):
+            if name not in held:
+                held[name] = regions.acquire(self.caller(peer_text, "system shared memory"), name)
+            return held[name]
+
+        def parse() -> tensors.InferCall:
+            return tensors.parse(request, lambda name, offset, size, limit: regions.read(
+                acquire(name), offset, size, limit), self.gw.max_body)
+
+        try:
+            try:
+                shm = any("shared_memory_region" in i.parameters for i in request.inputs)
+                # reading a region and copying large tensors stay off the event loop
+                call = await asyncio.to_thread(parse) if shm or request.ByteSize() > INLINE_PARSE_BYTES else parse()
+                for o in call.outputs or []:
+                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
+                        acquire(o.region)
+            except errors.GepoolError:
+                if request.model_name:
+                    await self.model_meta(request.model_name, "")  # an unknown model is what the caller hears first
+                raise
+            if not call.inputs:
+                meta = await self.model_meta(call.model, "")
+                raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
+                                             f"model '{call.model}'")
+            names = [o.name for o in call.outputs] if call.outputs is not None else None
+            outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
+                                                          timeout=call.timeout_s)
+            served = getattr(outputs, "model_version", None)
+            served_text = str(served) if served is not None else (str(call.version) if call.version else "")
+            return tensors.response(request, call, served_text, outputs,
+                                    lambda name, offset, size, data: regions.write(held[name], offset, size, data))
+        finally:
+            for region in held.values():
+                regions.release(region)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        return await self.infer(request, context)
+
+    async def stream(self, raw_requests, context) -> None:
+        """Many requests on one stream, answered as each finishes (matched by ``id``); a failed one is
+        answered in ``error_message`` and the stream goes on."""
+        room = asyncio.Semaphore(MAX_STREAM_INFLIGHT)
+        writing = asyncio.Lock()  # one write at a time on a call
+        running: set[asyncio.Task] = set()
+
+        async def one(raw: bytes) -> None:
+            request = None
+            try:
+                try:
+                    request = parse_message(pb.ModelInferRequest, raw)
+                    answer = pb.ModelStreamInferResponse(infer_response=await self.infer(request, context))
+                except errors.GepoolError as exc:
+                    answer = pb.ModelStreamInferResponse(error_message=exc.message)
+                except Exception:
+                    log.exception("internal error on a ModelStreamInfer request")
+                    answer = pb.ModelStreamInferResponse(error_message=INTERNAL_MESSAGE)
+                if answer.error_message and request is not None:  # so the caller can tell which request failed
+                    answer.infer_response.id, answer.infer_response.model_name = request.id, request.model_name
+                    answer.infer_response.model_version = request.model_version
+                async with writing:
+                    await context.write(answer)
+            finally:
+                room.release()
+
+        try:
+            async for raw in raw_requests:
+                await room.acquire()
+                task = asyncio.get_running_loop().create_task(one(raw))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            for task in running:
+                task.cancel()
+
+    # -- repository ------------------------------------------------------------------------
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
+        status = await (await self.gw.front()).status()
+        out = pb.RepositoryIndexResponse()
+        for name, m in sorted(status["models"].items()):
+            if request.ready and m["state"] != ModelState.AVAILABLE:
+                continue
+            out.models.add(name=name, version=str(m["version"] or ""), state=m["state"], reason=m["reason"] or "")
+        return out
+
+    def may_control(self, request, context) -> None:
+        params = {k: tensors.param_value(v) for k, v in request.parameters.items()}
+        if params.pop("unload_dependents", False) is not False:  # tritonclient always sends it on unload
+            raise errors.InvalidArgument("unload_dependents is not supported: unload each model by name")
+        if params:
+            raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
+                                         "repository and load again")
+        uid = self.caller(context, "loading and unloading models")
+        if uid not in (self.gw.owner_uid, 0):
+            raise errors.PermissionDenied(f"loading and unloading models is allowed only to the pool's own user "
+                                          f"(uid {self.gw.owner_uid}) and root, not to uid {uid}")
+
+    async def RepositoryModelLoad(self, request, context) -> pb.RepositoryModelLoadResponse:
+        self.may_control(request, context)
+        await (await self.gw.front()).load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context) -> pb.RepositoryModelUnloadResponse:
+        self.may_control(request, context)
+        await (await self.gw.front()).unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory ---------------------------------------------------------------------
+    async def SystemSharedMemoryStatus(self, request, context) -> pb.SystemSharedMemoryStatusResponse:
+        rows = self.gw.regions.status(self.caller(context, "system shared memory"), request.name or None)
+        out = pb.SystemSharedMemoryStatusResponse()
+        for r in rows:
+            out.regions[r["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
+        return out
+
+    async def SystemSharedMemoryRegister(self, request, context) -> pb.SystemSharedMemoryRegisterResponse:
+        uid = self.caller(context, "registering system shared memory")
+        self.gw.regions.register(uid, request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.gw.regions.unregister(self.caller(context, "system shared memory"), request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request, context) -> pb.CudaSharedMemoryStatusResponse:
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request, context) -> pb.CudaSharedMemoryRegisterResponse:
+        raise errors.InvalidArgument("CUDA shared memory is not supported by gepool (no CUDA device)")
+
+    async def CudaSharedMemoryUnregister(self, request, context) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # -- trace and log settings: a Triton built without them answers these -----------------
+    async def TraceSetting(self, request, context) -> pb.TraceSettingResponse:
+        raise Unsupported("trace is not supported")
+
+    async def LogSettings(self, request, context) -> pb.LogSettingsResponse:
+        raise Unsupported("logging is not supported")

@@ -1,0 +1,222 @@
+"""ModelInferRequest -> numpy inputs and what to return; numpy outputs -> ModelInferResponse.
+
+Pure functions over messages, so every hostile request can be tested without a server. As Triton
+reads a request: an input whose parameters name a ``shared_memory_region`` is read from that region;
+every other input takes the next ``raw_input_contents`` entry when the request carries any, else its
+typed ``contents``. Sizes are checked against shape x datatype before anything is allocated (the
+messages themselves are already bounded by the server's maximum message length). Responses carry
+every output in ``raw_output_contents``, in ``outputs`` order, as Triton does; an output written to
+shared memory gets an empty entry so the indices of the others stay right.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from gepool.common.errors import InvalidArgument
+from gepool.grpc import grpc_service_pb2 as pb
+from gepool.http import kserve
+from gepool.ipc import dtypes
+
+# datatype -> the InferTensorContents field that carries it typed (FP16 and BF16 have none: raw only)
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+MAX_DIMS = 32  # more dimensions than any model gepool serves
+MICROSECONDS = 1e-6
+FINAL_FLAG = "triton_enable_empty_final_response"
+
+
+@dataclass
+class OutputRequest:
+    name: str
+    region: str | None = None
+    region_size: int = 0
+    region_offset: int = 0
+
+
+@dataclass
+class InferCall:
+    model: str
+    version: int | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[OutputRequest] | None  # None: every output of the model
+    timeout_s: float | None
+    mark_final: bool = False  # triton_enable_empty_final_response: flag the (only) response as the final one
+
+
+def param_value(p: pb.InferParameter):
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+def version(text: str) -> int | None:
+    """A version field: empty means the server's choice, else a positive integer (HTTP's rule)."""
+    if not text:
+        return None
+    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
+        raise InvalidArgument(f"failed to get model version from specified version string '{text}': "
+                              f"version should be an integral value > 0")
+    return int(text)
+
+
+def _int_param(what: str, params, key: str, default: int | None) -> int | None:
+    if key not in params:
+        return default
+    value = param_value(params[key])
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _region(what: str, params) -> str:
+    region = param_value(params["shared_memory_region"])
+    if not isinstance(region, str) or not region:
+        raise InvalidArgument(f"{what}: 'shared_memory_region' must be a region name, got {region!r}")
+    return region
+
+
+def _shape(name: str, shape) -> list[int]:
+    dims = list(shape)
+    if len(dims) > MAX_DIMS or any(d < 0 for d in dims):
+        raise InvalidArgument(f"input '{name}': shape must be at most {MAX_DIMS} non-negative dimensions, "
+                              f"got {dims}")
+    return dims
+
+
+def _typed(name: str, datatype: str, shape: list[int], contents: pb.InferTensorContents) -> np.ndarray:
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidArgument(f"input '{name}': {datatype} data must be sent in raw_input_contents (it has no "
+                              f"typed contents field)")
+    values = getattr(contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidArgument(f"input '{name}': {len(values)} values in contents.{field}, but shape {shape} "
+                              f"holds {count}")
+    others = [f.name for f, _ in contents.ListFields() if f.name != field]
+    if others:
+        raise InvalidArgument(f"input '{name}': {datatype} data belongs in contents.{field}, not in "
+                              f"{', '.join(others)}")
+    if datatype == "BYTES":
+        return np.array(list(values), dtype=object).reshape(shape)
+    dtype = dtypes.to_numpy(datatype)
+    arr = np.array(values, dtype=np.int64 if dtype.kind == "i" else np.uint64 if dtype.kind == "u" else None)
+    if dtype.kind in "iu" and count:
+        info = np.iinfo(dtype)
+        if arr.min() < info.min or arr.max() > info.max:
+            bad = next(int(v) for v in arr if v < info.min or v > info.max)
+            raise InvalidArgument(f"input '{name}': value {bad} is out of range for {datatype} "
+                                  f"[{info.min}, {info.max}]")
+    return arr.astype(dtype).reshape(shape)
+
+
+def _check_parameters(request: pb.ModelInferRequest) -> tuple[float | None, bool]:
+    """The request's timeout in seconds (Triton's ``timeout`` parameter is in microseconds) and whether to
+    mark its response final, refusing what gepool cannot do rather than ignoring it."""
+    timeout, final = None, False
+    for key, p in request.parameters.items():
+        value = param_value(p)
+        if key == FINAL_FLAG:  # perf_analyzer and streaming clients send it; every gepool model answers once
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"parameter '{key}' must be a bool, got {value!r}")
+            final = value
+        elif key == "timeout":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"parameter 'timeout' must be a non-negative integer of microseconds, "
+                                      f"got {value!r}")
+            timeout = value * MICROSECONDS if value else None
+        elif key == "priority":
+            if not (value is None or (type(value) is int and value == 0)):
+                raise InvalidArgument(f"parameter 'priority' {value!r} is not supported: gepool's gateway serves "
+                                      f"every request at the model's default priority (send 0 or leave it out)")
+        elif key.startswith("sequence_"):
+            raise InvalidArgument(f"parameter '{key}': sequence batching is not supported by gepool")
+        else:
+            raise InvalidArgument(f"parameter '{key}' is not supported by gepool (supported: priority, timeout, "
+                                  f"{FINAL_FLAG})")
+    return timeout, final
+
+
+def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | None, int], memoryview],
+          max_input: int) -> InferCall:
+    """A request -> the call to make; InvalidArgument names what is wrong. ``read_region(name, offset,
+    size, limit)`` reads a system shared-memory input of at most ``limit`` bytes."""
+    if not request.model_name:
+        raise InvalidArgument("the request names no model (model_name is empty)")
+    timeout, final = _check_parameters(request)
+    raw = request.raw_input_contents
+    raw_used = 0
+    inputs: dict[str, np.ndarray] = {}
+    for item in request.inputs:
+        name, datatype = item.name, item.datatype
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' is given twice")
+        if datatype == "BF16" or not dtypes.is_supported(datatype):
+            raise InvalidArgument(f"input '{name}': datatype '{datatype}' is not supported by gepool")
+        shape = _shape(name, item.shape)
+        params = item.parameters
+        what = f"input '{name}'"
+        if "shared_memory_region" in params:
+            size = _int_param(what, params, "shared_memory_byte_size", None)
+            want = kserve.expected_bytes(datatype, shape)
+            if want is not None and size is not None and size != want:
+                raise InvalidArgument(f"{what}: shared_memory_byte_size {size}, but shape {shape} of {datatype} "
+                                      f"needs {want}")
+            buf = read_region(_region(what, params), _int_param(what, params, "shared_memory_offset", 0),
+                              size if size is not None else want, max_input)
+            inputs[name] = kserve.tensor_from_bytes(name, datatype, shape, buf)
+        elif raw:
+            if item.HasField("contents"):
+                raise InvalidArgument(f"contents field must not be specified when using raw_input_contents for "
+                                      f"'{name}' for model '{request.model_name}'")
+            if raw_used >= len(raw):
+                raise InvalidArgument(f"{what}: the request has {len(raw)} raw_input_contents for more inputs")
+            inputs[name] = kserve.tensor_from_bytes(name, datatype, shape, raw[raw_used])
+            raw_used += 1
+        else:
+            inputs[name] = _typed(name, datatype, shape, item.contents)
+    if raw_used != len(raw):
+        raise InvalidArgument(f"{len(raw) - raw_used} raw_input_contents are not claimed by any input "
+                              f"(each input not in shared memory takes one, in order)")
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for o in request.outputs:
+            what = f"output '{o.name}'"
+            unknown = set(o.parameters) - set(SHM_KEYS)
+            if unknown:
+                raise InvalidArgument(f"{what}: parameter '{sorted(unknown)[0]}' is not supported by gepool")
+            region = _region(what, o.parameters) if "shared_memory_region" in o.parameters else None
+            outputs.append(OutputRequest(o.name, region,
+                                         _int_param(what, o.parameters, "shared_memory_byte_size", 0),
+                                         _int_param(what, o.parameters, "shared_memory_offset", 0)))
+    return InferCall(request.model_name, version(request.model_version), inputs, outputs, timeout, final)
+
+
+def response(request: pb.ModelInferRequest, call: InferCall, served: str, outputs: dict[str, np.ndarray],
+             write_region: Callable[[str, int, int, bytes], None]) -> pb.ModelInferResponse:
+    """The answer to ``request``: every wanted output raw, or (shared memory) written where it was asked."""
+    out = pb.ModelInferResponse(model_name=call.model, model_version=served, id=request.id)
+    if call.mark_final:
+        out.parameters["triton_final_response"].bool_param = True
+    wanted = call.outputs if call.outputs is not None else [OutputRequest(n) for n in outputs]
+    for o in wanted:
+        arr = outputs[o.name]
+        datatype = dtypes.BYTES if arr.dtype == object else dtypes.from_numpy(arr.dtype)
+        data = dtypes.serialize_bytes(arr) if datatype == dtypes.BYTES else np.ascontiguousarray(arr).tobytes()
+        tensor = out.outputs.add(name=o.name, datatype=datatype, shape=arr.shape)
+        if o.region is not None:
+            write_region(o.region, o.region_offset, o.region_size, data)
+            tensor.parameters["shared_memory_region"].string_param = o.region
+            tensor.parameters["shared_memory_byte_size"].int64_param = len(data)
+            if o.region_offset:
+                tensor.parameters["shared_memory_offset"].int64_param = o.region_offset
+            data = b""
+        out.raw_output_contents.append(data)
+    return out

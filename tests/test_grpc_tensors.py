@@ -1,0 +1,161 @@
+"""gepool's gRPC messages against Triton's (tritonclient's copy), and requests decoded without a server."""
+
+import numpy as np
+import pytest
+
+from gepool.common.errors import InvalidArgument
+from gepool.grpc import grpc_service_pb2 as pb
+from gepool.grpc import model_config_pb2, tensors
+from gepool.grpc.service import parse_message
+
+service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+triton_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult  # noqa: E402
+from tritonclient.grpc._utils import _get_inference_request  # noqa: E402
+
+
+def _fields(desc) -> dict:
+    """name -> (number, type, repeated, type name) of a message and, recursively, its nested messages."""
+    out = {}
+    for f in desc.fields:
+        kind = f.message_type.full_name if f.message_type else f.enum_type.full_name if f.enum_type else ""
+        out[f"{desc.full_name}.{f.name}"] = (f.number, f.type, f.is_repeated, kind)
+    for nested in desc.nested_types:
+        out.update(_fields(nested))
+    return out
+
+
+def test_every_message_and_rpc_is_tritons():
+    ours, theirs = pb.DESCRIPTOR, service_pb2.DESCRIPTOR
+    assert ours.package == theirs.package == "inference"
+    assert set(ours.message_types_by_name) == set(theirs.message_types_by_name)
+    for name, desc in theirs.message_types_by_name.items():
+        assert _fields(ours.message_types_by_name[name]) == _fields(desc), name
+    mine = {m.name: (m.input_type.full_name, m.output_type.full_name, m.client_streaming, m.server_streaming)
+            for m in ours.services_by_name["GRPCInferenceService"].methods}
+    assert mine == {m.name: (m.input_type.full_name, m.output_type.full_name, m.client_streaming,
+                             m.server_streaming) for m in theirs.services_by_name["GRPCInferenceService"].methods}
+
+
+def test_model_config_is_inference_model_config_with_tritons_numbers():
+    assert pb.ModelConfigResponse.DESCRIPTOR.fields_by_name["config"].message_type.full_name == "inference.ModelConfig"
+    theirs = {}
+    for desc in triton_config_pb2.DESCRIPTOR.message_types_by_name.values():
+        theirs.update(_fields(desc))
+    ours = {}
+    for desc in model_config_pb2.DESCRIPTOR.message_types_by_name.values():
+        ours.update(_fields(desc))
+    shared = set(ours) & set(theirs)
+    assert len(shared) > 80  # a cut-down copy, but the bulk of what config.pbtxt holds
+    assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}
+
+
+def _request(inputs, outputs=None, **kw) -> pb.ModelInferRequest:
+    """A request as tritonclient builds it, read back as gepool's message (the wire in between)."""
+    msg = _get_inference_request("m", inputs, "", kw.get("request_id", ""), outputs, 0, False, False,
+                                 kw.get("priority", 0), kw.get("timeout"), None)
+    return pb.ModelInferRequest.FromString(msg.SerializeToString())
+
+
+def _no_shm(name, offset, size, limit):
+    raise AssertionError("no shared memory in this request")
+
+
+def test_raw_inputs_of_every_fixed_type_and_bytes():
+    rng = np.random.default_rng(3)
+    arrays = {"F16": rng.standard_normal((2, 3)).astype(np.float16), "I8": np.array([[-128, 127]], np.int8),
+              "U64": np.array([2**64 - 1], np.uint64), "B": np.array([[True, False]]),
+              "S": np.array([b"ab", "\u00e9".encode(), b""], dtype=object)}
+    ins = []
+    for name, arr in arrays.items():
+        i = InferInput(name, list(arr.shape), {"F16": "FP16", "I8": "INT8", "U64": "UINT64", "B": "BOOL",
+                                               "S": "BYTES"}[name])
+        i.set_data_from_numpy(arr)
+        ins.append(i)
+    call = tensors.parse(_request(ins), _no_shm, 1 << 20)
+    for name, arr in arrays.items():
+        assert call.inputs[name].dtype == arr.dtype and call.inputs[name].tolist() == arr.tolist(), name
+
+
+def test_typed_contents():
+    req = pb.ModelInferRequest(model_name="m")
+    t = req.inputs.add(name="X", datatype="INT16", shape=[2, 2])
+    t.contents.int_contents.extend([1, -2, 3, 32767])
+    t = req.inputs.add(name="Y", datatype="FP32", shape=[3])
+    t.contents.fp32_contents.extend([0.5, 1.5, -2.0])
+    t = req.inputs.add(name="S", datatype="BYTES", shape=[1])
+    t.contents.bytes_contents.append(b"text")
+    call = tensors.parse(req, _no_shm, 1 << 20)
+    assert call.inputs["X"].dtype == np.int16 and call.inputs["X"].tolist() == [[1, -2], [3, 32767]]
+    assert call.inputs["Y"].tolist() == [0.5, 1.5, -2.0] and call.inputs["S"].tolist() == [b"text"]
+
+
+def _bad(req: pb.ModelInferRequest, words: str) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        tensors.parse(req, _no_shm, 1 << 20)
+
+
+def test_hostile_requests_are_refused_naming_what_is_wrong():
+    def raw(shape, data, datatype="FP32", **params):
+        req = pb.ModelInferRequest(model_name="m", raw_input_contents=[data])
+        req.inputs.add(name="X", datatype=datatype, shape=shape)
+        for k, v in params.items():
+            req.parameters[k].int64_param = v
+        return req
+
+    _bad(raw([2, 4], b"\0" * 31), "31 bytes of data, but shape \\[2, 4\\] of FP32 needs 32")
+    _bad(raw([1 << 40, 1 << 20], b"\0" * 16), "needs")  # a huge declaration: refused before any allocation
+    _bad(raw([-1, 4], b"\0" * 16), "non-negative")
+    _bad(raw([4], b"\0" * 8, "BF16"), "'BF16' is not supported")
+    _bad(raw([4], b"\0" * 16, "FLOAT"), "'FLOAT' is not supported")
+    _bad(raw([3], b"\x05\0\0\0ab", "BYTES"), "BYTES")
+    _bad(raw([4], b"\0" * 16, priority=3), "'priority' 3 is not supported")
+    _bad(raw([4], b"\0" * 16, sequence_id=7), "sequence batching")
+    _bad(raw([4], b"\0" * 16, colour=1), "'colour' is not supported")
+    extra = raw([4], b"\0" * 16)
+    extra.raw_input_contents.append(b"\0" * 16)
+    _bad(extra, "1 raw_input_contents are not claimed")
+    both = raw([1], b"\0" * 4)
+    both.inputs[0].contents.fp32_contents.append(1.0)
+    _bad(both, "contents field must not be specified when using raw_input_contents")
+    typed = pb.ModelInferRequest(model_name="m")
+    typed.inputs.add(name="X", datatype="INT8", shape=[2]).contents.int_contents.extend([1, 300])
+    _bad(typed, "value 300 is out of range for INT8")
+    typed.inputs[0].shape[:] = [1 << 40]
+    _bad(typed, "2 values in contents.int_contents, but shape")
+    half = pb.ModelInferRequest(model_name="m")
+    half.inputs.add(name="H", datatype="FP16", shape=[1]).contents.fp32_contents.append(1.0)
+    _bad(half, "FP16 data must be sent in raw_input_contents")
+    _bad(pb.ModelInferRequest(), "names no model")
+    assert tensors.parse(raw([4], b"\0" * 16, timeout=250_000), _no_shm, 1 << 20).timeout_s == pytest.approx(0.25)
+    _bad(raw([4], b"\0" * 16, triton_enable_empty_final_response=1), "must be a bool")
+    flagged = raw([4], b"\0" * 16)
+    flagged.parameters["triton_enable_empty_final_response"].bool_param = True
+    call = tensors.parse(flagged, _no_shm, 1 << 20)
+    reply = tensors.response(flagged, call, "1", {"Y": np.zeros(2, np.float32)}, None)
+    assert call.mark_final and reply.parameters["triton_final_response"].bool_param
+
+
+def test_malformed_protobuf_is_invalid_argument():
+    with pytest.raises(InvalidArgument, match="malformed ModelInferRequest"):
+        parse_message(pb.ModelInferRequest, b"\x0a\xff\xff\xff\xff\x0f")
+
+
+def test_response_reads_back_in_tritonclient():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    s = np.array([[b"a"], [b"bc"]], dtype=object)
+    req = _request([InferInput("X", [2, 3], "FP32")], [InferRequestedOutput("S"), InferRequestedOutput("Y")],
+                   request_id="r1")
+    call = tensors.InferCall("m", None, {}, [tensors.OutputRequest("S"), tensors.OutputRequest("Y")], None)
+    written = {}
+    shm_call = tensors.InferCall("m", None, {}, [tensors.OutputRequest("S"), tensors.OutputRequest("Y", "out", 24)],
+                                 None)
+    for c in (call, shm_call):
+        msg = tensors.response(req, c, "1", {"Y": x, "S": s},
+                               lambda name, off, size, data: written.__setitem__(name, (off, size, data)))
+        result = InferResult(service_pb2.ModelInferResponse.FromString(msg.SerializeToString()))
+        assert result.get_response().id == "r1" and result.get_response().model_version == "1"
+        assert result.as_numpy("S").tolist() == s.tolist()
+        if c is call:
+            np.testing.assert_array_equal(result.as_numpy("Y"), x)
+    assert written == {"out": (0, 24, x.tobytes())}
