@@ -293,3 +293,46 @@ def test_gepool_ray_serves_in_the_foreground_and_drains_on_sigterm(cluster, repo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_ingress_refuses_oversized_bodies_before_reading_and_unknown_routes():
+    """The ingress's own answers, on Starlette requests as Serve's proxy hands them over: a declared body
+    over the limit is 413 before a byte is read, an undeclared one is cut off at the limit, and a path
+    or method outside KServe v2 is 404 or 405. None of these reaches the pool (there is none here)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from gepool.ray import kserve_http
+
+    def request(path: str, method: str = "POST", headers: dict | None = None, chunks=()) -> Request:
+        chunks = list(chunks)
+        read = []
+
+        async def receive():
+            read.append(True)
+            body = chunks.pop(0) if chunks else b""
+            return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+
+        scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+        req = Request(scope, receive)
+        req.reads = read
+        return req
+
+    async def ready() -> bool:
+        raise AssertionError("not asked")
+
+    async def answer(req: Request):
+        return await kserve_http.handle(req, None, ready, 1024)
+
+    huge = request("/v2/models/tiny/infer", headers={"Content-Length": str(10 ** 12)})
+    response = asyncio.run(answer(huge))
+    assert response.status_code == 413 and b"1000000000000 bytes" in response.body and not huge.reads
+    streamed = request("/v2/models/tiny/infer", chunks=[b"x" * 600, b"x" * 600, b"x" * 600])
+    response = asyncio.run(answer(streamed))
+    assert response.status_code == 413 and len(streamed.reads) == 2  # stopped once past the limit
+    assert asyncio.run(answer(request("/v2/repository/index"))).status_code == 404
+    assert asyncio.run(answer(request("/v2/models/tiny/infer", "GET"))).status_code == 405
+    assert asyncio.run(answer(request("/v2/models/tiny/versions/x1/infer"))).status_code == 400
+    assert asyncio.run(answer(request("/v2/health/live", "GET"))).status_code == 200
