@@ -141,6 +141,8 @@ def test_gepool_ray_command_line(repo):
     assert isinstance(ray_serve.application(args), serve.Application)
     with pytest.raises(UsageError, match="--replicas"):
         parser.parse_args(["--model-repository", repo, "--replicas", "0"])
+    with pytest.raises(UsageError, match="--model-repository '/nope' is not a folder"):
+        ray_serve.application(parser.parse_args(["--model-repository", "/nope"]))
     with pytest.raises(UsageError, match="below --replicas"):
         ray_serve.application(parser.parse_args(["--model-repository", repo, "--replicas", "3",
                                                  "--max-replicas", "2"]))

@@ -1,6 +1,7 @@
 """``gepool ray``: a model repository served by N gepool replicas on Ray Serve, in the foreground."""
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -40,6 +41,8 @@ def _at_least(least: int):
 
 def application(args):
     """The Serve application the arguments describe (nothing starts)."""
+    if not os.path.isdir(args.model_repository):
+        raise UsageError(f"--model-repository '{args.model_repository}' is not a folder")
     try:
         from gepool.ray import build
     except ImportError as exc:
