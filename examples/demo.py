@@ -19,10 +19,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> int:
     repo = os.path.join(HERE, "models")
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='gepool-demo-')}/gepool.sock"
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port, grpc_port = _free_port(), _free_port(), _free_port()
     server = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--model-repository", repo,
                                "--endpoint", endpoint, "--log-level", "WARNING", "--http-port", str(http_port),
-                               "--metrics-port", str(metrics_port)], stdout=subprocess.PIPE, text=True)
+                               "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         for line in server.stdout:
             print(f"[gepool start] {line.rstrip()}")

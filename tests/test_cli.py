@@ -28,7 +28,7 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
     http_port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--model-repository", model_repo,
                              "--endpoint", endpoint, "--log-level", "WARNING", "--http-port", str(http_port),
-                             "--metrics-port", str(metrics_port), "--exit-on-error", "false"],
+                             "--metrics-port", str(metrics_port), "--grpc-port", "0", "--exit-on-error", "false"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []

@@ -94,7 +94,7 @@ def test_every_subcommand_and_option_has_help():
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(sub.choices) == {"start", "status", "infer", "load", "unload", "bench", "cleanup"}
+    assert set(sub.choices) == {"start", "status", "infer", "load", "unload", "bench", "cleanup", "ray"}
     listed = {c.dest for c in sub._choices_actions}
     assert listed == set(sub.choices)  # each has a one-line help in `gepool --help`
     assert all(c.help for c in sub._choices_actions)

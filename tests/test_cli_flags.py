@@ -39,7 +39,8 @@ class Started:
 
     def __init__(self, tmp_path, *args: str) -> None:
         self.endpoint = f"ipc://{tmp_path}/flags.sock"
-        self.proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--endpoint", self.endpoint, *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--endpoint", self.endpoint,
+                                      "--grpc-port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -4,7 +4,7 @@ import argparse
 import sys
 
 import gepool
-from gepool.cli import commands, start
+from gepool.cli import commands, ray_serve, start
 from gepool.cli.args import Parser, UsageError, say
 from gepool.cli.commands import format_status
 from gepool.cli.start import log_threshold
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
          "Load a running pool's model and report latency, throughput and the server's view."),
         ("cleanup", commands.add_cleanup, commands.cleanup, "remove shared-memory segments and files left by "
          "dead pools", "Remove shared-memory segments and runtime files left by dead pools."),
+        ("ray", ray_serve.add_arguments, ray_serve.run, "serve a repository with gepool replicas on Ray Serve",
+         "Serve a model repository with gepool replicas on Ray Serve until SIGINT or SIGTERM."),
     ]
     for name, add, run, summary, description in subcommands:
         p = sub.add_parser(name, help=summary, description=description)
