@@ -29,13 +29,15 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--load-model", "b", "--repository-poll-secs", "4", "--busy-poll-us", "-1", "--disable-auto-complete-config",
         "--http-port", "9000", "--http-host", "0.0.0.0", "--allow-metrics", "false", "--strict-readiness", "false",
         "--http-restricted-api", "inference:K=V", "--http-restricted-api", "logging,trace:A=B",
-        "--http-max-input-size", "123456"])
+        "--http-max-input-size", "123456", "--grpc-port", "9001", "--max-queued-bytes", "1000000",
+        "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096"])
     options = pool_options(args)
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
         exit_grace_s=2.5, model_control_mode="explicit", load_models=("a", "b"), poll_secs=4.0, busy_poll_us=-1,
         auto_complete_config=False, http_port=9000, http_host="0.0.0.0", metrics_port=0, strict_readiness=False,
-        http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456)
+        http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
+        max_queued_bytes=1_000_000, model_load_timeout_s=7.5, cache_size=4096)
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
     assert front.repository == str(tmp_path) and front.owner_id
@@ -44,6 +46,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
             assert getattr(front, f.name) == getattr(options, f.name), f.name
     defaults = pool_options(build_parser().parse_args(["start", "--model-repository", str(tmp_path)]))
     assert (defaults.http_port, defaults.metrics_port, defaults.log_level) == (8000, 8002, logging.INFO)
+    assert (defaults.grpc_port, defaults.cache_size, defaults.max_queued_bytes) == (8001, 0, 0)
     assert defaults.poll_secs == DEFAULT.poll_secs and defaults.auto_complete_config and defaults.strict_readiness
 
 
