@@ -64,3 +64,13 @@ def test_cleanup_removes_socket_files_nobody_listens_on(tmp_path):
         assert sorted(os.listdir(folder)) == ["notes.txt", "other.sock"]
     finally:
         live.close()
+
+
+def test_the_cli_says_why_a_runtime_folder_is_refused_in_one_line(fallback, tmp_path, capsys):
+    from gepool.cli import main
+
+    os.mkdir(tmp_path / "elsewhere", 0o700)
+    os.symlink(tmp_path / "elsewhere", fallback)
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gepool: error: ") and "is not a folder" in err and err.count("\n") == 1, err

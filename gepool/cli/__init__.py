@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except errors.GepoolError as exc:
         say(exc)
         return FAILED_EXIT
+    except PermissionError as exc:  # a runtime folder or file another user made: says whose and how to fix it
+        say(exc)
+        return FAILED_EXIT
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
