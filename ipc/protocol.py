@@ -21,6 +21,15 @@ EXIT_LOAD_FAILED = 3  # a worker's exit code after its WorkerFailed; the front g
 EXIT_DEVICE_LOST = 4  # a worker whose device stopped answering: restarted like a crash
 
 
+class ModelState(enum.StrEnum):
+    """A model's state as the status reply carries it (the front's transitions: scheduler/states.py).
+    AVAILABLE travels as "READY", Triton's word for a model that serves."""
+
+    LOADING = "LOADING"
+    AVAILABLE = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
 class MsgType(enum.IntEnum):
     HELLO = 1
     WELCOME = 2

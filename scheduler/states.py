@@ -2,6 +2,8 @@
 
 import enum
 
+from gepool.ipc.protocol import ModelState
+
 
 class WorkerState(enum.StrEnum):
     """A worker as the front's books see it; only the books (scheduler/books.py) move it::
@@ -21,19 +23,13 @@ class WorkerState(enum.StrEnum):
     FAILED = "FAILED"
 
 
-class ModelState(enum.StrEnum):
-    """A model generation (one version, one load), from its workers' states (Model.refresh_state)::
-
-        LOADING --a worker READY--> AVAILABLE --no worker ready, one restarting--> LOADING
-           |                            |
-           +----- no worker left -------+--> UNAVAILABLE   (final: a reload is a new generation)
-
-    AVAILABLE travels as "READY", Triton's word for a model that serves.
-    """
-
-    LOADING = "LOADING"
-    AVAILABLE = "READY"
-    UNAVAILABLE = "UNAVAILABLE"
+# A model generation's states, from its workers' states (Model.refresh_state)::
+#
+#     LOADING --a worker READY--> AVAILABLE --no worker ready, one restarting--> LOADING
+#        |                            |
+#        +----- no worker left -------+--> UNAVAILABLE   (final: a reload is a new generation)
+#
+# The enum is the status wire's vocabulary, so the surfaces read it from gepool.ipc without the scheduler.
 
 
 WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {

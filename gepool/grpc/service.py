@@ -18,7 +18,7 @@ from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
 from gepool.http import peer
 from gepool.http.limits import INLINE_PARSE_BYTES
-from gepool.scheduler.states import ModelState
+from gepool.ipc.protocol import ModelState
 
 log = logging.getLogger("gepool.grpc")
 SERVICE = "inference.GRPCInferenceService"

@@ -38,7 +38,7 @@ from gepool.http.limits import (
 from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
 from gepool.http.statistics import model_statistics
-from gepool.scheduler.states import ModelState
+from gepool.ipc.protocol import ModelState
 
 log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",

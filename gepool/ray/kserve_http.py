@@ -15,7 +15,7 @@ import gepool
 from gepool.common import errors
 from gepool.http import kserve
 from gepool.http.limits import INLINE_PARSE_BYTES, MAX_JSON_BYTES
-from gepool.scheduler.states import ModelState
+from gepool.ipc.protocol import ModelState
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 METADATA_FIELDS = ("name", "versions", "platform", "inputs", "outputs")

@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 from gepool.aio import AsyncClient
 from gepool.common import errors
+from gepool.ipc.protocol import ModelState
 from gepool.ray import kserve_http
-from gepool.scheduler.states import ModelState
 
 log = logging.getLogger("gepool.ray")
 HEALTH_TIMEOUT_S = 10.0  # below Serve's health_check_timeout_s (30 s by default)
