@@ -5,7 +5,7 @@ import inspect
 from google.protobuf import descriptor, json_format
 
 from gepool.common import model_config_pb2 as pb
-from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, QueuePolicy, parse_config
+from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, QueuePolicy
 from gepool.ipc import dtypes
 
 _INT64 = {descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE_UINT64,
@@ -26,12 +26,6 @@ def render(config: ModelConfig) -> dict:
     out = json_format.MessageToDict(msg, **kwargs)
     _int64_as_numbers(msg.DESCRIPTOR, out)
     return out
-
-
-def render_config(path: str, model_name: str) -> dict:
-    """A config.pbtxt as written (no auto-complete) rendered as Triton does; prefer ``render`` of the
-    served config."""
-    return render(parse_config(path, model_name))
 
 
 def to_message(config: ModelConfig) -> pb.ModelConfig:

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from gepool.common.config import BACKEND_PYTHON, ModelConfig, TensorConfig
-from gepool.common.render import render_config
+from gepool.common.render import render
 from gepool.ipc import dtypes
 from gepool.workers.backends import triton_python_backend_utils as pb_utils
 from gepool.workers.backends.base import KIND_CPU, RequestSpan, SyncBackend
@@ -28,7 +28,7 @@ class TritonPythonBackend(SyncBackend):
 
     def __init__(self, config: ModelConfig, version_dir: str, device: str, threads: int, model_cls: type) -> None:
         super().__init__(config, version_dir, device, threads)
-        self.model_config = render_config(config.source, config.name)
+        self.model_config = render(config)  # the config being served (auto-completed), as GET .../config shows it
         self.version = int(os.path.basename(os.path.normpath(version_dir)))
         self._check_auto_complete(model_cls)
         self.model = model_cls()
