@@ -12,17 +12,21 @@ from dataclasses import dataclass, field
 from google.protobuf import text_format
 
 from gepool.common import model_config_pb2 as pb
+from gepool.common.ensemble import Ensemble, check_graph, parse_steps
 from gepool.common.errors import ConfigError
 from gepool.common.labels import read_labels
-from gepool.common.unsupported import refuse_unimplemented, refuse_unsupported
+from gepool.common.unsupported import refuse_for_ensemble, refuse_unimplemented, refuse_unsupported
 from gepool.ipc import dtypes
 
 BACKEND_ONNX = "onnxruntime"
 BACKEND_PYTHON = "python"
 BACKEND_GE = "ge"
-_PLATFORMS = {"onnxruntime_onnx": BACKEND_ONNX}
+BACKEND_ENSEMBLE = "ensemble"  # platform "ensemble": scheduled by the front, no worker and no model file
+_PLATFORMS = {"onnxruntime_onnx": BACKEND_ONNX, "ensemble": BACKEND_ENSEMBLE}
 _BACKENDS = {BACKEND_ONNX, BACKEND_PYTHON, BACKEND_GE}
-DEFAULT_FILENAMES = {BACKEND_ONNX: "model.onnx", BACKEND_PYTHON: "model.py", BACKEND_GE: "model.om"}
+# an ensemble's "file" is its version folder itself: Triton wants the folder, and nothing in it
+DEFAULT_FILENAMES = {BACKEND_ONNX: "model.onnx", BACKEND_PYTHON: "model.py", BACKEND_GE: "model.om",
+                     BACKEND_ENSEMBLE: ""}
 KIND_ASCEND = "KIND_ASCEND"
 STREAM_NUM_ENV = "GE_BACKEND_STREAM_NUM"  # the GE backend's host-wide defaults, read when a model loads
 POOL_SIZE_ENV = "GE_BACKEND_SHARED_MEMORY_POOL_SIZE"
@@ -129,6 +133,7 @@ class ModelConfig:
     source: str = ""  # the config.pbtxt path (the model folder when auto-complete wrote the config), for messages
     model_warmup: tuple[WarmupSample, ...] = ()
     response_cache: bool = False  # response_cache { enable }
+    ensemble: Ensemble | None = None  # platform "ensemble": its steps
 
     @property
     def model_filename(self) -> str:
@@ -211,11 +216,21 @@ class _Checker:
         if msg.max_batch_size < 0:
             raise self.fail("max_batch_size", f"must be >= 0, got {msg.max_batch_size}")
         which = msg.WhichOneof("scheduling_choice")
-        if which in ("sequence_batching", "ensemble_scheduling"):
+        if which == "sequence_batching":
             raise self.fail(which, f"{which} is not supported by gepool yet")
+        if (which == "ensemble_scheduling") != (backend == BACKEND_ENSEMBLE):
+            if backend == BACKEND_ENSEMBLE:
+                raise self.fail("platform", "platform 'ensemble' needs ensemble_scheduling with its steps")
+            raise self.fail("ensemble_scheduling", "ensemble_scheduling needs platform: \"ensemble\"")
         refuse_unsupported(msg, backend, self.fail)
+        if backend == BACKEND_ENSEMBLE:
+            refuse_for_ensemble(msg, self.fail)
         inputs = self.tensors(msg.input, "input")
         outputs = self.tensors(msg.output, "output")
+        ensemble = None
+        if backend == BACKEND_ENSEMBLE:
+            ensemble = check_graph(self.model_name, parse_steps(msg.ensemble_scheduling, self.fail),
+                                   [t.name for t in inputs], [t.name for t in outputs], self.fail)
         params = {k: v.string_value for k, v in msg.parameters.items()}
         self.check_parameters(params)
         config = ModelConfig(
@@ -225,7 +240,7 @@ class _Checker:
             max_batch_size=msg.max_batch_size,
             inputs=inputs,
             outputs=outputs,
-            instance_groups=self.groups(msg, backend),
+            instance_groups=() if ensemble is not None else self.groups(msg, backend),
             dynamic_batching=self.batching(msg) if which == "dynamic_batching" else None,
             version_policy=self.versions(msg),
             model_warmup=self.warmups(msg, inputs),
@@ -233,11 +248,14 @@ class _Checker:
             default_model_filename=msg.default_model_filename,
             source=self.path,
             response_cache=msg.response_cache.enable,
+            ensemble=ensemble,
         )
         refuse_unimplemented(config, self.fail)
         return config
 
     def backend(self, msg: pb.ModelConfig) -> str:
+        if msg.platform == "ensemble" and msg.backend:
+            raise self.fail("backend", f"an ensemble has no backend (platform 'ensemble'), got '{msg.backend}'")
         if msg.backend:
             if msg.backend not in _BACKENDS:
                 raise self.fail("backend", f"unknown backend '{msg.backend}' (gepool has {sorted(_BACKENDS)})")

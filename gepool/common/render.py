@@ -5,7 +5,7 @@ import inspect
 from google.protobuf import descriptor, json_format
 
 from gepool.common import model_config_pb2 as pb
-from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, QueuePolicy
+from gepool.common.config import BACKEND_ENSEMBLE, BACKEND_GE, BACKEND_ONNX, ModelConfig, QueuePolicy
 from gepool.ipc import dtypes
 
 _INT64 = {descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE_UINT64,
@@ -30,8 +30,9 @@ def render(config: ModelConfig) -> dict:
 
 def to_message(config: ModelConfig) -> pb.ModelConfig:
     """The typed config back as Triton's ModelConfig message."""
-    msg = pb.ModelConfig(name=config.name, backend=config.backend, max_batch_size=config.max_batch_size,
-                         default_model_filename=config.default_model_filename)
+    ensemble = config.backend == BACKEND_ENSEMBLE  # Triton names no backend for one, only its platform
+    msg = pb.ModelConfig(name=config.name, backend="" if ensemble else config.backend,
+                         max_batch_size=config.max_batch_size, default_model_filename=config.default_model_filename)
     msg.platform = config.platform or ("onnxruntime_onnx" if config.backend == BACKEND_ONNX else "")
     policy = config.version_policy
     if policy.kind == "all":
@@ -75,7 +76,14 @@ def to_message(config: ModelConfig) -> pb.ModelConfig:
                 inp.random_data = True
             else:
                 inp.zero_data = True
-    msg.response_cache.enable = config.response_cache
+    if config.ensemble is not None:
+        scheduling = msg.ensemble_scheduling
+        scheduling.SetInParent()
+        for step in config.ensemble.steps:
+            scheduling.step.add(model_name=step.model_name, model_version=step.model_version,
+                                input_map=step.input_map, output_map=step.output_map)
+    else:
+        msg.response_cache.enable = config.response_cache
     return msg
 
 

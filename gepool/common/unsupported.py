@@ -70,6 +70,19 @@ def _refuse_group(g: pb.ModelInstanceGroup, backend: str, fail: Fail) -> None:
                              f"instance with the least work outstanding (load_balance)")
 
 
+# what Triton's ensemble scheduler has no use for: the steps' own models batch, place and warm up
+_NOT_FOR_ENSEMBLES = ("instance_group", "model_warmup", "default_model_filename", "parameters", "response_cache")
+
+
+def refuse_for_ensemble(msg: pb.ModelConfig, fail: Fail) -> None:
+    """Raises for a field an ensemble would accept and not apply (its steps' models do that work)."""
+    for name in _NOT_FOR_ENSEMBLES:
+        present = msg.HasField(name) if name == "response_cache" else bool(getattr(msg, name))
+        if present:
+            raise fail(name, f"{name} does not apply to an ensemble (platform 'ensemble'): set it in the "
+                             f"config of the step's model")
+
+
 def refuse_unimplemented(config, fail: Fail) -> None:
     """Parsed, checked and kept in the typed config, but not served yet: one check per feature. None waits
     at present (response_cache and label_filename are served by the front); the next such field goes here."""
