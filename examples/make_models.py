@@ -5,6 +5,7 @@
 tiny         ONNX, y = 2x + 1 on FP32[16]: the latency probe
 mlp          ONNX, 1024 -> 4096 -> 4096 -> 1000 with ReLU: big enough that batching pays on CPU
 postprocess  python backend: softmax and arg-max over 1000 logits
+classify     an ensemble run by the front: preprocess (python, normalise) -> mlp -> topk (python, top 5)
 """
 
 import os
@@ -130,11 +131,109 @@ def make_all(repo: str) -> str:
     return repo
 
 
+TOP_K = 5
+
+
+def make_classify(repo: str, width: int = 1024, classes: int = 1000, max_batch: int = 32) -> None:
+    """The ensemble ``classify``: ``preprocess`` (each row scaled to zero mean and unit variance) ->
+    ``mlp`` -> ``topk`` (the TOP_K best classes and their softmax scores), scheduled by the front."""
+    _write(f"{repo}/preprocess/1/model.py", '''
+        """Normalises each row of a batch: zero mean, unit variance."""
+
+        import numpy as np
+
+
+        class Model:
+            def execute(self, inputs):
+                x = inputs["RAW"]
+                mean = x.mean(axis=1, keepdims=True)
+                std = x.std(axis=1, keepdims=True) + np.float32(1e-6)
+                return {"NORMED": ((x - mean) / std).astype(np.float32)}
+    ''')
+    _write(f"{repo}/preprocess/config.pbtxt", f"""
+        name: "preprocess"
+        backend: "python"
+        max_batch_size: {max_batch}
+        input [ {{ name: "RAW" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+        output [ {{ name: "NORMED" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+        dynamic_batching {{ max_queue_delay_microseconds: 500 }}
+    """)
+    _write(f"{repo}/topk/1/model.py", f'''
+        """The {TOP_K} best classes of each row of logits, best first, with their softmax scores."""
+
+        import numpy as np
+
+
+        class Model:
+            def execute(self, inputs):
+                logits = inputs["LOGITS"]
+                z = np.exp(logits - logits.max(axis=1, keepdims=True))
+                probs = z / z.sum(axis=1, keepdims=True)
+                best = np.argsort(-probs, axis=1, kind="stable")[:, :{TOP_K}]
+                return {{"CLASSES": best.astype(np.int64),
+                         "SCORES": np.take_along_axis(probs, best, axis=1).astype(np.float32)}}
+    ''')
+    _write(f"{repo}/topk/config.pbtxt", f"""
+        name: "topk"
+        backend: "python"
+        max_batch_size: {max_batch}
+        input [ {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {classes} ] }} ]
+        output [
+          {{ name: "CLASSES" data_type: TYPE_INT64 dims: [ {TOP_K} ] }},
+          {{ name: "SCORES" data_type: TYPE_FP32 dims: [ {TOP_K} ] }}
+        ]
+        dynamic_batching {{ max_queue_delay_microseconds: 500 }}
+    """)
+    os.makedirs(f"{repo}/classify/1", exist_ok=True)  # Triton wants an ensemble's version folder, empty
+    _write(f"{repo}/classify/config.pbtxt", f"""
+        name: "classify"
+        platform: "ensemble"
+        max_batch_size: {max_batch}
+        input [ {{ name: "IMAGE" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+        output [
+          {{ name: "CLASSES" data_type: TYPE_INT64 dims: [ {TOP_K} ] }},
+          {{ name: "SCORES" data_type: TYPE_FP32 dims: [ {TOP_K} ] }}
+        ]
+        ensemble_scheduling {{
+          step [
+            {{
+              model_name: "preprocess"
+              model_version: -1
+              input_map {{ key: "RAW" value: "IMAGE" }}
+              output_map {{ key: "NORMED" value: "normed" }}
+            }},
+            {{
+              model_name: "mlp"
+              model_version: -1
+              input_map {{ key: "INPUT" value: "normed" }}
+              output_map {{ key: "LOGITS" value: "logits" }}
+            }},
+            {{
+              model_name: "topk"
+              model_version: -1
+              input_map {{ key: "LOGITS" value: "logits" }}
+              output_map [
+                {{ key: "CLASSES" value: "CLASSES" }},
+                {{ key: "SCORES" value: "SCORES" }}
+              ]
+            }}
+          ]
+        }}
+    """)
+
+
+def make_examples(repo: str) -> str:
+    """The example repository: the models of make_all, and the classify ensemble over mlp."""
+    make_all(repo)
+    make_classify(repo)
+    return repo
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", nargs="?", default=os.path.join(HERE, "models"),
                         help="where to write the repository (default: examples/models)")
-    out = make_all(parser.parse_args().out_dir)
+    out = make_examples(parser.parse_args().out_dir)
     print(f"wrote the example repository to {out}")

@@ -17,7 +17,7 @@ from gepool.ipc import protocol
 from gepool.scheduler.batcher import QueueBudget
 from gepool.scheduler.books import Workers
 from gepool.scheduler.groups import Group
-from gepool.scheduler.models import LOADING, UNAVAILABLE, Model
+from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.states import ModelState, WorkerState, check_model
@@ -119,6 +119,9 @@ class ModelControl:
         self.settle(group)
 
     def _place(self, model: Model) -> None:
+        if model.config.ensemble is not None:  # no worker: it serves once settled, in its steps' state
+            model.state = check_model(model.state, AVAILABLE)
+            return
         try:
             placements = self.out.place(model.config)  # [(device, batches in flight)], from the backend
         except ConfigError as exc:

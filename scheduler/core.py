@@ -13,6 +13,7 @@ from gepool.scheduler.books import Worker, Workers
 from gepool.scheduler.cache import ResponseCache
 from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
+from gepool.scheduler.ensemble import Ensembles
 from gepool.scheduler.models import Model
 from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
@@ -55,10 +56,13 @@ class Core:
         self.dirty: set[Model] = set()  # models a request or a completion touched since the last schedule
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
+        self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue,
+                                   self.dirty.add, clock)
         self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:
         self.control.start()
+        self.ensembles.refresh()
 
     # -- events: clients -------------------------------------------------------------------
     def on_message(self, identity: bytes, parts: list) -> None:
@@ -107,7 +111,10 @@ class Core:
         if isinstance(msg, protocol.Query):
             if msg.what in ("load", "unload"):
                 name = msg.args.get("model") if isinstance(msg.args, dict) else None
-                body = self.control.request(msg.what, name, (identity, msg.req_id))
+                try:
+                    body = self.control.request(msg.what, name, (identity, msg.req_id))
+                finally:
+                    self.ensembles.refresh()
                 return None if body is None else protocol.Reply(msg.req_id, body)
             if msg.what == "logging":
                 return protocol.Reply(msg.req_id, self.log_settings(msg.args))
@@ -137,22 +144,36 @@ class Core:
         try:
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
+            if model.config.ensemble is not None:
+                self.ensembles.start(model, req, msg.priority, msg.timeout_us)
+                group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
+                return
             if self.dispatch.cache is not None and model.config.response_cache \
                     and self.dispatch.answer_cached(model, req):
                 return  # answered from the cache: no worker runs it
+            self._enqueue(group, model, req, msg.priority, msg.timeout_us, counted=True)
+        except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
+            model.stats.failed(failure_reason(exc))
+            raise
+        self._refused.discard(msg.model)
+
+    def _enqueue(self, group, model: Model, req, priority: int, timeout_us: int, counted: bool = False) -> None:
+        """An admitted request into its model's queue, or Unavailable (the pool's or the model's queue is
+        full); ``counted``: the caller counts a refusal in the model's stats (else it is counted here)."""
+        try:
             budget = self.control.budget
             if budget.used + req.nbytes > budget.limit:
                 raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
                                          f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
             busy = any(w.inflight for w in model.workers)
-            if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes):
+            if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy, req.nbytes):
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
-        except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
-            model.stats.failed(failure_reason(exc))
+        except errors.GepoolError as exc:
+            if not counted:
+                model.stats.failed(failure_reason(exc))
             raise
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self.dirty.add(model)
-        self._refused.discard(msg.model)
 
     def _prepare_worker(self, name: object) -> bool:
         """Sequential traffic: wakes the idle worker that will run this request now, so its wake-up
@@ -217,6 +238,7 @@ class Core:
     def _refresh(self, model: Model) -> None:
         model.refresh_state()
         self.control.on_refresh(model)
+        self.ensembles.refresh()
         if model.state == ModelState.UNAVAILABLE and len(model.batcher):
             reason = f"model '{model.name}' is unavailable: {model.reason}"
             self.dispatch.fail_queued(model, errors.ModelNotReady(reason))
@@ -231,6 +253,7 @@ class Core:
             self.recovery.restart_due(now)
             self.control.poll(now)
             self.control.drain()
+            self.ensembles.refresh()
         self.dirty.clear()
         self.schedule(self.control.models())
         self._announce_ready()

@@ -158,7 +158,10 @@ class Dispatcher:
                     row += req.rows
                     continue
                 try:
-                    self._respond(model, req, arrays, row)
+                    if req.sink is not None:
+                        req.sink.done(model, arrays, row, t_end - t_start)
+                    else:
+                        self.respond(model, req, arrays, row)
                     model.stats.answered(now - req.arrived)
                 except Exception as exc:  # one bad request must not lose the others of the batch
                     log.exception("internal error answering request %s", req.req_id)
@@ -171,7 +174,8 @@ class Dispatcher:
         self.polling.answered(self.clock(), len(batch.requests), t_end - t_start,
                               not any(x.inflight for x in model.workers))
 
-    def _respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
+    def respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
+        """Answers ``req`` with its rows of ``arrays`` (its model's outputs), as frames or in its arena."""
         batched = model.config.max_batch_size > 0
         names = [t.name for t in model.config.outputs if req.outputs is None or t.name in req.outputs]
         pieces = [arrays[n][row:row + req.rows] if batched else arrays[n] for n in names]
@@ -249,6 +253,9 @@ class Dispatcher:
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
         model.stats.failed(failure_reason(err))
+        if req.sink is not None:
+            req.sink.failed(model, err)
+            return
         self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
 
 

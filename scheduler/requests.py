@@ -1,13 +1,27 @@
 """Admission: a request is checked completely before it may enter a queue."""
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gepool.common.config import ModelConfig
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
+
+
+class Sink(Protocol):
+    """Where a step request of an ensemble is answered, inside the front."""
+
+    def done(self, model, arrays: dict, row: int, compute_s: float) -> None:
+        """Its batch ran: its outputs are rows ``row``.. of ``arrays`` (views of the slot, reused once this
+        returns: what it keeps, it copies)."""
+
+    def failed(self, model, err) -> None:
+        """It will not run, or its model failed it."""
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +47,7 @@ class Request:
     where: list[int] | None = None  # the inputs' offsets in the client's arena (None: they came as frames)
     classify: dict[str, int] | None = None  # outputs asked for as their top classes: name -> class count
     cache_key: bytes | None = None  # a response cache miss: its response is kept under this key
+    sink: Sink | None = None  # an ensemble's step: its outputs and errors go there, not to a client
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the

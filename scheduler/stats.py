@@ -78,6 +78,12 @@ class ModelStats:
         self.request.observe(seconds)
         self.last_inference = time.time()
 
+    def ensemble_answered(self, seconds: float, queue_s: float, compute_s: float) -> None:
+        """An ensemble request answered: its queue and compute time are those of its steps, summed."""
+        self.answered(seconds)
+        self.queue.observe(queue_s)
+        self.compute.observe(compute_s)
+
     def failed(self, reason: str = OTHER) -> None:
         self.failures += 1
         self.failure_reasons[reason] += 1
@@ -128,6 +134,10 @@ class Tee:
     def answered(self, seconds: float) -> None:
         for s in self.parts:
             s.answered(seconds)
+
+    def ensemble_answered(self, seconds: float, queue_s: float, compute_s: float) -> None:
+        for s in self.parts:
+            s.ensemble_answered(seconds, queue_s, compute_s)
 
     def failed(self, reason: str = OTHER) -> None:
         for s in self.parts:

@@ -1,0 +1,222 @@
+"""Ensembles scheduled in the front: each step a request in its model's own queue, tensors kept between steps.
+
+An ensemble request is admitted against the ensemble's config, then each step whose input tensors all
+exist becomes an internal request of its model (admitted like a client's, so it batches with direct
+requests and with other ensembles' steps). When a step's batch completes, its outputs are copied once
+out of the slot into buffers the run owns; the next step's batch copies them into its own slot (the copy
+batching needs), and the ensemble's outputs are answered from them. Nothing passes through a socket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gepool.common import errors
+from gepool.common.ensemble import LATEST, check_steps
+from gepool.ipc import dtypes, protocol
+from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
+from gepool.scheduler.requests import Request, admit
+from gepool.scheduler.stats import failure_reason
+
+log = logging.getLogger("gepool.ensemble")
+
+
+@dataclass(slots=True)
+class Tensor:
+    datatype: str
+    shape: tuple[int, ...]
+    buf: memoryview  # its bytes as a step's input (BYTES: serialized); keeps its owner alive
+    array: np.ndarray | None = None  # a step's output, copied out of its slot
+
+
+@dataclass(eq=False)
+class Run:
+    """One ensemble request on its way through the steps."""
+
+    model: Model  # the ensemble generation it was admitted to (it may be reloaded meanwhile)
+    req: Request
+    priority: int
+    deadline: float | None  # its timeout, over the whole pipeline
+    tensors: dict[str, Tensor]
+    waiting: set[int]  # steps not started
+    running: int = 0
+    finished: bool = False
+    queue_s: float = 0.0  # summed over its steps, as Triton reports an ensemble's queue and compute
+    compute_s: float = 0.0
+
+
+@dataclass(eq=False)
+class StepSink:
+    ensembles: Ensembles
+    run: Run
+    index: int
+    started: float = field(default=0.0)
+
+    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None:
+        self.ensembles.step_done(self, model, arrays, row, compute_s)
+
+    def failed(self, model: Model, err: errors.GepoolError) -> None:
+        self.ensembles.fail(self.run, self.index, err)
+
+
+class Ensembles:
+    """Runs the ensembles' requests, and keeps each ensemble's state that of its steps' models.
+    ``respond`` answers a client from arrays (the dispatcher's), ``enqueue`` puts a step request in its
+    model's queue (raising as admission does), ``dirty`` marks a model to be scheduled."""
+
+    def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
+                 dirty: Callable[[Model], None], clock: Callable[[], float]) -> None:
+        self.control, self.arenas, self.clock = control, arenas, clock
+        self.respond, self.reply, self.enqueue, self.dirty = respond, reply, enqueue, dirty
+
+    # -- state -------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Every ensemble generation's state, from what its steps would run now."""
+        for group in self.control.groups.values():
+            for model in (*group.serving.values(), *group.loading):
+                if model.config is not None and model.config.ensemble is not None and not model.source.error:
+                    model.state, model.reason = self._state(model)
+
+    def _state(self, model: Model) -> tuple[str, str]:
+        configs, loading = {}, []
+        for i, step in enumerate(model.config.ensemble.steps):
+            where = f"ensemble '{model.name}' {step.label(i)}"
+            group = self.control.groups.get(step.model_name)
+            if group is None or group.unloading:
+                gone = step.model_name in self.control.unloaded or (group is not None and group.unloading)
+                return UNAVAILABLE, f"{where}: model '{step.model_name}' is {'unloaded' if gone else 'not loaded'}"
+            target = self._target(group, step.model_version)
+            if target is None:
+                if group.loading or any(m.state == LOADING for m in group.serving.values()):
+                    loading.append(where)
+                    continue
+                want = "version " + str(step.model_version) if step.model_version != LATEST else "a version"
+                why = group.error or "; ".join(m.reason for m in group.serving.values() if m.reason) or "not ready"
+                return UNAVAILABLE, f"{where}: model '{step.model_name}' has no {want} ready: {why}"
+            configs[i] = target.config
+        if loading:
+            return LOADING, f"{loading[0]}: its model is loading"
+        problem = check_steps(model.config, configs)
+        return (UNAVAILABLE, problem) if problem else (AVAILABLE, "")
+
+    @staticmethod
+    def _target(group, version: int) -> Model | None:
+        """The generation a step request would go to now (Group.route's choice among ready ones)."""
+        if version != LATEST:
+            model = group.serving.get(version)
+            return model if model is not None and model.servable() else None
+        ready = [m for m in group.serving.values() if m.servable()]
+        return max(ready, key=lambda m: m.version) if ready else None
+
+    # -- requests ----------------------------------------------------------------------------
+    def start(self, model: Model, req: Request, priority: int, timeout_us: int) -> None:
+        """An admitted ensemble request: its first steps enter their queues now (raising, as admission
+        does, when one cannot)."""
+        ens = model.config.ensemble
+        tensors = {t.name: Tensor(t.datatype, req.shapes[i], req.inputs[i]) for i, t in enumerate(model.config.inputs)}
+        deadline = req.arrived + timeout_us / 1e6 if timeout_us else None
+        run = Run(model, req, priority, deadline, tensors, set(range(len(ens.steps))))
+        try:
+            self._advance(run)
+        except errors.GepoolError:
+            run.finished = True  # a step already queued runs, and its answer is dropped
+            raise
+
+    def _advance(self, run: Run) -> None:
+        """Starts every waiting step whose inputs exist, in the ensemble's order; answers when all ran."""
+        steps = run.model.config.ensemble.steps
+        for i in run.model.config.ensemble.order:
+            if i in run.waiting and all(t in run.tensors for t in steps[i].input_map.values()):
+                run.waiting.discard(i)
+                try:
+                    self._submit(run, i)
+                except errors.GepoolError as exc:
+                    raise type(exc)(f"ensemble '{run.model.name}' {steps[i].label(i)}: {exc.message}") from None
+                run.running += 1
+        if not run.waiting and not run.running:
+            self._answer(run)
+
+    def _submit(self, run: Run, i: int) -> None:
+        step = run.model.config.ensemble.steps[i]
+        now = self.clock()
+        timeout_us = 0
+        if run.deadline is not None:
+            left = run.deadline - now
+            if left <= 0:
+                raise errors.Timeout("Request timeout expired before this step could start")
+            timeout_us = max(1, int(left * 1e6))
+        group = self.control.group(step.model_name)
+        model = group.route(protocol.NO_VERSION if step.model_version == LATEST else step.model_version)
+        model.check_servable()
+        refs, frames = [], []
+        for inp, name in step.input_map.items():
+            t = run.tensors[name]
+            refs.append([inp, t.datatype, list(t.shape), len(frames)])
+            frames.append(t.buf)
+        msg = protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
+                             outputs=None, timeout_us=timeout_us, priority=run.priority, arena=protocol.NO_ARENA,
+                             out_offset=0, out_size=0)
+        try:
+            req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
+        except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
+            model.stats.failed(failure_reason(exc))
+            raise
+        req.sink = StepSink(self, run, i, now)
+        self.enqueue(group, model, req, run.priority, timeout_us)
+
+    def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float) -> None:
+        run = sink.run
+        run.running -= 1
+        if run.finished:
+            return
+        step = run.model.config.ensemble.steps[sink.index]
+        rows = run.req.rows
+        batched = model.config.max_batch_size > 0
+        for t in model.config.outputs:
+            name = step.output_map.get(t.name)
+            if name is None:
+                continue
+            piece = arrays[t.name][row:row + rows] if batched else arrays[t.name]
+            if piece.dtype == object:
+                array = piece.copy()
+                buf = memoryview(dtypes.serialize_bytes(array))
+            else:
+                array = np.array(piece, copy=True, order="C")  # the one copy out of the slot
+                buf = memoryview(array).cast("B")
+            run.tensors[name] = Tensor(t.datatype, array.shape, buf, array)
+        elapsed = self.clock() - sink.started
+        run.compute_s += compute_s
+        run.queue_s += max(0.0, elapsed - compute_s)
+        try:
+            self._advance(run)
+        except errors.GepoolError as exc:
+            self._fail(run, exc)
+
+    def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
+        """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
+        run.running -= 1
+        if run.finished:
+            return
+        step = run.model.config.ensemble.steps[index]
+        self._fail(run, type(err)(f"ensemble '{run.model.name}' {step.label(index)}: {err.message}"))
+
+    def _fail(self, run: Run, err: errors.GepoolError) -> None:
+        run.finished = True
+        run.model.stats.failed(failure_reason(err))
+        self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+
+    def _answer(self, run: Run) -> None:
+        run.finished = True
+        model, req = run.model, run.req
+        arrays = {t.name: run.tensors[t.name].array for t in model.config.outputs}  # each produced by a step
+        try:
+            self.respond(model, req, arrays, 0)
+        except Exception as exc:  # one bad answer must not take the front down
+            log.exception("internal error answering ensemble request %s", req.req_id)
+            self._fail(run, errors.Internal(f"internal error: {exc}"))
+            return
+        model.stats.ensemble_answered(self.clock() - req.arrived, run.queue_s, run.compute_s)

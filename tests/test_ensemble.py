@@ -1,0 +1,315 @@
+"""Ensembles served by a real pool: each step batched in its model's own queue, the outputs those of the
+steps run one after another, errors named by step, and tritonclient unchanged."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from gepool import Client, Pool
+from gepool.common import errors
+from tests.conftest import free_port, wait_until
+from tests.repo import make_models, recorder, write
+
+TOP_K = make_models.TOP_K
+
+PLUS_PY = '''
+import numpy as np
+
+
+class Model:
+    def execute(self, inputs):
+        return {"OUTPUT": inputs["INPUT"] + np.float32(1)}
+'''
+
+# Each branch says it started, then waits (with a deadline) for the other branch to start: run one after
+# the other, the first finds no partner and answers 0; run at once, both answer 1. The input's first value
+# names the request (0, the warm-up's zeros, waits for nobody).
+BRANCH_PY = '''
+import os
+import time
+
+import numpy as np
+
+
+class Model:
+    def initialize(self, config):
+        self.me = config["parameters"]["me"]
+        self.other = config["parameters"]["other"]
+
+    def execute(self, inputs):
+        x = inputs["INPUT"]
+        token = int(x[0, 0])
+        if token == 0:
+            return {"OUTPUT": np.zeros_like(x)}
+        open(f"{self.me}.{token}", "w").close()
+        deadline = time.monotonic() + 20
+        while not os.path.exists(f"{self.other}.{token}") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return {"OUTPUT": np.full_like(x, np.float32(os.path.exists(f"{self.other}.{token}")))}
+'''
+
+
+def simple(repo: str, name: str, py: str, params: str = "", mbs: int = 16) -> None:
+    write(f"{repo}/{name}/1/model.py", py)
+    write(f"{repo}/{name}/config.pbtxt", f"""
+        backend: "python"
+        max_batch_size: {mbs}
+        input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        dynamic_batching {{ max_queue_delay_microseconds: 500 }}
+        {params}
+    """)
+
+
+def ensemble(repo: str, name: str, steps: str, outputs: str, in_type: str = "TYPE_FP32", mbs: int = 16) -> None:
+    os.makedirs(f"{repo}/{name}/1", exist_ok=True)
+    write(f"{repo}/{name}/config.pbtxt", f"""
+        platform: "ensemble"
+        max_batch_size: {mbs}
+        input [ {{ name: "X" data_type: {in_type} dims: [ 4 ] }} ]
+        output [ {outputs} ]
+        ensemble_scheduling {{ step [ {steps} ] }}
+    """)
+
+
+def step(model: str, inputs: dict, outputs: dict) -> str:
+    ins = " ".join(f'input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items())
+    outs = " ".join(f'output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items())
+    return f'{{ model_name: "{model}" model_version: -1 {ins} {outs} }}'
+
+
+Y = '{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }'
+B = '{ name: "B" data_type: TYPE_INT32 dims: [ 1 ] }'
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("ens"))
+    make_models.make_mlp(repo)
+    make_models.make_classify(repo)
+    recorder(repo, "rec", preferred="8", delay_us=10_000_000)  # a batch of 8 goes at once, less waits 10 s
+    simple(repo, "plus", PLUS_PY)
+    marks = str(tmp_path_factory.mktemp("marks"))
+    for me, other in (("left", "right"), ("right", "left")):
+        simple(repo, me, BRANCH_PY, f'parameters {{ key: "me" value: {{ string_value: "{marks}/{me}" }} }}\n'
+                                    f'parameters {{ key: "other" value: {{ string_value: "{marks}/{other}" }} }}')
+    ensemble(repo, "batch8", step("rec", {"INPUT": "X"}, {"OUTPUT": "Y", "BATCH": "B"}), f"{Y}, {B}")
+    ensemble(repo, "chain", step("plus", {"INPUT": "X"}, {"OUTPUT": "mid"}) + ", "
+             + step("rec", {"INPUT": "mid"}, {"OUTPUT": "Y", "BATCH": "B"}), f"{Y}, {B}")
+    ensemble(repo, "fork", step("left", {"INPUT": "X"}, {"OUTPUT": "L"}) + ", "
+             + step("right", {"INPUT": "X"}, {"OUTPUT": "R"}),
+             '{ name: "L" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "R" data_type: TYPE_FP32 dims: [ 4 ] }')
+    ensemble(repo, "bad_type", step("plus", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y, in_type="TYPE_INT32")
+    ensemble(repo, "missing", step("nosuch", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
+    ensemble(repo, "cyclic", step("plus", {"INPUT": "X", "Z": "Y"}, {"OUTPUT": "Y"}), Y)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def pool(repo):
+    with Pool(repo, http_port=free_port()) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def client(pool):
+    with pool.client() as c:
+        yield c
+
+
+def by_hand(client, x: np.ndarray) -> dict:
+    normed = client.infer("preprocess", {"RAW": x})["NORMED"]
+    logits = client.infer("mlp", {"INPUT": normed})["LOGITS"]
+    return client.infer("topk", {"LOGITS": logits})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_classify_equals_its_three_models_run_one_after_another(client, rows):
+    x = np.random.default_rng(rows).random((rows, 1024), dtype=np.float32) * 255
+    got = client.infer("classify", {"IMAGE": x})
+    want = by_hand(client, x)
+    assert got["CLASSES"].shape == (rows, TOP_K) and got["CLASSES"].dtype == np.int64
+    np.testing.assert_array_equal(got["CLASSES"], want["CLASSES"])
+    np.testing.assert_array_equal(got["SCORES"], want["SCORES"])
+
+
+def test_300_concurrent_ensemble_requests_from_3_clients_get_their_own_answers(pool):
+    rng = np.random.default_rng(7)
+    xs = [rng.random((1 + i % 3, 1024), dtype=np.float32) for i in range(300)]
+    with pool.client() as c:
+        wants = [by_hand(c, x)["CLASSES"] for x in xs[:30]]  # a sample checked against the models by hand
+    clients = [pool.client() for _ in range(3)]
+    try:
+        futs = [clients[i % 3].infer_async("classify", {"IMAGE": x}) for i, x in enumerate(xs)]
+        results = [f.result(timeout=120) for f in futs]
+    finally:
+        for c in clients:
+            c.close()
+    for i, (x, r) in enumerate(zip(xs, results)):
+        assert r["CLASSES"].shape == (len(x), TOP_K)
+        if i < 30:
+            np.testing.assert_array_equal(r["CLASSES"], wants[i])
+    # no cross-talk: the same input gives the same answer wherever it ran, different inputs their own
+    assert len({r["CLASSES"].tobytes() + r["SCORES"].tobytes() for r in results}) == 300
+
+
+def test_8_concurrent_ensemble_requests_reach_their_step_as_one_batch(pool):
+    with pool.client() as c:
+        futs = [c.infer_async("batch8", {"X": np.full((1, 4), i, np.float32)}) for i in range(8)]
+        outs = [f.result(timeout=60) for f in futs]
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out["Y"], np.full((1, 4), i, np.float32))
+        assert out["B"].tolist() == [[8]]
+
+
+def test_step_requests_batch_with_direct_requests_to_the_same_model(pool):
+    with pool.client() as c:
+        futs = [c.infer_async("batch8", {"X": np.full((1, 4), i, np.float32)}) if i % 2 else
+                c.infer_async("rec", {"INPUT": np.full((1, 4), i, np.float32)}) for i in range(8)]
+        outs = [f.result(timeout=60) for f in futs]
+    assert [o["B" if i % 2 else "BATCH"].tolist() for i, o in enumerate(outs)] == [[[8]]] * 8
+
+
+def test_independent_branches_run_at_the_same_time(client):
+    out = client.infer("fork", {"X": np.full((1, 4), 5, np.float32)}, timeout=60)
+    assert out["L"].tolist() == [[1.0] * 4] and out["R"].tolist() == [[1.0] * 4]  # each saw the other start
+
+
+def test_a_failing_step_is_named_and_the_pool_keeps_serving(client):
+    with pytest.raises(errors.ModelError) as exc:
+        client.infer("chain", {"X": np.full((1, 4), -8, np.float32)})  # plus makes it -7: rec fails on it
+    assert "ensemble 'chain' step 2 ('rec')" in str(exc.value) and "asked to fail" in str(exc.value)
+    out = client.infer("chain", {"X": np.full((2, 4), 1, np.float32)})
+    np.testing.assert_array_equal(out["Y"], np.full((2, 4), 2, np.float32))
+
+
+def test_the_outputs_asked_for_are_the_ones_answered(client):
+    x = np.random.default_rng(3).random((2, 1024), dtype=np.float32)
+    out = client.infer("classify", {"IMAGE": x}, outputs=["SCORES"])
+    assert list(out) == ["SCORES"] and out["SCORES"].shape == (2, TOP_K)
+
+
+def test_a_bad_request_to_an_ensemble_is_refused_by_its_own_config(client):
+    with pytest.raises(errors.InvalidArgument, match="IMAGE"):
+        client.infer("classify", {"IMAGE": np.zeros((1, 5), np.float32)})
+    with pytest.raises(errors.InvalidArgument, match="max_batch_size"):
+        client.infer("classify", {"IMAGE": np.zeros((33, 1024), np.float32)})
+
+
+def test_config_errors_found_at_load_make_the_ensemble_unavailable_naming_them(client, pool):
+    rows = {r["name"]: r for r in client.query("index")["models"]}
+    assert rows["classify"]["state"] == "READY"
+    assert "step 1 ('plus')" in rows["bad_type"]["reason"] and "'X'" in rows["bad_type"]["reason"] \
+        and "INT32" in rows["bad_type"]["reason"]
+    assert rows["missing"]["state"] == "UNAVAILABLE" and "step 1 ('nosuch')" in rows["missing"]["reason"]
+    assert "cycle" in rows["cyclic"]["reason"] and "'Y'" in rows["cyclic"]["reason"]
+    with pytest.raises(errors.ModelNotReady, match="nosuch"):
+        client.infer("missing", {"X": np.zeros((1, 4), np.float32)})
+
+
+def test_ensemble_statistics_and_its_steps_own(client):
+    before = client.stats()
+    client.infer("classify", {"IMAGE": np.ones((2, 1024), np.float32)})
+    after = client.stats()
+    assert after["classify"]["requests"] == before["classify"]["requests"] + 1
+    assert after["classify"]["batches"] == 0  # an ensemble runs no batch of its own
+    for name in ("preprocess", "mlp", "topk"):
+        assert after[name]["requests"] == before[name]["requests"] + 1
+    ens = after["classify"]["histograms"]
+    assert ens["compute"]["count"] == before["classify"]["histograms"]["compute"]["count"] + 1
+    assert ens["compute"]["sum"] > before["classify"]["histograms"]["compute"]["sum"]
+
+
+def test_metadata_and_config_of_an_ensemble(client):
+    meta = client.model_metadata("classify")
+    assert meta["platform"] == "ensemble" and [t["name"] for t in meta["outputs"]] == ["CLASSES", "SCORES"]
+    cfg = client.query("config", {"model": "classify"})
+    assert cfg["platform"] == "ensemble"
+    assert [s["model_name"] for s in cfg["ensemble_scheduling"]["step"]] == ["preprocess", "mlp", "topk"]
+
+
+def test_tritonclient_http_infers_an_ensemble_unchanged(pool, client):
+    httpclient = pytest.importorskip("tritonclient.http")
+    x = np.random.default_rng(11).random((3, 1024), dtype=np.float32)
+    tc = httpclient.InferenceServerClient(f"127.0.0.1:{pool.http_port}")
+    try:
+        assert tc.is_model_ready("classify")
+        inp = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        res = tc.infer("classify", [inp], outputs=[httpclient.InferRequestedOutput("CLASSES", binary_data=True)])
+        np.testing.assert_array_equal(res.as_numpy("CLASSES"), by_hand(client, x)["CLASSES"])
+        assert tc.get_model_config("classify")["platform"] == "ensemble"
+        stats = tc.get_inference_statistics("classify")["model_stats"][0]["inference_stats"]
+        assert int(stats["success"]["count"]) >= 1
+    finally:
+        tc.close()
+
+
+# -- lifecycle: explicit model control ----------------------------------------------------------
+
+ADD_PY = '''
+import numpy as np
+
+
+class Model:
+    def initialize(self, config):
+        self.k = float(config["version_dir"].rstrip("/").rsplit("/", 1)[1])  # version N computes x + N
+
+    def execute(self, inputs):
+        return {"OUTPUT": inputs["INPUT"] + np.float32(self.k)}
+'''
+
+
+def test_an_ensemble_follows_its_steps_through_unload_load_and_reload(tmp_path):
+    repo = str(tmp_path)
+    simple(repo, "add", ADD_PY)
+    ensemble(repo, "pipe", step("add", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
+    with Pool(repo, model_control_mode="explicit", load_models=("add", "pipe")) as p, p.client() as c:
+        x = np.zeros((1, 4), np.float32)
+        assert c.infer("pipe", {"X": x})["Y"].tolist() == [[1.0] * 4]
+        c.unload("add")
+        row = next(r for r in c.query("index")["models"] if r["name"] == "pipe")
+        assert row["state"] == "UNAVAILABLE" and "step 1 ('add')" in row["reason"] and "unloaded" in row["reason"]
+        assert c.status()["models"]["pipe"]["state"] == "UNAVAILABLE"
+        with pytest.raises(errors.ModelNotReady, match="unloaded"):
+            c.infer("pipe", {"X": x})
+        c.load("add", timeout=120)
+        assert c.infer("pipe", {"X": x})["Y"].tolist() == [[1.0] * 4]
+        # a reload of the step while ensemble requests flow: none fails, and the new version takes over
+        stop, seen, failures = threading.Event(), set(), []
+
+        def load() -> None:
+            with Client(p.endpoint, timeout=60) as lc:
+                while not stop.is_set():
+                    try:
+                        seen.add(float(lc.infer("pipe", {"X": x})["Y"][0, 0]))
+                    except errors.GepoolError as exc:
+                        failures.append(str(exc))
+
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            write(f"{repo}/add/2/model.py", ADD_PY)
+            c.load("add", timeout=120)
+            wait_until(lambda: 2.0 in seen, timeout=60)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
+
+
+def test_a_timeout_applies_to_the_whole_pipeline(pool):
+    with pool.client() as c, pytest.raises((errors.Timeout, errors.PoolUnavailable)) as exc:
+        c.infer("batch8", {"X": np.zeros((1, 4), np.float32)}, timeout=0.5)  # rec waits 10 s for 7 more
+    assert "batch8" in str(exc.value) or isinstance(exc.value, errors.PoolUnavailable)
+
+
+def test_requests_after_the_timeout_test_still_batch(pool):
+    with pool.client() as c:
+        futs = [c.infer_async("batch8", {"X": np.full((1, 4), i, np.float32)}, timeout=60) for i in range(8)]
+        outs = [f.result(timeout=60) for f in futs]
+    assert all(o["B"].tolist() == [[8]] for o in outs)
