@@ -219,4 +219,4 @@ class Ensembles:
             log.exception("internal error answering ensemble request %s", req.req_id)
             self._fail(run, errors.Internal(f"internal error: {exc}"))
             return
-        model.stats.ensemble_answered(self.clock() - req.arrived, run.queue_s, run.compute_s)
+        model.stats.ensemble_answered(req.rows, self.clock() - req.arrived, run.queue_s, run.compute_s)

@@ -78,8 +78,10 @@ class ModelStats:
         self.request.observe(seconds)
         self.last_inference = time.time()
 
-    def ensemble_answered(self, seconds: float, queue_s: float, compute_s: float) -> None:
-        """An ensemble request answered: its queue and compute time are those of its steps, summed."""
+    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float) -> None:
+        """An ensemble request of ``rows`` answered: its queue and compute time are those of its steps,
+        summed (Triton's ensemble statistics); it runs no batch of its own."""
+        self.rows += rows
         self.answered(seconds)
         self.queue.observe(queue_s)
         self.compute.observe(compute_s)
@@ -135,9 +137,9 @@ class Tee:
         for s in self.parts:
             s.answered(seconds)
 
-    def ensemble_answered(self, seconds: float, queue_s: float, compute_s: float) -> None:
+    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float) -> None:
         for s in self.parts:
-            s.ensemble_answered(seconds, queue_s, compute_s)
+            s.ensemble_answered(rows, seconds, queue_s, compute_s)
 
     def failed(self, reason: str = OTHER) -> None:
         for s in self.parts:

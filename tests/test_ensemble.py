@@ -109,7 +109,7 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(repo):
-    with Pool(repo, http_port=free_port()) as p:
+    with Pool(repo, http_port=free_port(), grpc_port=free_port()) as p:
         yield p
 
 
@@ -241,8 +241,30 @@ def test_tritonclient_http_infers_an_ensemble_unchanged(pool, client):
         res = tc.infer("classify", [inp], outputs=[httpclient.InferRequestedOutput("CLASSES", binary_data=True)])
         np.testing.assert_array_equal(res.as_numpy("CLASSES"), by_hand(client, x)["CLASSES"])
         assert tc.get_model_config("classify")["platform"] == "ensemble"
-        stats = tc.get_inference_statistics("classify")["model_stats"][0]["inference_stats"]
-        assert int(stats["success"]["count"]) >= 1
+        stats = tc.get_inference_statistics("classify")["model_stats"][0]
+        assert int(stats["inference_stats"]["success"]["count"]) >= 1 and int(stats["inference_count"]) >= 3
+        assert int(stats["execution_count"]) == 0  # an ensemble runs no batch; its steps' compute is its own
+        infer = stats["inference_stats"]
+        assert int(infer["compute_infer"]["count"]) == int(infer["success"]["count"])
+        assert int(infer["compute_infer"]["ns"]) > 0
+    finally:
+        tc.close()
+
+
+def test_tritonclient_grpc_reads_the_ensemble_and_infers_it(pool, client):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    x = np.random.default_rng(12).random((2, 1024), dtype=np.float32)
+    tc = grpcclient.InferenceServerClient(f"127.0.0.1:{pool.grpc_port}")
+    try:
+        meta = tc.get_model_metadata("classify", as_json=True)
+        assert meta["platform"] == "ensemble" and [t["name"] for t in meta["inputs"]] == ["IMAGE"]
+        cfg = tc.get_model_config("classify", as_json=True)["config"]
+        assert cfg["platform"] == "ensemble"
+        assert [s["model_name"] for s in cfg["ensemble_scheduling"]["step"]] == ["preprocess", "mlp", "topk"]
+        inp = grpcclient.InferInput("IMAGE", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        res = tc.infer("classify", [inp])
+        np.testing.assert_array_equal(res.as_numpy("SCORES"), by_hand(client, x)["SCORES"])
     finally:
         tc.close()
 

@@ -24,7 +24,7 @@ def rows(stats: dict, status: dict, wanted: str | None = None) -> list[dict]:
                 "fail": _duration(s["failures"]),
                 "queue": _duration(s["histograms"]["queue"]["count"], s["queue_us"] * NS_PER_US),
                 "compute_input": _duration(s["batches"]),
-                "compute_infer": _duration(s["batches"], s["compute_us"] * NS_PER_US),
+                "compute_infer": _duration(s["histograms"]["compute"]["count"], s["compute_us"] * NS_PER_US),
                 "compute_output": _duration(s["batches"]),
                 "cache_hit": _duration(0), "cache_miss": _duration(0)},
             "batch_stats": [{"batch_size": int(size), "compute_input": _duration(n),

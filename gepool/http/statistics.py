@@ -50,7 +50,7 @@ def model_statistics(name: str, version: str, s: dict) -> dict:
             "fail": _pair(s["failures"], 0),
             "queue": _pair(s["histograms"]["queue"]["count"], s["queue_us"] * 1000),
             "compute_input": _pair(*duration(s, "compute_input")),
-            "compute_infer": _pair(s["batches"], s["compute_us"] * 1000),
+            "compute_infer": _pair(s["histograms"]["compute"]["count"], s["compute_us"] * 1000),
             "compute_output": _pair(*duration(s, "compute_output")),
             "cache_hit": _pair(*duration(s, "cache_hit", False)),
             "cache_miss": _pair(*duration(s, "cache_miss", False))},
