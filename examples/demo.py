@@ -1,5 +1,6 @@
 """Starts `gepool start` on the example repository, runs examples/client.py against it (frames, then
-shared memory), sends one request over the KServe v2 HTTP protocol, shows a few metrics, and stops it.
+shared memory), runs the classify ensemble (preprocess -> mlp -> topk inside the pool), sends one request
+over the KServe v2 HTTP protocol, shows a few metrics, and stops it.
 
     python examples/demo.py      (run examples/make_models.py first)
 """
@@ -35,6 +36,7 @@ def main() -> int:
             print(f"\n$ python examples/client.py --endpoint {endpoint} {' '.join(extra)}")
             client = [sys.executable, os.path.join(HERE, "client.py"), "--endpoint", endpoint, *extra]
             subprocess.run(client, check=True)
+        _ensemble(endpoint)
         _http(http_port, metrics_port)
     finally:
         server.send_signal(signal.SIGTERM)
@@ -47,6 +49,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ensemble(endpoint: str) -> None:
+    import numpy as np
+
+    from gepool import Client
+
+    print("\n$ classify (an ensemble: preprocess -> mlp -> topk, each step batched inside the pool)")
+    with Client(endpoint, timeout=60) as client:
+        images = np.random.default_rng(0).random((2, 1024), dtype=np.float32) * 255
+        out = client.infer("classify", {"IMAGE": images})
+        for i, (classes, scores) in enumerate(zip(out["CLASSES"], out["SCORES"])):
+            best = ", ".join(f"{c} ({s:.3f})" for c, s in zip(classes, scores))
+            print(f"image {i}: top classes {best}")
+        stats = client.stats()
+        steps = ", ".join(f"{m} {stats[m]['requests']}" for m in ("preprocess", "mlp", "topk"))
+        print(f"requests: classify {stats['classify']['requests']}; its steps {steps}")
 
 
 def _http(http_port: int, metrics_port: int) -> None:
