@@ -94,7 +94,7 @@ class Ensembles:
                 if group.loading or any(m.state == LOADING for m in group.serving.values()):
                     loading.append(where)
                     continue
-                want = "version " + str(step.model_version) if step.model_version != LATEST else "a version"
+                want = f"version {step.model_version}" if step.model_version != LATEST else "version"
                 why = group.error or "; ".join(m.reason for m in group.serving.values() if m.reason) or "not ready"
                 return UNAVAILABLE, f"{where}: model '{step.model_name}' has no {want} ready: {why}"
             configs[i] = target.config
