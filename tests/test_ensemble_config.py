@@ -158,3 +158,13 @@ def test_an_ensemble_renders_as_triton_does(tmp_path):
     assert [(s["model_name"], s["model_version"], s["input_map"], s["output_map"]) for s in steps] == [
         ("pre", -1, {"X": "IN"}, {"Y": "mid"}), ("net", -1, {"X": "mid"}, {"Y": "OUT"})]
     assert "dynamic_batching" not in out
+
+
+def test_a_step_without_model_version_runs_the_latest_and_a_number_pins_it(tmp_path):
+    steps = ['{ model_name: "pre" input_map { key: "X" value: "IN" } output_map { key: "Y" value: "mid" } }',
+             step("net", {"X": "mid"}, {"Y": "OUT"}, version=3)]
+    cfg = parse(tmp_path, ensemble(steps))
+    assert [s.model_version for s in cfg.ensemble.steps] == [-1, 3]
+    with pytest.raises(ConfigError) as exc:
+        parse(tmp_path, ensemble([PIPE[0], step("net", {"X": "mid"}, {"Y": "OUT"}, version=-2)]))
+    assert exc.value.field == "model_version" and "step 2 ('net')" in str(exc.value)

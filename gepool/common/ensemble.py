@@ -50,7 +50,9 @@ def parse_steps(msg, fail: Fail) -> tuple[Step, ...]:
             raise fail("input_map", f"{where} ('{s.model_name}') has no input_map")
         if not s.output_map:
             raise fail("output_map", f"{where} ('{s.model_name}') has no output_map")
-        steps.append(Step(s.model_name, s.model_version, dict(s.input_map), dict(s.output_map)))
+        # proto3 cannot tell an omitted model_version from 0, and no version is numbered 0: both mean latest
+        version = s.model_version if s.model_version > 0 else LATEST
+        steps.append(Step(s.model_name, version, dict(s.input_map), dict(s.output_map)))
     if not steps:
         raise fail("ensemble_scheduling", "an ensemble needs at least one step")
     return tuple(steps)

@@ -1,0 +1,135 @@
+"""Ensembles in the front's core, in-process with a fake clock: priority, timeout and retries of the steps."""
+
+import os
+
+import numpy as np
+
+from gepool.common import errors
+from gepool.ipc import protocol
+from gepool.scheduler.states import ModelState
+from tests.repo import write
+from tests.test_core import MODEL_PY, echo_model, harness, results  # noqa: F401  (harness: the fixture)
+
+
+def pipe(repo, name: str, steps: list[str], mbs: int = 8) -> None:
+    os.makedirs(f"{repo}/{name}/1", exist_ok=True)
+    blocks = []
+    for i, model in enumerate(steps):
+        src = "X" if i == 0 else f"t{i}"
+        dst = "Y" if i == len(steps) - 1 else f"t{i + 1}"
+        blocks.append(f'{{ model_name: "{model}" input_map {{ key: "INPUT" value: "{src}" }} '
+                      f'output_map {{ key: "OUTPUT" value: "{dst}" }} }}')
+    write(f"{repo}/{name}/config.pbtxt", f"""
+        platform: "ensemble"
+        max_batch_size: {mbs}
+        input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        ensemble_scheduling {{ step [ {", ".join(blocks)} ] }}
+    """)
+
+
+def ens_infer(h, value: float, model: str = "pipe", **kw) -> int:
+    h.next_id += 1
+    x = np.full((1, 4), value, np.float32)
+    msg = protocol.Infer(h.next_id, model, protocol.NO_VERSION, [["X", "FP32", [1, 4], 0]], None, 0, 0,
+                         protocol.NO_ARENA, 0, 0)
+    for k, v in kw.items():
+        setattr(msg, k, v)
+    h.core.on_message(b"\0client", [memoryview(msg.encode()), memoryview(x.tobytes())])
+    h.step()
+    return h.next_id
+
+
+def first_input(w, index: int) -> float:
+    _, _, (desc,) = w.ring.slots[index].read()
+    return float(w.ring.slots[index].array(desc)[0, 0])
+
+
+def test_two_steps_hand_their_tensors_on_inside_the_core(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    assert h.core.control.groups["pipe"].state() == ModelState.AVAILABLE
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.5)
+    assert h.compute(wa) == [1] and not h.out.take()  # step 1 done: nothing for the client yet
+    assert h.compute(wb) == [1]
+    got = results(h.out.take())
+    np.testing.assert_array_equal(got[rid], np.full((1, 4), 6.0, np.float32))  # 1.5 * 2 * 2
+
+
+def test_a_step_request_carries_the_ensemble_requests_priority(tmp_path, harness):  # noqa: F811
+    write(f"{tmp_path}/p/1/model.py", MODEL_PY)
+    write(f"{tmp_path}/p/config.pbtxt", """
+        backend: "python"
+        max_batch_size: 1
+        input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        dynamic_batching { priority_levels: 2 default_priority_level: 2 }
+    """)
+    pipe(tmp_path, "pipe", ["p"], mbs=1)
+    h = harness()
+    h.ready_all()
+    (w,) = h.out.spawned
+    h.infer(1.0, model="p")
+    h.infer(2.0, model="p")
+    h.step()
+    assert len(w.bell.rung) == 2  # both slots taken: what comes next queues
+    h.infer(3.0, model="p")  # the default level, first in line
+    ens_infer(h, 7.0, priority=1)  # level 1: goes first
+    h.step()
+    assert len(h.core.control.groups["p"].default().batcher) == 2
+    h.compute(w)
+    first, second = w.bell.rung
+    assert (first_input(w, first[0]), first_input(w, second[0])) == (7.0, 3.0)
+
+
+def test_the_timeout_covers_the_whole_pipeline(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.0, timeout_us=1_000_000)
+    h.clock.now += 2.0  # step 1 ran past the request's whole timeout
+    h.compute(wa)
+    err = results(h.out.take())[rid]
+    assert err.code == errors.Timeout.code and "ensemble 'pipe' step 2 ('b')" in err.message
+    assert not wb.bell.rung and not len(wb.model.batcher)  # step 2 never queued
+    assert h.core.control.groups["pipe"].stats.failures == 1
+
+
+def test_a_step_whose_worker_dies_runs_once_more_on_another(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a", count=2)
+    pipe(tmp_path, "pipe", ["a"])
+    h = harness()
+    h.ready_all()
+    rid = ens_infer(h, 1.0)
+    (dying,) = [w for w in h.out.spawned if w.bell.rung]
+    (other,) = [w for w in h.out.spawned if w is not dying]
+    dying.bell.rung = []
+    h.exit(dying, -9)
+    h.step()
+    assert h.compute(other) == [1]
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 2.0, np.float32))
+
+
+def test_a_step_model_that_goes_away_fails_queued_ensemble_requests_naming_the_step(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    pipe(tmp_path, "pipe", ["a"])
+    h = harness()
+    h.ready_all()
+    (w,) = h.out.spawned
+    h.infer(1.0, model="a")
+    h.step()
+    rid = ens_infer(h, 1.0)  # queued behind the running batch
+    w.bell.rung = []
+    w.load_failed = True  # it will not come back
+    h.exit(w, 1)
+    err = results(h.out.take())[rid]
+    assert "ensemble 'pipe' step 1 ('a')" in err.message
+    group = h.core.control.groups["pipe"]
+    assert group.state() == ModelState.UNAVAILABLE and "step 1 ('a')" in group.default().reason
