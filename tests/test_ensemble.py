@@ -10,7 +10,7 @@ import pytest
 from gepool import Client, Pool
 from gepool.common import errors
 from tests.conftest import free_port, wait_until
-from tests.repo import make_models, recorder, write
+from tests.repo import bytes_model, make_models, recorder, write
 
 TOP_K = make_models.TOP_K
 
@@ -101,6 +101,17 @@ def repo(tmp_path_factory):
     ensemble(repo, "fork", step("left", {"INPUT": "X"}, {"OUTPUT": "L"}) + ", "
              + step("right", {"INPUT": "X"}, {"OUTPUT": "R"}),
              '{ name: "L" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "R" data_type: TYPE_FP32 dims: [ 4 ] }')
+    bytes_model(repo, "shout")
+    os.makedirs(f"{repo}/shouted/1", exist_ok=True)
+    write(f"{repo}/shouted/config.pbtxt", f"""
+        platform: "ensemble"
+        max_batch_size: 8
+        input [ {{ name: "T" data_type: TYPE_STRING dims: [ 1 ] }} ]
+        output [ {{ name: "OUT" data_type: TYPE_STRING dims: [ 1 ] }},
+                 {{ name: "LEN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+        ensemble_scheduling {{ step [ {step("shout", {"TEXT": "T"}, {"UPPER": "up"})},
+                                      {step("shout", {"TEXT": "up"}, {"UPPER": "OUT", "LENGTH": "LEN"})} ] }}
+    """)
     ensemble(repo, "bad_type", step("plus", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y, in_type="TYPE_INT32")
     ensemble(repo, "missing", step("nosuch", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
     ensemble(repo, "cyclic", step("plus", {"INPUT": "X", "Z": "Y"}, {"OUTPUT": "Y"}), Y)
@@ -183,6 +194,11 @@ def test_a_failing_step_is_named_and_the_pool_keeps_serving(client):
     assert "ensemble 'chain' step 2 ('rec')" in str(exc.value) and "asked to fail" in str(exc.value)
     out = client.infer("chain", {"X": np.full((2, 4), 1, np.float32)})
     np.testing.assert_array_equal(out["Y"], np.full((2, 4), 2, np.float32))
+
+
+def test_bytes_tensors_pass_between_steps(client):
+    out = client.infer("shouted", {"T": np.array([[b"ab"], [b"xyz"]], dtype=object)})
+    assert out["OUT"].tolist() == [[b"AB"], [b"XYZ"]] and out["LEN"].tolist() == [[2], [3]]
 
 
 def test_the_outputs_asked_for_are_the_ones_answered(client):
