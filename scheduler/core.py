@@ -56,8 +56,7 @@ class Core:
         self.dirty: set[Model] = set()  # models a request or a completion touched since the last schedule
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
-        self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue,
-                                   self.dirty.add, clock)
+        self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock)
         self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:

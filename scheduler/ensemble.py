@@ -65,13 +65,14 @@ class StepSink:
 
 class Ensembles:
     """Runs the ensembles' requests, and keeps each ensemble's state that of its steps' models.
-    ``respond`` answers a client from arrays (the dispatcher's), ``enqueue`` puts a step request in its
-    model's queue (raising as admission does), ``dirty`` marks a model to be scheduled."""
+    ``respond`` answers a client from arrays (the dispatcher's), ``reply`` sends a client a message (the
+    outbox's), ``enqueue`` puts a step request in its model's queue and marks it to be scheduled (raising
+    as admission does when it cannot)."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
-                 dirty: Callable[[Model], None], clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float]) -> None:
         self.control, self.arenas, self.clock = control, arenas, clock
-        self.respond, self.reply, self.enqueue, self.dirty = respond, reply, enqueue, dirty
+        self.respond, self.reply, self.enqueue = respond, reply, enqueue
 
     # -- state -------------------------------------------------------------------------------
     def refresh(self) -> None:
