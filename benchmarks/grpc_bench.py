@@ -54,6 +54,23 @@ def perf_analyzer(model: str, url: str, protocol: str, concurrency: int, seconds
             "p99_us": float(row["p99 latency"])}
 
 
+def check_answers(url: str, repo: str) -> None:
+    """One tritonclient.grpc request per model, equal to onnxruntime run here: both servers do the same work."""
+    import numpy as np
+    import onnxruntime as ort
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        for model in MODELS:
+            session = ort.InferenceSession(f"{repo}/{model}/1/model.onnx", providers=["CPUExecutionProvider"])
+            (meta,), (out,) = session.get_inputs(), session.get_outputs()
+            x = np.random.default_rng(0).standard_normal((1, meta.shape[1])).astype(np.float32)
+            tensor = grpcclient.InferInput(meta.name, list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            got = client.infer(model, [tensor]).as_numpy(out.name)
+            np.testing.assert_allclose(got, session.run(None, {meta.name: x})[0], rtol=1e-4, atol=1e-4)
+
+
 def table(rows: list) -> None:
     print(f"{'model':6s} {'conc':>4s} | " + " | ".join(f"{k:>14s} req/s p50 us p99 us" for k in rows[0][2]))
     for model, conc, runs in rows:
@@ -98,6 +115,9 @@ def main() -> None:
 
     try:
         with Pool(repo, http_port=http_port, grpc_port=grpc_port, cpu_threads=args.threads):
+            check_answers(f"127.0.0.1:{grpc_port}", repo)
+            if peer is not None:
+                check_answers(f"127.0.0.1:{peer[1]}", repo)
             for model in MODELS:
                 for conc in CONCURRENCY:
                     local = f"127.0.0.1:{grpc_port}"

@@ -1,12 +1,13 @@
-"""Peer servers for the benchmarks: PyTriton (Triton's own HTTP and gRPC fronts) serving ONNX models with onnxruntime.
+"""Peer servers for the benchmarks: PyTriton (Triton's own HTTP and gRPC fronts) and Mosec, onnxruntime inside.
 
     from peers import matched_repo, start_pytriton
     repo = matched_repo("bench-")                  # tiny and mlp, batching as the peers batch
     http_port, grpc_port, stop = start_pytriton(repo)
     ...                                            # KServe v2 on 127.0.0.1:http_port and :grpc_port
     stop()
+    port, stop = start_mosec(repo)                 # POST /v2/models/<name>/infer with a KServe v2 JSON body
 
-The peer runs in its own process (``python benchmarks/peers.py pytriton REPO ...``) under the interpreter
+A peer runs in its own process (``python benchmarks/peers.py pytriton REPO ...``) under the interpreter
 ``$GEPOOL_PEER_PYTHON`` names (else ``.venv/peers/bin/python`` when it exists, else this one): PyTriton
 0.7 pins numpy<2, so it lives in a virtual environment of its own (benchmarks/README.md). Each model in
 the repository is ``<name>/1/model.onnx``; PyTriton's infer callable runs it with onnxruntime on
@@ -38,6 +39,18 @@ POLL_S = 0.5
 
 class PeerUnavailable(RuntimeError):
     """The peer could not start here; the message says why (with the tail of its log)."""
+
+
+class Stop:
+    """``stop()`` ends a peer (at most once); ``stop.pid`` is its server's process, whose session holds the rest."""
+
+    def __init__(self, pid: int, end) -> None:
+        self.pid, self._end, self._done = pid, end, False
+
+    def __call__(self) -> None:
+        if not self._done:
+            self._done = True
+            self._end()
 
 
 def matched_repo(prefix: str, models: tuple[str, ...] = MODELS, max_batch: int = MAX_BATCH,
@@ -116,7 +129,7 @@ def start_pytriton(models_dir: str, *, models: tuple[str, ...] = MODELS, threads
         with open(log_path, errors="replace") as f:
             return "".join(f.readlines()[-25:])
 
-    def stop() -> None:
+    def end() -> None:
         mapped = _session_segments(proc.pid)  # before the processes go: afterwards nothing says whose they were
         _stop_group(proc)
         for entry in os.listdir("/dev/shm"):
@@ -129,6 +142,7 @@ def start_pytriton(models_dir: str, *, models: tuple[str, ...] = MODELS, threads
                     pass
         shutil.rmtree(scratch, ignore_errors=True)
 
+    stop = Stop(proc.pid, end)
     deadline = time.monotonic() + timeout_s
     while not _ready(http_port, models):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -139,6 +153,62 @@ def start_pytriton(models_dir: str, *, models: tuple[str, ...] = MODELS, threads
             raise PeerUnavailable(f"PyTriton ({cmd[0]}) {reason}:\n{text}")
         time.sleep(POLL_S)
     return http_port, grpc_port, stop
+
+
+def start_mosec(models_dir: str, *, models: tuple[str, ...] = MODELS, threads: int = 1, max_batch: int = MAX_BATCH,
+                wait_ms: int = DELAY_US // 1000, python: str | None = None, timeout_s: float = START_TIMEOUT_S):
+    """Starts Mosec (``mosec_peer.py``) serving ``models`` from ``models_dir`` at ``POST /v2/models/<name>/infer``
+    on loopback, each batched up to ``max_batch`` with at most ``wait_ms`` of waiting, and waits until each
+    answers: ``(http_port, stop)``. PeerUnavailable (with the log's tail) when it cannot start."""
+    import json
+
+    port = free_port()
+    scratch = tempfile.mkdtemp(prefix="gepool-mosec-")
+    log_path = os.path.join(scratch, "mosec.log")
+    env = dict(os.environ, GEPOOL_PEER_REPO=os.path.abspath(models_dir), GEPOOL_PEER_MODELS=",".join(models),
+               GEPOOL_PEER_THREADS=str(threads), GEPOOL_PEER_MAX_BATCH=str(max_batch), GEPOOL_PEER_WAIT_MS=str(wait_ms))
+    cmd = [python or peer_python(), os.path.join(HERE, "mosec_peer.py"), "--address", "127.0.0.1", "--port", str(port),
+           "--path", os.path.join(scratch, "ipc")]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def end() -> None:
+        _stop_group(proc)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    stop = Stop(proc.pid, end)
+
+    def answers(name: str) -> bool:
+        import onnx  # the gepool side has it (examples/make_models.py); only the input's name and width are read
+
+        graph = onnx.load(os.path.join(models_dir, name, "1", "model.onnx"), load_external_data=False).graph
+        (tensor,) = graph.input
+        width = tensor.type.tensor_type.shape.dim[1].dim_value
+        body = json.dumps({"inputs": [{"name": tensor.name, "shape": [1, width], "datatype": "FP32",
+                                       "data": [0.0] * width}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{name}/infer", body,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(models)
+    while pending:
+        if answers(pending[0]):
+            pending.pop(0)
+            continue
+        if proc.poll() is not None or time.monotonic() > deadline:
+            reason = (f"exited with code {proc.returncode}" if proc.poll() is not None
+                      else f"not answering within {timeout_s:.0f}s")
+            with open(log_path, errors="replace") as f:
+                text = "".join(f.readlines()[-25:])
+            stop()
+            raise PeerUnavailable(f"Mosec ({cmd[0]}) {reason}:\n{text}")
+        time.sleep(POLL_S)
+    return port, stop
 
 
 def _session_segments(sid: int) -> set[str]:

@@ -22,11 +22,10 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 
+import loadgen
 import numpy as np
 import peers
 
@@ -40,7 +39,6 @@ OBJECT_STORE_BYTES = 128 << 20  # Ray's default is 30% of the memory, in /dev/sh
 REQUEST_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 60.0
 CPU_SHARE_SHOWN = 0.02  # process groups under this share of the level's CPU are summed as "other"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # -- the peer: what a Ray Serve user writes for an ONNX model ------------------------------------------------
@@ -107,60 +105,11 @@ def peer_deployment(serve):
 
 
 # -- CPU per process, from /proc ----------------------------------------------------------------------------
-def descendants(root: int) -> dict[int, str]:
-    """pid -> title for every process below ``root`` (Ray's gcs_server and raylet, its workers, gepool's
-    fronts and workers)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = {}, [root]
-    while frontier:
-        p = frontier.pop()
-        for child, ppid in parent.items():
-            if ppid == p and child not in found:
-                found[child] = title(child)
-                frontier.append(child)
-    return found
-
-
-def title(pid: int) -> str:
-    """A process's group: a Ray worker's title without the method it runs now, or its module or script."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return "?"
-    if not argv:
-        return "?"
-    if argv[0].startswith("ray::"):
-        return argv[0].split()[0].split(".")[0]
-    if "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1]
-    if "-c" in argv[:-1]:
-        return "python -c " + argv[argv.index("-c") + 1][:40]
-    if len(argv) > 1 and argv[1].endswith(".py"):
-        return os.path.basename(argv[1])
-    return os.path.basename(argv[0])
-
-
-def cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def cpu_snapshot(known: dict[int, str]) -> dict[int, tuple[str, float]]:
     """pid -> (group, CPU seconds so far); ``known`` names processes a title does not (gepool's workers)."""
-    snap = {pid: (known.get(pid, name), cpu_s(pid)) for pid, name in descendants(os.getpid()).items()}
-    snap[os.getpid()] = ("this process (handle client)", cpu_s(os.getpid()))
+    below = loadgen.descendants(os.getpid())
+    snap = {pid: (known.get(pid, name), loadgen.cpu_s(pid)) for pid, name in below.items()}
+    snap[os.getpid()] = ("this process (handle client)", loadgen.cpu_s(os.getpid()))
     return snap
 
 
@@ -211,55 +160,7 @@ async def handle_level(handle, model: str, concurrency: int, seconds: float) -> 
 
 def kserve_body(model: str) -> bytes:
     (name, x), = inputs_for(model).items()
-    return json.dumps({"inputs": [{"name": name, "shape": list(x.shape), "datatype": "FP32",
-                                   "data": x.ravel().tolist()}]}).encode()
-
-
-WRK_SCRIPT = """
-local f = io.open("{body}", "rb")
-wrk.method = "POST"
-wrk.body = f:read("*a")
-wrk.headers["Content-Type"] = "application/json"
-f:close()
-"""
-_UNIT = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
-
-
-def _ms(text: str) -> float:
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
-    return float(value) * _UNIT[unit]
-
-
-def wrk_level(url: str, model: str, concurrency: int, seconds: float, scratch: str) -> dict | None:
-    exe = shutil.which("wrk")
-    if exe is None:
-        return None
-    body = os.path.join(scratch, f"{model}.json")
-    script = os.path.join(scratch, f"{model}.lua")
-    with open(body, "wb") as f:
-        f.write(kserve_body(model))
-    with open(script, "w") as f:
-        f.write(WRK_SCRIPT.format(body=body))
-    target = f"{url}/v2/models/{model}/infer"
-    subprocess.run([exe, "-t1", "-c1", "-d1s", "-s", script, target], capture_output=True)  # warm-up
-    proc = subprocess.Popen([exe, f"-t{min(2, concurrency)}", f"-c{concurrency}", f"-d{max(1, round(seconds))}s",
-                             f"--timeout={REQUEST_TIMEOUT_S:.0f}s", "--latency", "-s", script, target],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    p50 = re.search(r"\s50%\s+(\S+)", out)
-    p99 = re.search(r"\s99%\s+(\S+)", out)
-    if proc.returncode != 0 or not (rps and p50 and p99):
-        print(f"wrk on {target} failed:\n{out[-1500:]}")
-        return None
-    done = re.search(r"(\d+) requests in", out)
-    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    socket_errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    errors = (int(bad[1]) if bad else 0) + (sum(map(int, socket_errors.groups())) if socket_errors else 0)
-    return {"requests": int(done[1]) if done else 0, "errors": errors, "rps": float(rps[1]),
-            "p50_ms": _ms(p50[1]), "p99_ms": _ms(p99[1]), "client_cpu_s": usage.ru_utime + usage.ru_stime}
+    return loadgen.kserve_json(name, x)
 
 
 async def aiohttp_level(url: str, model: str, concurrency: int, seconds: float) -> dict:
@@ -352,7 +253,7 @@ def check_answers(handle, url: str, repo: str) -> None:
                                    rtol=1e-4, atol=1e-4)
 
 
-def run_app(kind: str, app, serve, url: str, args, scratch: str, results: list, pids: set) -> None:
+def run_app(kind: str, app, serve, url: str, args, results: list, pids: set) -> None:
     handle = serve.run(app, name=kind, route_prefix="/")
     known: dict[int, str] = {}
     if kind == "gepool":
@@ -371,7 +272,7 @@ def run_app(kind: str, app, serve, url: str, args, scratch: str, results: list, 
                 if path == "handle":
                     result = asyncio.run(handle_level(handle, model, conc, args.seconds))
                 elif shutil.which("wrk"):
-                    result = wrk_level(url, model, conc, args.seconds, scratch)
+                    result = loadgen.wrk(f"{url}/v2/models/{model}/infer", kserve_body(model), conc, args.seconds)
                 else:
                     result = asyncio.run(aiohttp_level(url, model, conc, args.seconds))
                 after = cpu_snapshot(known)
@@ -453,7 +354,6 @@ def main() -> int:
     from gepool.ray import build
 
     repo = args.repo = peers.matched_repo("gepool-scaleout-")
-    scratch = tempfile.mkdtemp(prefix="gepool-scaleout-")
     port = peers.free_port()
     results: list = []
     pids: set[int] = set()
@@ -472,7 +372,7 @@ def main() -> int:
                 "gepool": build(repo, replicas=args.replicas, num_cpus=args.num_cpus, cpu_threads=args.threads)}
         for kind, app in apps.items():
             if args.only in (None, kind):
-                run_app(kind, app, serve, url, args, scratch, results, pids)
+                run_app(kind, app, serve, url, args, results, pids)
     finally:
         if args.address:
             for kind in ("peer", "gepool"):  # leave the cluster's own Serve running
@@ -480,7 +380,6 @@ def main() -> int:
         else:
             serve.shutdown()
         ray.shutdown()
-        shutil.rmtree(scratch, ignore_errors=True)
     report(results, args)
     if not shutil.which("wrk"):
         print("(HTTP levels ran on an aiohttp loop in this process: wrk is not installed)")
