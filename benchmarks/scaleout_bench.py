@@ -257,10 +257,15 @@ def run_app(kind: str, app, serve, url: str, args, results: list, pids: set) -> 
     handle = serve.run(app, name=kind, route_prefix="/")
     known: dict[int, str] = {}
     if kind == "gepool":
-        for info in [handle.pool_info.remote().result(timeout_s=REQUEST_TIMEOUT_S) for _ in range(4 * args.replicas)]:
+        fronts: set[int] = set()
+        for _ in range(20 * args.replicas):  # Serve routes each call: ask until every replica answered
+            info = handle.pool_info.remote().result(timeout_s=REQUEST_TIMEOUT_S)
+            fronts.add(info["front_pid"])
             known[info["front_pid"]] = "gepool front"
             known.update((p, f"gepool worker ({m})") for m, s in info["status"]["models"].items()
                          for p in s["worker_pids"])
+            if len(fronts) >= args.replicas:
+                break
         pids.update(known)
     check_answers(handle, url, args.repo)
     window = gepool_window if kind == "gepool" else peer_window
