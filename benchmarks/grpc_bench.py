@@ -14,6 +14,7 @@ names. perf_analyzer comes from the tritonclient 2.40.0 wheel (see .ci/run).
 import argparse
 import csv
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -133,6 +134,7 @@ def main() -> None:
     finally:
         if peer is not None:
             peer[2]()
+        shutil.rmtree(repo, ignore_errors=True)
     print(f"\nmax batch {peers.MAX_BATCH}, preferred {list(peers.PREFERRED)}, delay {peers.DELAY_US} us on both; "
           f"{args.threads} onnxruntime thread(s); perf_analyzer window {args.seconds:g} s, batch 1")
     table(rows)

@@ -12,6 +12,7 @@ is left out with the reason printed.
 
 import argparse
 import os
+import shutil
 import sys
 
 import loadgen
@@ -63,30 +64,30 @@ def main() -> None:
                         help="onnxruntime threads per model, gepool's and the peers' (default: every core)")
     parser.add_argument("--peers", default="pytriton,mosec", help="which peers to start beside gepool")
     args = parser.parse_args()
-    if loadgen.shutil.which("wrk") is None:
+    unknown = sorted(set(args.peers.split(",")) - {"pytriton", "mosec"})
+    if unknown:
+        parser.error(f"--peers: no peer {', '.join(unknown)} (pytriton, mosec)")
+    if shutil.which("wrk") is None:
         sys.exit("http_peers.py needs wrk (apt-get install wrk)")
 
     from gepool import Pool
 
     repo = peers.matched_repo("gepool-http-peers-")
     targets: dict[str, str] = {}
-    stops, roots = [], {}
-    for name in args.peers.split(","):
-        try:
-            if name == "pytriton":
-                http_port, _, stop = peers.start_pytriton(repo, threads=args.threads)
-            elif name == "mosec":
-                http_port, stop = peers.start_mosec(repo, threads=args.threads)
-            else:
-                sys.exit(f"--peers: no peer '{name}' (pytriton, mosec)")
-        except (peers.PeerUnavailable, OSError) as exc:
-            print(f"{name} left out: {exc}")
-            continue
-        stops.append(stop)
-        roots[name] = stop.pid
-        targets[name] = f"http://127.0.0.1:{http_port}"
-    rows = []
+    stops, roots, rows = [], {}, []
     try:
+        for name in args.peers.split(","):
+            try:
+                if name == "pytriton":
+                    http_port, _, stop = peers.start_pytriton(repo, threads=args.threads)
+                else:
+                    http_port, stop = peers.start_mosec(repo, threads=args.threads)
+            except (peers.PeerUnavailable, OSError) as exc:
+                print(f"{name} left out: {exc}")
+                continue
+            stops.append(stop)
+            roots[name] = stop.pid
+            targets[name] = f"http://127.0.0.1:{http_port}"
         port = peers.free_port()
         with Pool(repo, http_port=port, grpc_port=0, cpu_threads=args.threads):
             targets = {"gepool": f"http://127.0.0.1:{port}", **targets}
@@ -106,6 +107,7 @@ def main() -> None:
     finally:
         for stop in stops:
             stop()
+        shutil.rmtree(repo, ignore_errors=True)
     print(f"\nmax batch {peers.MAX_BATCH}, wait {peers.DELAY_US} us, {args.threads} onnxruntime thread(s); wrk, one "
           f"JSON row per request, {args.seconds:g} s per level; CPU in us per request")
     print(f"{'model':5s} {'conc':>4s} {'server':8s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'err':>4s} "

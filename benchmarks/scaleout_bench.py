@@ -385,6 +385,7 @@ def main() -> int:
         else:
             serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(repo, ignore_errors=True)
     report(results, args)
     if not shutil.which("wrk"):
         print("(HTTP levels ran on an aiohttp loop in this process: wrk is not installed)")
