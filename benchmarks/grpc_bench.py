@@ -1,30 +1,35 @@
-"""The example models over gepool's KServe v2 gRPC and HTTP endpoints with perf_analyzer (benchmarks/README.md).
+"""gepool's KServe v2 gRPC and HTTP endpoints against PyTriton's, with perf_analyzer (benchmarks/README.md).
 
-    python benchmarks/grpc_bench.py [--seconds S] [--triton-grpc HOST:PORT]
+    python benchmarks/grpc_bench.py [--seconds S] [--peer pytriton|none] [--triton-grpc HOST:PORT]
 
 Runs ``perf_analyzer -i grpc`` (unary and ``--streaming``) and ``-i http`` against one pool at
-concurrency 1, 8 and 64 on tiny and mlp, and, with ``--triton-grpc``, the same gRPC command against
-a Triton (e.g. PyTriton's bundled tritonserver on 8001) serving models of the same names, so both
-come from one run on one host. perf_analyzer comes from the tritonclient 2.40.0 wheel (see .ci/run).
+concurrency 1, 8 and 64 on tiny and mlp, and the same commands against PyTriton (Triton's own fronts,
+onnxruntime in its infer callable, started by ``peers.start_pytriton``) serving the same ONNX files
+with the same batching (max batch 32, preferred 8/16/32, 1 ms delay), so both come from one run on one
+host. With ``--peer none``, or when PyTriton cannot start (the reason is printed), gepool's gRPC is
+compared with its own HTTP. ``--triton-grpc`` adds any running Triton serving models of the same
+names. perf_analyzer comes from the tritonclient 2.40.0 wheel (see .ci/run).
 """
 
 import argparse
 import csv
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
-from http_bench import free_port
+import peers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 CONCURRENCY = (1, 8, 64)
 MODELS = ("tiny", "mlp")
+NAN = {"rps": float("nan"), "p50_us": float("nan"), "p99_us": float("nan")}
 
 
 def perf_analyzer(model: str, url: str, protocol: str, concurrency: int, seconds: float,
-                  streaming: bool = False) -> dict | None:
+                  streaming: bool = False, stability: float = 10.0) -> dict | None:
     from tests.test_http import _perf_analyzer_env
 
     env = _perf_analyzer_env()
@@ -35,10 +40,12 @@ def perf_analyzer(model: str, url: str, protocol: str, concurrency: int, seconds
     try:
         proc = subprocess.run(["perf_analyzer", "-m", model, "-u", url, "-i", protocol,
                                *(["--streaming"] if streaming else []), "--concurrency-range", str(concurrency),
-                               "--measurement-interval", str(int(seconds * 1000)), "-f", out],
+                               "--measurement-interval", str(int(seconds * 1000)),
+                               "--stability-percentage", str(stability), "-f", out],
                               capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            print(proc.stdout[-1500:], proc.stderr[-1500:])
+            print(f"perf_analyzer {protocol} {model} c={concurrency} on {url} failed:", proc.stdout[-1500:],
+                  proc.stderr[-1500:])
             return None
         with open(out) as f:
             row = next(csv.DictReader(f))
@@ -48,35 +55,94 @@ def perf_analyzer(model: str, url: str, protocol: str, concurrency: int, seconds
             "p99_us": float(row["p99 latency"])}
 
 
+def check_answers(url: str, repo: str) -> None:
+    """One tritonclient.grpc request per model, equal to onnxruntime run here: both servers do the same work."""
+    import numpy as np
+    import onnxruntime as ort
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        for model in MODELS:
+            session = ort.InferenceSession(f"{repo}/{model}/1/model.onnx", providers=["CPUExecutionProvider"])
+            (meta,), (out,) = session.get_inputs(), session.get_outputs()
+            x = np.random.default_rng(0).standard_normal((1, meta.shape[1])).astype(np.float32)
+            tensor = grpcclient.InferInput(meta.name, list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            got = client.infer(model, [tensor]).as_numpy(out.name)
+            np.testing.assert_allclose(got, session.run(None, {meta.name: x})[0], rtol=1e-4, atol=1e-4)
+
+
+def table(rows: list) -> None:
+    print(f"{'model':6s} {'conc':>4s} | " + " | ".join(f"{k:>14s} req/s p50 us p99 us" for k in rows[0][2]))
+    for model, conc, runs in rows:
+        cells = [r or NAN for r in runs.values()]
+        print(f"{model:6s} {conc:4d} | " + " | ".join(f"{c['rps']:20.0f} {c['p50_us']:6.0f} {c['p99_us']:6.0f}"
+                                                      for c in cells))
+
+
+def ratios(rows: list, ours: str, theirs: str) -> None:
+    """gepool's row against the bar's: throughput ratio and p99 ratio (the issue's goal: >= 1 and < 1)."""
+    print(f"\n{ours} against {theirs}: req/s ratio (goal >= 1), p99 ratio (goal < 1)")
+    for model, conc, runs in rows:
+        a, b = runs.get(ours) or NAN, runs.get(theirs) or NAN
+        print(f"{model:6s} {conc:4d}   {a['rps'] / b['rps']:5.2f}x   {a['p99_us'] / b['p99_us']:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=5.0, help="perf_analyzer's measurement window")
+    parser.add_argument("--peer", choices=("pytriton", "none"), default="pytriton")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="onnxruntime threads per model, gepool's and the peer's (default: every core)")
+    parser.add_argument("--stability", type=float, default=10.0,
+                        help="perf_analyzer's --stability-percentage (raise it on a busy host)")
     parser.add_argument("--triton-grpc", help="HOST:PORT of a Triton gRPC endpoint serving tiny and mlp")
     args = parser.parse_args()
 
-    from core import example_repo
-
     from gepool import Pool
 
-    repo = example_repo("gepool-grpc-bench-")
-    http_port, grpc_port = free_port(), free_port()
+    repo = peers.matched_repo("gepool-grpc-bench-")
+    peer = None
+    if args.peer == "pytriton":
+        try:
+            peer = peers.start_pytriton(repo, threads=args.threads)
+        except (peers.PeerUnavailable, OSError) as exc:
+            print(f"PyTriton cannot run here, so gepool's gRPC is compared with its HTTP only: {exc}")
+    http_port, grpc_port = peers.free_port(), peers.free_port()
     rows = []
-    with Pool(repo, http_port=http_port, grpc_port=grpc_port):
-        for model in MODELS:
-            for conc in CONCURRENCY:
-                runs = {"grpc": perf_analyzer(model, f"127.0.0.1:{grpc_port}", "grpc", conc, args.seconds),
-                        "grpc-stream": perf_analyzer(model, f"127.0.0.1:{grpc_port}", "grpc", conc, args.seconds,
-                                                     streaming=True),
-                        "http": perf_analyzer(model, f"127.0.0.1:{http_port}", "http", conc, args.seconds)}
-                if args.triton_grpc:
-                    runs["triton-grpc"] = perf_analyzer(model, args.triton_grpc, "grpc", conc, args.seconds)
-                rows.append((model, conc, runs))
-    print(f"{'model':6s} {'conc':>4s} | " + " | ".join(f"{k:>11s} req/s   p50 us   p99 us" for k in rows[0][2]))
-    nan = {"rps": float("nan"), "p50_us": float("nan"), "p99_us": float("nan")}
-    for model, conc, runs in rows:
-        cells = [r or nan for r in runs.values()]
-        print(f"{model:6s} {conc:4d} | " + " | ".join(f"{c['rps']:17.0f} {c['p50_us']:8.0f} {c['p99_us']:8.0f}"
-                                                      for c in cells))
+
+    def pa(model: str, url: str, protocol: str, conc: int, **kw) -> dict | None:
+        return perf_analyzer(model, url, protocol, conc, args.seconds, stability=args.stability, **kw)
+
+    try:
+        with Pool(repo, http_port=http_port, grpc_port=grpc_port, cpu_threads=args.threads):
+            check_answers(f"127.0.0.1:{grpc_port}", repo)
+            if peer is not None:
+                check_answers(f"127.0.0.1:{peer[1]}", repo)
+            for model in MODELS:
+                for conc in CONCURRENCY:
+                    local = f"127.0.0.1:{grpc_port}"
+                    runs = {"gepool-grpc": pa(model, local, "grpc", conc),
+                            "gepool-stream": pa(model, local, "grpc", conc, streaming=True),
+                            "gepool-http": pa(model, f"127.0.0.1:{http_port}", "http", conc)}
+                    if peer is not None:
+                        runs["pytriton-grpc"] = pa(model, f"127.0.0.1:{peer[1]}", "grpc", conc)
+                        runs["pytriton-http"] = pa(model, f"127.0.0.1:{peer[0]}", "http", conc)
+                    if args.triton_grpc:
+                        runs["triton-grpc"] = pa(model, args.triton_grpc, "grpc", conc)
+                    rows.append((model, conc, runs))
+    finally:
+        if peer is not None:
+            peer[2]()
+        shutil.rmtree(repo, ignore_errors=True)
+    print(f"\nmax batch {peers.MAX_BATCH}, preferred {list(peers.PREFERRED)}, delay {peers.DELAY_US} us on both; "
+          f"{args.threads} onnxruntime thread(s); perf_analyzer window {args.seconds:g} s, batch 1")
+    table(rows)
+    if peer is not None:
+        ratios(rows, "gepool-grpc", "pytriton-grpc")
+        ratios(rows, "gepool-http", "pytriton-http")
+    else:
+        ratios(rows, "gepool-grpc", "gepool-http")
     if any(r is None for _, _, runs in rows for r in runs.values()):
         print("(a perf_analyzer run failed or could not start: see its output above, and .ci/run for the binary)")
 

@@ -338,3 +338,34 @@ def test_serve_ingress_refuses_oversized_bodies_before_reading_and_unknown_route
     assert asyncio.run(answer(request("/v2/models/tiny/infer", "GET"))).status_code == 405
     assert asyncio.run(answer(request("/v2/models/tiny/versions/x1/infer"))).status_code == 400
     assert asyncio.run(answer(request("/v2/health/live", "GET"))).status_code == 200
+
+
+def test_a_cancelled_request_cancels_its_call_to_the_pool():
+    """Serve cancels a request whose HTTP client went away: the replica's call into the pool (a task of its
+    own, raced against the front's exit) is cancelled with it, not left pending until it is destroyed."""
+    import asyncio
+
+    from gepool.ray.replica import GepoolReplica
+
+    async def scenario() -> tuple[bool, bool]:
+        replica = object.__new__(GepoolReplica.func_or_class)  # no pool: only the race is exercised
+        replica._front_gone = asyncio.get_running_loop().create_future()
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def call():
+            started.set()
+            try:
+                await asyncio.Event().wait()  # a reply that never comes
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        request = asyncio.ensure_future(replica._unless_front_gone(call()))
+        await started.wait()
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        await asyncio.wait_for(cancelled.wait(), 5)
+        return request.cancelled(), cancelled.is_set()
+
+    assert asyncio.run(scenario()) == (True, True)

@@ -97,7 +97,11 @@ class GepoolReplica:
             call.close()
             raise self._gone()
         task = asyncio.ensure_future(call)
-        await asyncio.wait((task, self._front_gone), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait((task, self._front_gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # Serve cancels a request whose client went away: so is its call
+            task.cancel()
+            raise
         if not task.done():
             task.cancel()
             raise self._gone()
