@@ -118,11 +118,20 @@ def test_floats_in_the_json_modules_plain_range_are_byte_identical(datatype):
     assert kserve.encode_response("m", "1", new_req, outputs)[0] == main.encode_response("m", "1", old_req, outputs)[0]
 
 
-def test_nan_and_infinity_are_written_as_before():
-    outputs = {"OUT": np.array([1.5, np.nan, np.inf, -np.inf], dtype=np.float32), "I": np.arange(3)}
+@pytest.mark.parametrize("size", [4, kserve.NUMPY_JSON_MIN, 1000], ids=["list", "numpy-min", "numpy"])
+def test_nan_and_infinity_are_written_as_before(size):
+    x = np.linspace(-1, 1, size, dtype=np.float32)
+    x[1:4] = [np.nan, np.inf, -np.inf]
+    outputs = {"OUT": x, "I": np.arange(3)}
     new_req, old_req = _request(outputs, binary=False)
     new = kserve.encode_response("m", "1", new_req, outputs)[0]
     assert new == main.encode_response("m", "1", old_req, outputs)[0] and b"NaN,Infinity,-Infinity" in new
+
+
+def test_a_string_saying_null_is_written_as_before():
+    outputs = {"OUT": np.array([b"null", b"x"], dtype=object), "F": np.arange(200, dtype=np.float64)}
+    new_req, old_req = _request(outputs, binary=False, rid="null")
+    assert kserve.encode_response("m", "1", new_req, outputs)[0] == main.encode_response("m", "1", old_req, outputs)[0]
 
 
 def test_a_name_orjson_cannot_write_is_written_as_before():

@@ -290,13 +290,12 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
     """Outputs -> (body, headers). ``write_region(name, offset, size, data)`` writes shared-memory outputs.
 
     Binary outputs travel as views of the output arrays, joined once into the body. JSON is written by
-    orjson from the arrays themselves: floats as the doubles the json module wrote (the shortest text that
-    reads back as the same double; only the spelling of an exponent may differ, as 1e16 for 1e+16), so
-    every client reads the same numbers as before. A float tensor holding NaN or an infinity, which orjson
-    would write as null, is written by the json module as before (NaN, Infinity)."""
+    orjson: floats as the doubles the json module wrote (the shortest text that reads back as the same
+    double; only the spelling of an exponent may differ, as 1e16 for 1e+16), so every client reads the
+    same numbers as before. orjson writes NaN and infinities as null, which nothing else in a response
+    is: a text with null in it is written again by the json module (NaN, Infinity, as before)."""
     wanted = req.outputs if req.outputs is not None else [OutputRequest(n, req.binary_output) for n in outputs]
     entries, blobs = [], []
-    finite = True
     for o in wanted:
         arr = outputs[o.name]
         datatype = "BYTES" if arr.dtype == object else dtypes.from_numpy(arr.dtype)
@@ -312,22 +311,26 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
             blobs.append(data)
         elif datatype == "BYTES":
             entry["data"] = [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in arr.ravel()]
+        elif arr.size < NUMPY_JSON_MIN:
+            entry["data"] = arr.ravel().tolist()
         elif arr.dtype.kind == "f":
-            flat = np.ascontiguousarray(arr, dtype=np.float64).ravel()  # widened exactly, as tolist() did
-            finite = finite and bool(np.isfinite(flat).all())
-            entry["data"] = flat
+            entry["data"] = np.ascontiguousarray(arr, dtype=np.float64).ravel()  # widened exactly, as tolist()
         else:
             entry["data"] = np.ascontiguousarray(arr).ravel()
         entries.append(entry)
     body = {"model_name": model, "model_version": version, "outputs": entries}
     if req.id is not None:
         body["id"] = req.id
-    header = _dumps(body) if finite else None
-    if header is None:
+    header = _dumps(body)
+    if header is None or b"null" in header:
         header = _dumps_json(body)
     if not blobs:
         return header, {"Content-Type": "application/json"}
     return b"".join([header, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+# below this many elements a list is written sooner than orjson sets up a numpy array
+NUMPY_JSON_MIN = 128
 
 
 def _raw_view(arr: np.ndarray) -> memoryview:

@@ -33,6 +33,8 @@ async def read_body(request: web.Request, max_body: int, timeout: float) -> byte
         raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
                            f"(--http-max-body-bytes)")
     try:
+        if request.content.is_eof():  # all of it came with the headers: nothing to wait for, no timer to set
+            return await request.read()
         async with asyncio.timeout(timeout):
             return await request.read()
     except TimeoutError:
