@@ -44,7 +44,7 @@ def random_tensor(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     exponents = RNG.uniform(np.log10(float(info.smallest_subnormal)), np.log10(float(info.max)), n)
     values = np.clip(np.sign(RNG.standard_normal(n)) * 10.0 ** exponents, -info.max, info.max).astype(dtype)
     specials = np.array([v for v in (0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_subnormal, 1e-4, 1e16,
-                                     0.1) if abs(v) <= info.max], dtype=np.float64).astype(dtype)
+                                     0.1) if abs(v) <= float(info.max)], dtype=np.float64).astype(dtype)
     values[: min(n, len(specials))] = specials[: min(n, len(specials))]
     return values.reshape(shape)
 
