@@ -63,6 +63,8 @@ class Restrictions:
 
     def refusal(self, path: str, headers) -> str | None:
         """The 403 message for a request that lacks its API's header, or None when it may pass."""
+        if not self.by_api:  # nothing restricted: every request passes, without matching its path
+            return None
         api = api_of(path)
         if api is None or api not in self.by_api:
             return None

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes
@@ -87,10 +88,9 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     if datatype in ("FP16", "BF16"):
         raise InvalidArgument(f"input '{name}': receiving {datatype} data via JSON is not supported")
     dtype = numpy_dtype(datatype)
-    flat = _flatten(name, data)
+    flat, kinds = _flatten(name, data)  # kinds: the element types, seen at C speed before numpy builds anything
     if len(flat) != math.prod(shape):
         raise InvalidArgument(f"input '{name}': {len(flat)} values of data for shape {shape}")
-    kinds = set(map(type, flat))  # C speed; decides before numpy may build a huge string array
     if datatype == "BYTES":
         if not kinds <= {str}:
             raise InvalidArgument(f"input '{name}': BYTES data in JSON must be strings")
@@ -117,12 +117,14 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
         raise InvalidArgument(f"input '{name}': a value is out of range for {datatype}") from None
 
 
-def _flatten(name: str, data) -> list:
-    """Tensor data given flat or nested row by row -> one flat list, level by level (no recursion)."""
+def _flatten(name: str, data) -> tuple[list, set]:
+    """Tensor data given flat or nested row by row -> one flat list and the types of its elements, level by
+    level (no recursion)."""
     flat = data if isinstance(data, list) else [data]
     for _ in range(MAX_NESTING):
-        if list not in set(map(type, flat)):
-            return flat
+        kinds = set(map(type, flat))
+        if list not in kinds:
+            return flat, kinds
         flat = [x for item in flat for x in (item if isinstance(item, list) else (item,))]
     raise InvalidArgument(f"input '{name}': data is nested more than {MAX_NESTING} levels deep")
 
@@ -152,17 +154,38 @@ def _region_name(what: str, params: dict) -> str:
     return region
 
 
-def load_header(raw) -> dict:
-    """The JSON header of a request as an object; InvalidArgument for anything else."""
+# orjson (3.8) has no nesting limit of its own and overflows the C stack somewhere past 10^5 levels: a
+# document with no more brackets than this cannot nest deeper, and one with more goes to the json module
+ORJSON_MAX_BRACKETS = 1024
+
+
+def load_header(raw, exact: bool = False) -> dict:
+    """The JSON header of a request as an object; InvalidArgument for anything else.
+
+    orjson reads it where it can (several times faster than the json module); what it refuses goes to
+    the json module, which reads what it always read (NaN and Infinity literals, lone surrogates) and
+    names what is wrong as before. ``exact``: the json module only, which also keeps an integer past 64
+    bits an integer (orjson reads it as a float)."""
+    raw = raw if isinstance(raw, bytes) else bytes(raw)
+    if exact or raw.count(b"[") + raw.count(b"{") > ORJSON_MAX_BRACKETS:
+        header = _load_json(raw)
+    else:
+        try:
+            header = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            header = _load_json(raw)
+    if not isinstance(header, dict):
+        raise InvalidArgument("the request JSON must be an object")
+    return header
+
+
+def _load_json(raw) -> object:
     try:
-        header = json.loads(bytes(raw))
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
     except RecursionError:
         raise InvalidArgument("failed to parse the request JSON: it is nested too deeply") from None
-    if not isinstance(header, dict):
-        raise InvalidArgument("the request JSON must be an object")
-    return header
 
 
 def header_length(body, header_length: str | None) -> int:
@@ -181,12 +204,25 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
                   max_input: int | None = None) -> InferRequest:
     """A request body -> numpy inputs and what to return; InvalidArgument names whatever is wrong.
     ``regions(name, offset, size, limit) -> bytes`` resolves system shared-memory inputs (at most
-    ``limit`` bytes); ``max_json`` bounds the JSON header, ``max_input`` the bytes of any one input."""
+    ``limit`` bytes); ``max_json`` bounds the JSON header, ``max_input`` the bytes of any one input.
+
+    A body refused as orjson read it is read again by the json module alone, so that what the caller
+    hears is what the json module's reading makes of it (an integer past 64 bits out of range, not a
+    float where an integer belongs)."""
     hlen = header_length(body, header_length_text)
     if max_json is not None and hlen > max_json:
         raise JSONTooLarge(f"the request JSON of {hlen} bytes is over the {max_json}-byte limit for JSON; send "
                            f"large tensors as binary data (binary_data=True) or through shared memory")
-    header = load_header(memoryview(body)[:hlen])
+    raw = body if hlen == len(body) and isinstance(body, bytes) else memoryview(body)[:hlen]
+    header = load_header(raw)
+    try:
+        return _parse(body, hlen, header, regions, max_input)
+    except InvalidArgument:
+        exact = load_header(raw, exact=True)
+    return _parse(body, hlen, exact, regions, max_input)
+
+
+def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None) -> InferRequest:
     if not isinstance(header.get("inputs"), list):
         raise InvalidArgument("the request JSON must be an object with an 'inputs' list")
     params = _params("the request", header)
@@ -251,7 +287,13 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
 
 def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],
                     write_region=None) -> tuple[bytes, dict[str, str]]:
-    """Outputs -> (body, headers). ``write_region(name, offset, size, data)`` writes shared-memory outputs."""
+    """Outputs -> (body, headers). ``write_region(name, offset, size, data)`` writes shared-memory outputs.
+
+    Binary outputs travel as views of the output arrays, joined once into the body. JSON is written by
+    orjson: floats as the doubles the json module wrote (the shortest text that reads back as the same
+    double; only the spelling of an exponent may differ, as 1e16 for 1e+16), so every client reads the
+    same numbers as before. orjson writes NaN and infinities as null, which nothing else in a response
+    is: a text with null in it is written again by the json module (NaN, Infinity, as before)."""
     wanted = req.outputs if req.outputs is not None else [OutputRequest(n, req.binary_output) for n in outputs]
     entries, blobs = [], []
     for o in wanted:
@@ -264,18 +306,49 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
             write_region(o.region, o.region_offset, o.region_size, data)
             entry["parameters"] = {"shared_memory_region": o.region, "shared_memory_byte_size": len(data)}
         elif o.binary:
-            data = raw if raw is not None else np.ascontiguousarray(arr).tobytes()
+            data = raw if raw is not None else _raw_view(arr)
             entry["parameters"] = {"binary_data_size": len(data)}
             blobs.append(data)
         elif datatype == "BYTES":
             entry["data"] = [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in arr.ravel()]
-        else:
+        elif arr.size < NUMPY_JSON_MIN:
             entry["data"] = arr.ravel().tolist()
+        elif arr.dtype.kind == "f":
+            entry["data"] = np.ascontiguousarray(arr, dtype=np.float64).ravel()  # widened exactly, as tolist()
+        else:
+            entry["data"] = np.ascontiguousarray(arr).ravel()
         entries.append(entry)
     body = {"model_name": model, "model_version": version, "outputs": entries}
     if req.id is not None:
         body["id"] = req.id
-    header = json.dumps(body, separators=(",", ":")).encode()
+    header = _dumps(body)
+    if header is None or b"null" in header:
+        header = _dumps_json(body)
     if not blobs:
         return header, {"Content-Type": "application/json"}
     return b"".join([header, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+# below this many elements a list is written sooner than orjson sets up a numpy array
+NUMPY_JSON_MIN = 128
+
+
+def _raw_view(arr: np.ndarray) -> memoryview:
+    """The tensor's bytes without a copy where it is contiguous already (the view keeps ``arr`` alive)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _dumps(body: dict) -> bytes | None:
+    """orjson's text of a response, or None for what it cannot write as the json module would (a str that is
+    not valid UTF-8: a lone surrogate from a decoded name, say)."""
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    except orjson.JSONEncodeError:
+        return None
+
+
+def _dumps_json(body: dict) -> bytes:
+    for entry in body["outputs"]:
+        if isinstance(entry.get("data"), np.ndarray):
+            entry["data"] = entry["data"].tolist()
+    return json.dumps(body, separators=(",", ":")).encode()

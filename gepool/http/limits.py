@@ -32,6 +32,11 @@ async def read_body(request: web.Request, max_body: int, timeout: float) -> byte
     if length is not None and length > max_body:
         raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
                            f"(--http-max-body-bytes)")
+    if request.content.is_eof():  # all of it came with the headers: nothing to wait for, no timer to set
+        body = request.content.read_nowait()
+        if len(body) > max_body:  # a compressed body is counted as it was decompressed, as read() does
+            raise BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)")
+        return body
     try:
         async with asyncio.timeout(timeout):
             return await request.read()

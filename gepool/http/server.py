@@ -355,6 +355,9 @@ def http_app(gw: Gateway) -> web.Application:
     r = app.router
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
+    # first: the router tries the routes under one prefix in the order they were added
+    r.add_post(m + "/infer", gw.infer)
+    r.add_post(mv + "/infer", gw.infer)
     r.add_get("/v2/health/live", gw.live)
     r.add_get("/v2/health/ready", gw.ready)
     r.add_get("/v2", gw.server_metadata)
@@ -364,7 +367,6 @@ def http_app(gw: Gateway) -> web.Application:
         r.add_get(base + "/ready", gw.model_ready)
         r.add_get(base + "/config", gw.model_config)
         r.add_get(base + "/stats", gw.model_stats)
-        r.add_post(base + "/infer", gw.infer)
     for repo in ("/v2/repository", "/v2/repository/{repo}"):
         r.add_post(repo + "/index", gw.repository_index)
         r.add_post(repo + "/models/{model}/{action:load|unload}", gw.repository_control)
