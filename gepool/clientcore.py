@@ -89,7 +89,7 @@ class ClientCore:
             # pool, gone for good, and is freed once this one has the arena
             with self._lock:
                 self._stale = list(self._orphans)
-        return protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size)
+        return protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size, self.arena.token)
 
     def _registered(self, body: dict) -> None:
         self._arena_id = body["arena"]

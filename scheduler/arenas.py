@@ -5,10 +5,12 @@ unregisters).
 An arena belongs to the identity that registered it and to every lane of the process that made it
 (a client's threads each have a lane; the kernel names a lane's process). A client on a lane may
 register only an arena its own process made and owns; nobody may register the pool's own segments. A
-ZMQ peer is not identified by the kernel: on the owner-only ipc endpoint it is the pool's user; on a tcp
-endpoint without CURVE it may be any local user (see the security notes).
+ZMQ peer is not identified by the kernel (on a tcp endpoint without CURVE it may be any local user), so
+every registration also proves access: it carries the token the arena's creator wrote at its offset 0,
+and the segment must be one only its owner can open, so that nobody else could have read the token.
 """
 
+import hmac
 import logging
 import os
 import stat
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gepool.common import errors
-from gepool.ipc import naming
+from gepool.ipc import layout, naming
 from gepool.ipc.shm import Segment
 
 log = logging.getLogger("gepool.arenas")
@@ -40,6 +42,19 @@ class Arena:
 
 def _no_peer(identity: bytes) -> tuple[int, int] | None:
     return None
+
+
+def _check_access(seg: Segment, name: str, size: int, token: bytes) -> None:
+    """The mapped segment is an owner-only arena of at least ``size`` bytes that begins with ``token``."""
+    mode = stat.S_IMODE(seg.stat.st_mode)
+    if not stat.S_ISREG(seg.stat.st_mode) or mode & 0o077:
+        raise errors.PermissionDenied(f"arena {name} may be opened by others than its owner (mode {mode:04o}): "
+                                      "its token proves nothing")
+    if seg.size < max(size, layout.ARENA_HEADER):
+        raise errors.InvalidArgument(f"arena {name} has {seg.size} bytes, fewer than the "
+                                     f"{max(size, layout.ARENA_HEADER)} declared")
+    if not hmac.compare_digest(bytes(seg.buf[:layout.ARENA_TOKEN_BYTES]), token):
+        raise errors.PermissionDenied(f"arena {name}: the token does not match the one in the arena")
 
 
 class Arenas:
@@ -67,7 +82,7 @@ class Arenas:
         peer = self.peer(identity)
         return arena if peer is not None and arena.pid is not None and peer[0] == arena.pid else None
 
-    def register(self, identity: bytes, name: object, size: object) -> int:
+    def register(self, identity: bytes, name: object, size: object, token: object = b"") -> int:
         if not isinstance(name, str) or not name.startswith("/" + naming.PREFIX):
             raise errors.InvalidArgument(f"arena name must start with '/{naming.PREFIX}', got {name!r}")
         if "/" in name[1:] or "\0" in name:
@@ -87,13 +102,20 @@ class Arenas:
                 raise errors.InvalidArgument(f"cannot map arena {name}: {exc.strerror}") from None
             if not stat.S_ISREG(st.st_mode) or st.st_uid != peer[1]:
                 raise errors.PermissionDenied(f"arena {name} is not a segment of this client's user (uid {peer[1]})")
+        if not isinstance(token, bytes) or len(token) != layout.ARENA_TOKEN_BYTES:
+            raise errors.PermissionDenied(f"arena {name}: the registration carries no {layout.ARENA_TOKEN_BYTES}-byte "
+                                          "token (the one its creator wrote at its offset 0)")
         try:
             seg = Segment.attach(name)
         except Exception as exc:
             raise errors.InvalidArgument(f"cannot map arena {name}: {exc}") from None
-        if seg.size < size:
+        try:
+            _check_access(seg, name, size, token)
+            if peer is not None and seg.stat.st_uid != peer[1]:  # what was mapped, not what was looked at
+                raise errors.PermissionDenied(f"arena {name} is not a segment of this client's user (uid {peer[1]})")
+        except BaseException:
             seg.close()
-            raise errors.InvalidArgument(f"arena {name} has {seg.size} bytes, fewer than the {size} declared")
+            raise
         self._next += 1
         self._arenas[self._next] = Arena(seg, identity, memoryview(seg.buf), pid)
         return self._next

@@ -113,7 +113,8 @@ class Core:
                 return protocol.Reply(msg.req_id, self.log_settings(msg.args))
             return protocol.Reply(msg.req_id, answer_query(self, msg.what, msg.args))
         if isinstance(msg, protocol.RegisterArena):
-            return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
+            return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size,
+                                                                             msg.token)})
         if isinstance(msg, protocol.UnregisterArena):
             return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena, identity)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
