@@ -146,7 +146,8 @@ class Core:
                 raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
                                          f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
             busy = any(w.inflight for w in model.workers)
-            if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes):
+            if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes,
+                                     msg.deadline_us):
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
             model.stats.failed(failure_reason(exc))
@@ -247,12 +248,13 @@ class Core:
                 expired = model.batcher.expire()  # a timer, not the end of a running batch
                 for p in expired:
                     if p.client_gone(model.batcher.clock()):
-                        # the client's own word for its deadline, so it raises the same either way
-                        err = errors.PoolUnavailable("no answer in time: the client's timeout passed while the "
+                        # the client's own word for its deadline, so it raises the same either way; it
+                        # is still sent, so that a client that gave up frees its arena range on it
+                        err = errors.PoolUnavailable("no answer in time: the client's deadline passed while the "
                                                      "request was queued, and it never ran")
+                        self.dispatch.reply_error(model, p.item, err, client_gone=True)
                     else:
-                        err = errors.Timeout("Request timeout expired")
-                    self.dispatch.reply_error(model, p.item, err)
+                        self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
                 self.dispatch.schedule(model)
                 if len(model.batcher):
                     queued.add(model)

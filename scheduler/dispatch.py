@@ -247,8 +247,12 @@ class Dispatcher:
         for p in model.batcher.take_all():
             self.reply_error(model, p.item, err)
 
-    def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
-        model.stats.failed(failure_reason(err))
+    def reply_error(self, model: Model, req: Request, err: errors.GepoolError, client_gone: bool = False) -> None:
+        """``client_gone``: its client's deadline passed before it ran (Triton's CANCELED, and a client timeout)."""
+        if client_gone:
+            model.stats.client_timed_out()
+        else:
+            model.stats.failed(failure_reason(err))
         self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
 
 

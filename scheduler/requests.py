@@ -40,8 +40,8 @@ class Request:
 MAX_BYTES_ELEMENTS = 1 << 16
 BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
 
-_INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size")
-_NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size")
+_INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size", "deadline_us")
+_NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size", "deadline_us")
 
 
 def _check_fields(msg: protocol.Infer) -> None:
