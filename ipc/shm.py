@@ -1,7 +1,6 @@
 """A named POSIX shared-memory segment mapped into this process (posix_ipc + mmap)."""
 
 import mmap
-import os
 from dataclasses import dataclass
 
 import posix_ipc
@@ -30,7 +29,6 @@ class Segment:
         shm = posix_ipc.SharedMemory(name, flags, mode=OWNER_ONLY, size=size if create else 0)
         try:
             self.size = shm.size
-            self.stat = os.fstat(shm.fd)  # of what was mapped: owner and mode, checked with no race
             self.buf = mmap.mmap(shm.fd, self.size)
         except BaseException:
             if create:

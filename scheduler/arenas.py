@@ -8,6 +8,9 @@ register only an arena its own process made and owns; nobody may register the po
 ZMQ peer is not identified by the kernel (on a tcp endpoint without CURVE it may be any local user), so
 every registration also proves access: it carries the token the arena's creator wrote at its offset 0,
 and the segment must be one only its owner can open, so that nobody else could have read the token.
+
+The front never maps an arena: it reads and writes it through its fd (scheduler/arena_io.py), so a
+client that truncates its segment fails its own request and crashes nothing.
 """
 
 import hmac
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 from gepool.common import errors
 from gepool.ipc import layout, naming
-from gepool.ipc.shm import Segment
+from gepool.scheduler.arena_io import ArenaFile
 
 log = logging.getLogger("gepool.arenas")
 
@@ -28,32 +31,32 @@ CHECK_S = 1.0  # how often the owners of arenas are checked for life
 
 @dataclass
 class Arena:
-    """A client's arena, mapped into the front."""
+    """A client's arena, open in the front. ``size``: what it had at registration, the bound on offsets."""
 
-    segment: Segment
+    file: ArenaFile
     owner: bytes
-    view: memoryview
+    size: int
     pid: int | None = None  # the client process that created it: the arena goes when it does
 
-    def close(self) -> None:
-        self.view.release()
-        self.segment.close()
+    @property
+    def name(self) -> str:
+        return self.file.name
 
 
 def _no_peer(identity: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _check_access(seg: Segment, name: str, size: int, token: bytes) -> None:
-    """The mapped segment is an owner-only arena of at least ``size`` bytes that begins with ``token``."""
-    mode = stat.S_IMODE(seg.stat.st_mode)
-    if not stat.S_ISREG(seg.stat.st_mode) or mode & 0o077:
+def _check_access(file: ArenaFile, st: os.stat_result, size: int, token: bytes) -> None:
+    """The opened segment is an owner-only arena of at least ``size`` bytes that begins with ``token``."""
+    name, mode = file.name, stat.S_IMODE(st.st_mode)
+    if not stat.S_ISREG(st.st_mode) or mode & 0o077:
         raise errors.PermissionDenied(f"arena {name} may be opened by others than its owner (mode {mode:04o}): "
                                       "its token proves nothing")
-    if seg.size < max(size, layout.ARENA_HEADER):
-        raise errors.InvalidArgument(f"arena {name} has {seg.size} bytes, fewer than the "
+    if st.st_size < max(size, layout.ARENA_HEADER):
+        raise errors.InvalidArgument(f"arena {name} has {st.st_size} bytes, fewer than the "
                                      f"{max(size, layout.ARENA_HEADER)} declared")
-    if not hmac.compare_digest(bytes(seg.buf[:layout.ARENA_TOKEN_BYTES]), token):
+    if not hmac.compare_digest(file.read(0, layout.ARENA_TOKEN_BYTES), token):
         raise errors.PermissionDenied(f"arena {name}: the token does not match the one in the arena")
 
 
@@ -106,18 +109,15 @@ class Arenas:
             raise errors.PermissionDenied(f"arena {name}: the registration carries no {layout.ARENA_TOKEN_BYTES}-byte "
                                           "token (the one its creator wrote at its offset 0)")
         try:
-            seg = Segment.attach(name)
-        except Exception as exc:
-            raise errors.InvalidArgument(f"cannot map arena {name}: {exc}") from None
-        try:
-            _check_access(seg, name, size, token)
-            if peer is not None and seg.stat.st_uid != peer[1]:  # what was mapped, not what was looked at
-                raise errors.PermissionDenied(f"arena {name} is not a segment of this client's user (uid {peer[1]})")
-        except BaseException:
-            seg.close()
-            raise
+            file = ArenaFile(os.open(naming.SHM_DIR + name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), name)
+        except OSError as exc:
+            raise errors.InvalidArgument(f"cannot open arena {name}: {exc.strerror}") from None
+        st = os.fstat(file.fd)  # of what was opened, not of what was looked at
+        _check_access(file, st, size, token)
+        if peer is not None and st.st_uid != peer[1]:
+            raise errors.PermissionDenied(f"arena {name} is not a segment of this client's user (uid {peer[1]})")
         self._next += 1
-        self._arenas[self._next] = Arena(seg, identity, memoryview(seg.buf), pid)
+        self._arenas[self._next] = Arena(file, identity, st.st_size, pid)
         return self._next
 
     def unregister(self, arena_id: object, identity: bytes) -> bool:
@@ -140,15 +140,16 @@ class Arenas:
             if arena.pid is not None and not naming.pid_alive(arena.pid):
                 log.info("client pid %d is gone; releasing its arena %d", arena.pid, arena_id)
                 del self._arenas[arena_id]
-                arena.segment.unlink()
+                try:
+                    os.unlink(naming.SHM_DIR + arena.name)
+                except OSError:
+                    pass
                 self._dropped(arena)
 
     def _dropped(self, arena: Arena) -> None:
-        arena.close()
+        # its fd closes with the last queued request that still reads it (ArenaFile)
         if self.on_drop is not None:
-            self.on_drop(arena.segment.name)
+            self.on_drop(arena.name)
 
     def close(self) -> None:
-        for arena in self._arenas.values():
-            arena.close()
         self._arenas.clear()

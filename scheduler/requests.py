@@ -6,21 +6,22 @@ from dataclasses import dataclass, field
 from gepool.common.config import ModelConfig
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes, layout, protocol
+from gepool.scheduler.arena_io import ArenaSpan
 from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
 
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One admitted request. ``inputs`` holds, in config order, a buffer of each tensor's bytes: a
-    view of a received ZMQ frame or lane record (the view keeps its owner alive) or of the client's
-    arena."""
+    """One admitted request. ``inputs`` holds, in config order, each tensor's bytes: a view of a received
+    ZMQ frame or lane record (the view keeps its owner alive), or the span of the client's arena they
+    lie in (read when they are copied)."""
 
     identity: bytes
     req_id: int
     model: str
     shapes: list[tuple[int, ...]]
-    inputs: list[memoryview]
+    inputs: list[memoryview | ArenaSpan]
     rows: int
     nbytes: int  # inputs plus the fixed-size outputs this request needs in a slot
     outputs: set[str] | None
@@ -179,14 +180,14 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
     return buf
 
 
-def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview:
+def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview | ArenaSpan:
     if type(where) is not int:
         raise InvalidArgument(f"input '{name}': location must be an integer, got {where!r}")
     if arena is not None:
-        if where < 0 or where + nbytes > len(arena.view):
+        if where < 0 or where + nbytes > arena.size:
             raise InvalidArgument(f"input '{name}': arena bytes [{where}, {where + nbytes}) lie outside the "
-                                  f"arena of {len(arena.view)} bytes")
-        return arena.view[where:where + nbytes]
+                                  f"arena of {arena.size} bytes")
+        return ArenaSpan(arena.file, where, nbytes)
     if where < 0 or where >= len(frames):
         raise InvalidArgument(f"input '{name}': frame {where} does not exist ({len(frames)} tensor frames sent)")
     buf = frames[where]
