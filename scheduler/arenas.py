@@ -27,6 +27,7 @@ from gepool.scheduler.arena_io import ArenaFile
 log = logging.getLogger("gepool.arenas")
 
 CHECK_S = 1.0  # how often the owners of arenas are checked for life
+MAX_ARENAS = 1024  # each holds an fd in the front: past this, registrations are refused, not fds run out
 
 
 @dataclass
@@ -116,6 +117,11 @@ class Arenas:
         _check_access(file, st, size, token)
         if peer is not None and st.st_uid != peer[1]:
             raise errors.PermissionDenied(f"arena {name} is not a segment of this client's user (uid {peer[1]})")
+        for arena_id, arena in self._arenas.items():
+            if arena.owner == identity and arena.name == name:
+                return arena_id  # registered again (a client retrying): the same arena, no second fd
+        if len(self._arenas) >= MAX_ARENAS:
+            raise errors.Unavailable(f"the front holds {MAX_ARENAS} client arenas; arena {name} is not registered")
         self._next += 1
         self._arenas[self._next] = Arena(file, identity, st.st_size, pid)
         return self._next

@@ -135,3 +135,28 @@ def test_over_a_lane_the_right_token_does_not_lift_the_process_check(pool):
         assert out.stdout.startswith("Error PERMISSION_DENIED"), out.stdout + out.stderr
         assert "not made by this client's process" in out.stdout
         _owner_served(owner)
+
+
+def test_registrations_are_bounded_and_a_repeat_holds_no_second_fd(monkeypatch):
+    """Each registered arena holds an fd in the front: one client registering its arena again and again
+    gets the same id (one fd), and past MAX_ARENAS every new registration is refused UNAVAILABLE."""
+    from gepool.arena import ClientArena
+    from gepool.scheduler import arenas as front_arenas
+
+    monkeypatch.setattr(front_arenas, "MAX_ARENAS", 3)
+    mine = [ClientArena(1 << 16) for _ in range(4)]
+    held = front_arenas.Arenas()
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        first = held.register(b"a", mine[0].segment.name, mine[0].size, mine[0].token)
+        for _ in range(50):
+            assert held.register(b"a", mine[0].segment.name, mine[0].size, mine[0].token) == first
+        assert len(held) == 1 and len(os.listdir("/proc/self/fd")) == fds + 1
+        held.register(b"b", mine[1].segment.name, mine[1].size, mine[1].token)
+        held.register(b"c", mine[2].segment.name, mine[2].size, mine[2].token)
+        with pytest.raises(errors.Unavailable, match=f"holds 3 client arenas; arena {mine[3].segment.name}"):
+            held.register(b"d", mine[3].segment.name, mine[3].size, mine[3].token)
+    finally:
+        held.close()
+        for a in mine:
+            a.close()
