@@ -38,6 +38,9 @@ class Arena:
     owner: bytes
     size: int
     pid: int | None = None  # the client process that created it: the arena goes when it does
+    # it may run direct batches (a worker maps it): not once it was seen truncated or a worker died in it,
+    # for a truncation racing a worker's mapped reads is SIGBUS there
+    direct: bool = True
 
     @property
     def name(self) -> str:

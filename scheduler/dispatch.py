@@ -96,6 +96,8 @@ class Dispatcher:
             spans = [b for b in r.inputs if type(b) is ArenaSpan]
             end = max([s.end() for s in spans] + [r.out_offset + r.out_size])
             if spans and spans[0].file.size() < end:
+                if (arena := self.arenas.get(r.arena)) is not None:
+                    arena.direct = False
                 if kept is reqs:
                     kept = list(reqs[:i])
                 self.reply_error(model, r, errors.InvalidArgument(truncated(spans[0].file.name, end)))
@@ -109,7 +111,7 @@ class Dispatcher:
                 or not model.admission.fixed_outputs or not w.info.get("arena_io")):
             return None
         arena = self.arenas.get(req.arena)
-        if arena is None:
+        if arena is None or not arena.direct:
             return None
         cfg = model.config
         ins = [TensorDesc(t.datatype, req.shapes[i], req.where[i], len(req.inputs[i]), True)
@@ -250,6 +252,8 @@ class Dispatcher:
         """A batch whose worker died: each request runs once more on another worker, or hears ``err``."""
         again = []
         for req in batch.requests:
+            if batch.direct and (arena := self.arenas.get(req.arena)) is not None:
+                arena.direct = False  # its client may have truncated it under the worker: never again
             if can_retry and not req.retried:
                 req.retried = True
                 again.append((req, req.rows, req.key, req.arrived, req.nbytes))

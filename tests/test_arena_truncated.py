@@ -42,3 +42,41 @@ def test_a_truncated_arena_fails_its_request_and_nothing_dies(tpool, model, widt
         assert other.status()["models"][model]["worker_pids"] == workers  # no worker died either
         y = np.full((1, width), 2.0, np.float32)
         np.testing.assert_array_equal(other.infer(model, {"INPUT0": y})["OUTPUT0"], np.full((1, width), 5.0))
+
+
+def test_an_arena_raced_by_truncation_stops_running_direct_batches(tpool):
+    """A thread truncates and restores the client's arena while it sends direct-size requests: a worker
+    that maps the arena could meet the truncation mid-read (SIGBUS); once the front sees the arena truncated,
+    or a worker die in it, it copies that arena's requests through the slot. At most one worker dies."""
+    import threading
+
+    with Client(tpool.endpoint, shared_memory=True, arena_min_bytes=0) as c:
+        restarts = c.status()["models"]["wide"]["restarts"]
+        path, size = "/dev/shm" + c.arena.segment.name, c.arena.size
+        x = c.empty((1, WIDE), np.float32)
+        x[:] = 1.0
+        stop = threading.Event()
+
+        def flip():
+            while not stop.is_set():
+                os.truncate(path, 0)
+                os.truncate(path, size)
+
+        flipper = threading.Thread(target=flip)
+        flipper.start()
+        try:
+            outcomes = set()
+            for _ in range(300):
+                try:
+                    c.infer("wide", {"INPUT0": x}, timeout=60)
+                    outcomes.add("ok")
+                except errors.GepoolError as exc:
+                    outcomes.add(type(exc).__name__)
+        finally:
+            stop.set()
+            flipper.join()
+        assert "InvalidArgument" in outcomes, outcomes  # the truncations were seen
+        assert c.status()["models"]["wide"]["restarts"] - restarts <= 1
+        assert _alive(tpool.process.pid)
+        x[:] = 1.0  # the arena whole again (a truncation zeroes it): its requests are served, through the slot
+        np.testing.assert_array_equal(c.infer("wide", {"INPUT0": x})["OUTPUT0"], np.full((1, WIDE), 3.0))
