@@ -1,6 +1,7 @@
 """A client's shared-memory arena: tensors placed here reach the front as offsets, not bytes."""
 
 import collections
+import secrets
 import threading
 import weakref
 
@@ -19,13 +20,20 @@ class ClientArena:
 
     Its name stays linked while the client lives, so that a pool restarted on the same endpoint can
     map it again; close() unlinks it, the front unlinks it when it sees the client's process gone, and
-    ``gepool cleanup`` finds it by the pid in its name."""
+    ``gepool cleanup`` finds it by the pid in its name.
+
+    Its first ``layout.ARENA_HEADER`` bytes are never handed out: they hold a random token that only
+    processes able to open the owner-only segment can read. RegisterArena carries it, and the front
+    registers the arena only for a client that sent it (a peer on tcp has no identity the kernel gives)."""
 
     def __init__(self, size: int) -> None:
-        self.size = layout.align(size, 4096)
+        self.size = layout.align(max(size, layout.ARENA_HEADER + 1), 4096)
         self.segment = Segment.create(naming.segment_name(naming.new_owner_id(), "arena"), self.size)
         self.buf = memoryview(self.segment.buf)
-        self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
+        self.token = secrets.token_bytes(layout.ARENA_TOKEN_BYTES)
+        self.buf[:len(self.token)] = self.token
+        self.start = layout.ARENA_HEADER  # the first offset alloc may hand out
+        self._free: list[tuple[int, int]] = [(self.start, self.size - self.start)]  # sorted (offset, length)
         self._lock = threading.Lock()
         # ranges of collected arrays: a finalizer may run on a thread that is inside alloc or free
         # already, so it only appends here (atomic) and the next alloc or free takes them in

@@ -89,7 +89,7 @@ class ClientCore:
             # pool, gone for good, and is freed once this one has the arena
             with self._lock:
                 self._stale = list(self._orphans)
-        return protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size)
+        return protocol.RegisterArena(_wire.next_id(), self.arena.segment.name, self.arena.size, self.arena.token)
 
     def _registered(self, body: dict) -> None:
         self._arena_id = body["arena"]
@@ -116,14 +116,15 @@ class ClientCore:
                 timeout: float | None) -> _wire.Outgoing:
         if self._closed:
             raise errors.InvalidArgument("the client is closed")
+        wait = self.timeout if timeout is None else timeout  # what the face waits: the front drops it after
         arena = self.arena
         if arena is None:
-            return _wire.encode_infer(model, inputs, outputs, version, timeout, None, 0, self.arena_min_bytes)
+            return _wire.encode_infer(model, inputs, outputs, version, timeout, None, 0, self.arena_min_bytes, wait)
         meta = self._meta.get(model)
         if meta is None:
             meta = self._meta[model] = self._metadata(model)
         return _wire.encode_infer(model, inputs, outputs, version, timeout, (arena, self._arena_id),
-                                  _wire.output_bytes(meta, inputs), self.arena_min_bytes)
+                                  _wire.output_bytes(meta, inputs), self.arena_min_bytes, wait)
 
     def _arena_lost(self, exc: errors.InvalidArgument) -> bool:
         """A new pool came up on the endpoint (ZMQ reconnected by itself) and does not know our arena:

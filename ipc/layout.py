@@ -1,6 +1,8 @@
 """Where tensors sit inside a slot's data area: packed in order, each 256-byte aligned."""
 
 ALIGN = 256
+ARENA_TOKEN_BYTES = 32  # a client arena's registration token, at its offset 0
+ARENA_HEADER = ALIGN  # the arena bytes before its first tensor: the token's, never allocated
 
 
 def align(n: int, to: int = ALIGN) -> int:

@@ -62,10 +62,11 @@ def load_keys(path: str) -> tuple[bytes, bytes | None]:
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, curve_server: tuple[bytes, bytes] | None = None,
-                curve_client: tuple[bytes, bytes, bytes] | None = None) -> zmq.Socket:
+                curve_client: tuple[bytes, bytes, bytes] | None = None, max_frame: int = -1) -> zmq.Socket:
     """A socket with gepool's options; an ipc endpoint it binds is made owner-only (0600).
     ``curve_server=(public, secret)`` or ``curve_client=(server_public, public, secret)`` turn on ZMQ's
-    CURVE encryption and authentication (for tcp endpoints)."""
+    CURVE encryption and authentication (for tcp endpoints). ``max_frame``: a peer declaring a larger
+    frame is disconnected at its header (-1: no limit)."""
     sock = ctx.socket(kind)
     if curve_server is not None:
         sock.curve_server = True
@@ -75,6 +76,7 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)  # before bind: a listener copies the options it has then
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:

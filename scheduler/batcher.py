@@ -60,7 +60,7 @@ class Pending:
     level: int = 1
     idle: bool = True  # no batch of the model was running when it arrived
     nbytes: int = 0  # what it holds of the pool's queue budget
-    expires: float | None = None  # its client's own timeout: past it, nobody waits for the answer
+    expires: float | None = None  # its client's deadline: past it, nobody waits for the answer
     delayed: bool = False  # moved behind its level's live requests (timeout_action DELAY)
     due: float | None = None  # its deadline while queued, kept when it is taken and put back
     policy_at: float | None = None  # when its queue policy's timeout (after any override) passes
@@ -108,12 +108,13 @@ class DynamicBatcher:
         return len(self.queue)
 
     def add(self, item: Any, rows: int = 1, key: Hashable = None, priority: int = 0, timeout_us: int = 0,
-            busy: bool = False, nbytes: int = 0) -> bool:
-        """Queues a request (``busy``: a batch of the model is running; ``timeout_us``: its client's
-        timeout, 0 for none); False when its priority level's queue is full (answer it UNAVAILABLE)."""
+            busy: bool = False, nbytes: int = 0, deadline_us: int = 0) -> bool:
+        """Queues a request (``busy``: a batch of the model is running; ``timeout_us``: its own timeout for
+        the queue policy; ``deadline_us``: how long its client waits; 0 for none); False when its priority
+        level's queue is full (answer it UNAVAILABLE)."""
         now = self.clock()
         if not self.queue.admit(Pending(item, max(1, rows), key, now, idle=not busy, nbytes=nbytes), priority,
-                                timeout_us):
+                                timeout_us, deadline_us):
             return False
         self.rows += max(1, rows)
         self.budget.used += nbytes

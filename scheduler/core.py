@@ -119,7 +119,8 @@ class Core:
                 return protocol.Reply(msg.req_id, self.log_settings(msg.args))
             return protocol.Reply(msg.req_id, answer_query(self, msg.what, msg.args))
         if isinstance(msg, protocol.RegisterArena):
-            return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size)})
+            return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size,
+                                                                             msg.token)})
         if isinstance(msg, protocol.UnregisterArena):
             return protocol.Reply(msg.req_id, {"unregistered": self.arenas.unregister(msg.arena, identity)})
         raise errors.InvalidArgument(f"{type(msg).__name__} is not a request a client may send")
@@ -144,19 +145,20 @@ class Core:
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
             if model.config.ensemble is not None:
-                self.ensembles.start(model, req, msg.priority, msg.timeout_us)
+                self.ensembles.start(model, req, msg.priority, msg.timeout_us, msg.deadline_us)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
             if self.dispatch.cache is not None and model.config.response_cache \
                     and self.dispatch.answer_cached(model, req):
                 return  # answered from the cache: no worker runs it
-            self._enqueue(group, model, req, msg.priority, msg.timeout_us, counted=True)
+            self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
         except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
             model.stats.failed(failure_reason(exc))
             raise
         self._refused.discard(msg.model)
 
-    def _enqueue(self, group, model: Model, req, priority: int, timeout_us: int, counted: bool = False) -> None:
+    def _enqueue(self, group, model: Model, req, priority: int, timeout_us: int, deadline_us: int = 0,
+                 counted: bool = False) -> None:
         """An admitted request into its model's queue, or Unavailable (the pool's or the model's queue is
         full); ``counted``: the caller counts a refusal in the model's stats (else it is counted here)."""
         try:
@@ -165,7 +167,7 @@ class Core:
                 raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
                                          f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
             busy = any(w.inflight for w in model.workers)
-            if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy, req.nbytes):
+            if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy, req.nbytes, deadline_us):
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         except errors.GepoolError as exc:
             if not counted:
@@ -268,12 +270,13 @@ class Core:
                 expired = model.batcher.expire()  # a timer, not the end of a running batch
                 for p in expired:
                     if p.client_gone(model.batcher.clock()):
-                        # the client's own word for its deadline, so it raises the same either way
-                        err = errors.PoolUnavailable("no answer in time: the client's timeout passed while the "
+                        # the client's own word for its deadline, so it raises the same either way; it
+                        # is still sent, so that a client that gave up frees its arena range on it
+                        err = errors.PoolUnavailable("no answer in time: the client's deadline passed while the "
                                                      "request was queued, and it never ran")
+                        self.dispatch.reply_error(model, p.item, err, client_gone=True)
                     else:
-                        err = errors.Timeout("Request timeout expired")
-                    self.dispatch.reply_error(model, p.item, err)
+                        self.dispatch.reply_error(model, p.item, errors.Timeout("Request timeout expired"))
                 self.dispatch.schedule(model)
                 if len(model.batcher):
                     queued.add(model)

@@ -10,6 +10,7 @@ import numpy as np
 from gepool.common import errors
 from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import MAX_REQUESTS, TensorDesc
+from gepool.scheduler.arena_io import ArenaSpan, truncated
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Batch, Worker
 from gepool.scheduler.cache import ResponseCache, entry_frames, now_ns, private_inputs, request_key
@@ -63,6 +64,9 @@ class Dispatcher:
             self._run(model, worker, [p.item for p in pending])
 
     def _run(self, model: Model, w: Worker, reqs: list[Request]) -> None:
+        reqs = self._intact(model, reqs)
+        if not reqs:
+            return
         now = self.clock()
         direct = self._direct(model, w, reqs[0]) if len(reqs) == 1 else None
         model.seq += 1
@@ -82,13 +86,32 @@ class Dispatcher:
         model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in)
         w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
+    def _intact(self, model: Model, reqs: list[Request]) -> list[Request]:
+        """The requests whose client arena still holds their inputs and output range; the others fail here,
+        before a slot or a worker (which maps the arena for a direct batch) can touch what is gone."""
+        kept = reqs
+        for i, r in enumerate(reqs):
+            if r.where is None:
+                continue
+            spans = [b for b in r.inputs if type(b) is ArenaSpan]
+            end = max([s.end() for s in spans] + [r.out_offset + r.out_size])
+            if spans and spans[0].file.size() < end:
+                if (arena := self.arenas.get(r.arena)) is not None:
+                    arena.direct = False
+                if kept is reqs:
+                    kept = list(reqs[:i])
+                self.reply_error(model, r, errors.InvalidArgument(truncated(spans[0].file.name, end)))
+            elif kept is not reqs:
+                kept.append(r)
+        return kept
+
     def _direct(self, model: Model, w: Worker, req: Request) -> tuple[str, list, list] | None:
         """(arena name, input places, output places) when ``req`` can run as a direct batch."""
         if (req.where is None or req.outputs is not None or req.cache_key is not None or req.nbytes < DIRECT_MIN_BYTES
                 or not model.admission.fixed_outputs or not w.info.get("arena_io")):
             return None
         arena = self.arenas.get(req.arena)
-        if arena is None:
+        if arena is None or not arena.direct:
             return None
         cfg = model.config
         ins = [TensorDesc(t.datatype, req.shapes[i], req.where[i], len(req.inputs[i]), True)
@@ -97,11 +120,11 @@ class Dispatcher:
         shapes = [lead + t.dims for t in cfg.outputs]
         sizes = [math.prod(s) * dtypes.itemsize(t.datatype) for s, t in zip(shapes, cfg.outputs, strict=True)]
         offsets, end = layout.pack(sizes, req.out_offset)
-        if end > min(req.out_offset + req.out_size, len(arena.view)):
+        if end > min(req.out_offset + req.out_size, arena.size):
             return None
         outs = [TensorDesc(t.datatype, s, o, n, True)
                 for t, s, o, n in zip(cfg.outputs, shapes, offsets, sizes, strict=True)]
-        return arena.segment.name, ins, outs
+        return arena.name, ins, outs
 
     def _copy_in(self, model: Model, slot, reqs: list[Request], now: float, per_request: bool = False) -> None:
         """The one copy batching needs: each request's inputs, end to end, into the slot."""
@@ -116,7 +139,10 @@ class Dispatcher:
             pos = offsets[i]
             for r in reqs:
                 buf = r.inputs[i]
-                slot.data[pos:pos + len(buf)] = buf
+                if type(buf) is ArenaSpan:
+                    buf.read_into(slot.data[pos:pos + len(buf)])
+                else:
+                    slot.data[pos:pos + len(buf)] = buf
                 pos += len(buf)
             descs.append(TensorDesc(t.datatype, shape, offsets[i], sizes[i]))
         table = [(r.rows, _output_mask(cfg, r.outputs)) for r in reqs] if per_request else ()
@@ -188,11 +214,10 @@ class Dispatcher:
         if arena is not None:
             offsets, _ = layout.pack([p.nbytes for p in pieces], req.out_offset)
             end = offsets[-1] + pieces[-1].nbytes if pieces else req.out_offset
-            if 0 <= req.out_offset and end <= min(req.out_offset + req.out_size, len(arena.view)):
-                refs = []
-                for n, p, off in zip(names, pieces, offsets, strict=True):
-                    np.copyto(np.frombuffer(arena.view, p.dtype, p.size, off).reshape(p.shape), p)
-                    refs.append([n, dtypes.from_numpy(p.dtype), list(p.shape), off])
+            if 0 <= req.out_offset and end <= min(req.out_offset + req.out_size, arena.size) and all(
+                    arena.file.write(off, p) for p, off in zip(pieces, offsets, strict=True)):
+                refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), off]
+                        for n, p, off in zip(names, pieces, offsets, strict=True)]
                 reply = protocol.Result(req.req_id, refs, True, model.version)
                 self.reply(req.identity, [reply.encode()], False)
                 return
@@ -231,6 +256,8 @@ class Dispatcher:
         """A batch whose worker died: each request runs once more on another worker, or hears ``err``."""
         again = []
         for req in batch.requests:
+            if batch.direct and (arena := self.arenas.get(req.arena)) is not None:
+                arena.direct = False  # its client may have truncated it under the worker: never again
             if can_retry and not req.retried:
                 req.retried = True
                 again.append((req, req.rows, req.key, req.arrived, req.nbytes))
@@ -251,8 +278,12 @@ class Dispatcher:
         for p in model.batcher.take_all():
             self.reply_error(model, p.item, err)
 
-    def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
-        model.stats.failed(failure_reason(err))
+    def reply_error(self, model: Model, req: Request, err: errors.GepoolError, client_gone: bool = False) -> None:
+        """``client_gone``: its client's deadline passed before it ran (Triton's CANCELED, and a client timeout)."""
+        if client_gone:
+            model.stats.client_timed_out()
+        else:
+            model.stats.failed(failure_reason(err))
         if req.sink is not None:
             req.sink.failed(model, err)
             return

@@ -114,12 +114,14 @@ class Ensembles:
         return max(ready, key=lambda m: m.version) if ready else None
 
     # -- requests ----------------------------------------------------------------------------
-    def start(self, model: Model, req: Request, priority: int, timeout_us: int) -> None:
+    def start(self, model: Model, req: Request, priority: int, timeout_us: int, deadline_us: int = 0) -> None:
         """An admitted ensemble request: its first steps enter their queues now (raising, as admission
-        does, when one cannot)."""
+        does, when one cannot). Its timeout and its client's deadline, whichever ends first, bound the
+        whole pipeline."""
         ens = model.config.ensemble
         tensors = {t.name: Tensor(t.datatype, req.shapes[i], req.inputs[i]) for i, t in enumerate(model.config.inputs)}
-        deadline = req.arrived + timeout_us / 1e6 if timeout_us else None
+        limits = [us for us in (timeout_us, deadline_us) if us]
+        deadline = req.arrived + min(limits) / 1e6 if limits else None
         run = Run(model, req, priority, deadline, tensors, set(range(len(ens.steps))))
         try:
             self._advance(run)
@@ -160,14 +162,14 @@ class Ensembles:
             frames.append(t.buf)
         msg = protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
                              outputs=None, timeout_us=timeout_us, priority=run.priority, arena=protocol.NO_ARENA,
-                             out_offset=0, out_size=0)
+                             out_offset=0, out_size=0, deadline_us=timeout_us)
         try:
             req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
             model.stats.failed(failure_reason(exc))
             raise
         req.sink = StepSink(self, run, i, now)
-        self.enqueue(group, model, req, run.priority, timeout_us)
+        self.enqueue(group, model, req, run.priority, timeout_us, timeout_us)
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float) -> None:
         run = sink.run

@@ -16,8 +16,8 @@ from gepool.ipc import protocol, zmqio
 from gepool.ipc.sockets import make_socket, runtime_dir
 from gepool.scheduler.books import Worker
 from gepool.scheduler.channels import Channels, ZmqChannel, open_lanes
-from gepool.scheduler.core import Core
-from gepool.scheduler.options import FrontOptions
+from gepool.scheduler.core import MESSAGE_HEADROOM, Core
+from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.status import Peers
 from gepool.scheduler.supervisor import StartWorker, Supervisor
 
@@ -78,7 +78,11 @@ class Loop:
 
     def _open(self, wake_r: int) -> None:
         """The sockets, then the core that answers through them."""
-        clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint, curve_server=self._curve())
+        # libzmq allocates a frame as its header declares, before its bytes arrive: a frame larger than all
+        # queues may hold could never be admitted, and is refused (its peer disconnected) at its header
+        most = queued_bytes_limit(self.opts.max_queued_bytes) + MESSAGE_HEADROOM
+        clients = make_socket(self.ctx, zmq.ROUTER, bind=self.opts.endpoint, curve_server=self._curve(),
+                              max_frame=most)
         zmq_channel = ZmqChannel(clients, None)
         try:
             # tcp://HOST:* binds a free port; from here on the endpoint is the one actually bound

@@ -6,8 +6,9 @@ forgotten), ``timeout_action`` (REJECT answers it; DELAY moves it behind every l
 level), and ``allow_timeout_override`` (a request's own timeout may only shorten the default, and
 is ignored when the default is 0, as Triton's PolicyQueue::Enqueue does).
 
-Apart from the policy, a request's own timeout is its client's: once it passes, nobody waits for the
-answer, so the request leaves its queue (whatever ``timeout_action`` says) and never runs.
+Apart from the policy, a request carries its client's deadline (``deadline_us``, not the timeout that
+overrides the policy): once it passes, nobody waits for the answer, so the request leaves its queue
+(whatever ``timeout_action`` says) and never runs.
 """
 
 import collections
@@ -38,9 +39,10 @@ class PolicyQueues:
     def level_of(self, priority: int) -> int:
         return priority if 1 <= priority <= self.levels else self.default_level
 
-    def admit(self, pending: Any, priority: int, timeout_us: int) -> bool:
+    def admit(self, pending: Any, priority: int, timeout_us: int, deadline_us: int = 0) -> bool:
         """Queues it, or returns False when its level is full. Sets ``pending.level``, ``.deadline`` and
-        ``.expires`` (``timeout_us``: its client's timeout, 0 for none)."""
+        ``.expires`` (``timeout_us``: the request's timeout, which only the policy's override looks at;
+        ``deadline_us``: how long its client waits; 0 for none)."""
         level = self.level_of(priority)
         policy = self.policies[level - 1]
         if policy.max_queue_size and len(self.live[level - 1]) + len(self.delayed[level - 1]) >= policy.max_queue_size:
@@ -50,8 +52,8 @@ class PolicyQueues:
             timeout = timeout_us
         pending.level = level
         deadline = pending.policy_at = pending.enqueued + timeout / 1e6 if timeout else None
-        if timeout_us > 0:
-            pending.expires = pending.enqueued + timeout_us / 1e6
+        if deadline_us > 0:
+            pending.expires = pending.enqueued + deadline_us / 1e6
             if deadline is None or pending.expires < deadline:
                 deadline = pending.expires
         pending.deadline = pending.due = deadline

@@ -9,6 +9,7 @@ from typing import Protocol
 from gepool.common.config import ModelConfig
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes, layout, protocol
+from gepool.scheduler.arena_io import ArenaSpan
 from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
 
@@ -26,15 +27,15 @@ class Sink(Protocol):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One admitted request. ``inputs`` holds, in config order, a buffer of each tensor's bytes: a
-    view of a received ZMQ frame or lane record (the view keeps its owner alive) or of the client's
-    arena."""
+    """One admitted request. ``inputs`` holds, in config order, each tensor's bytes: a view of a received
+    ZMQ frame or lane record (the view keeps its owner alive), or the span of the client's arena they
+    lie in (read when they are copied)."""
 
     identity: bytes
     req_id: int
     model: str
     shapes: list[tuple[int, ...]]
-    inputs: list[memoryview]
+    inputs: list[memoryview | ArenaSpan]
     rows: int
     nbytes: int  # inputs plus the fixed-size outputs this request needs in a slot
     outputs: set[str] | None
@@ -55,8 +56,8 @@ class Request:
 MAX_BYTES_ELEMENTS = 1 << 16
 BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
 
-_INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size")
-_NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size")
+_INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size", "deadline_us")
+_NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size", "deadline_us")
 
 
 def _check_fields(msg: protocol.Infer) -> None:
@@ -194,14 +195,14 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
     return buf
 
 
-def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview:
+def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview | ArenaSpan:
     if type(where) is not int:
         raise InvalidArgument(f"input '{name}': location must be an integer, got {where!r}")
     if arena is not None:
-        if where < 0 or where + nbytes > len(arena.view):
+        if where < 0 or where + nbytes > arena.size:
             raise InvalidArgument(f"input '{name}': arena bytes [{where}, {where + nbytes}) lie outside the "
-                                  f"arena of {len(arena.view)} bytes")
-        return arena.view[where:where + nbytes]
+                                  f"arena of {arena.size} bytes")
+        return ArenaSpan(arena.file, where, nbytes)
     if where < 0 or where >= len(frames):
         raise InvalidArgument(f"input '{name}': frame {where} does not exist ({len(frames)} tensor frames sent)")
     buf = frames[where]

@@ -54,6 +54,7 @@ class ModelStats:
     cache_hit_ns: int = 0  # lookups that hit
     cache_misses: int = 0
     cache_miss_ns: int = 0  # lookups that missed, and the insertion of their responses
+    client_timeouts: int = 0  # dropped unrun from a queue: the client's deadline had passed
 
     def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0) -> None:
         """A batch handed to a worker, ``copy_in_s`` the front's copy of its inputs (Triton's compute_input)."""
@@ -90,6 +91,10 @@ class ModelStats:
         self.failures += 1
         self.failure_reasons[reason] += 1
 
+    def client_timed_out(self) -> None:
+        self.failed(CANCELED)
+        self.client_timeouts += 1
+
     def cache_hit(self, ns: int) -> None:
         self.cache_hits += 1
         self.cache_hit_ns += ns
@@ -113,6 +118,7 @@ class ModelStats:
             "batch_compute_output_s": {int(k): v for k, v in sorted(self.batch_compute_output_s.items())},
             "cache_hit": {"count": self.cache_hits, "ns": self.cache_hit_ns},
             "cache_miss": {"count": self.cache_misses, "ns": self.cache_miss_ns},
+            "client_timeouts": self.client_timeouts,
             "histograms": {"request": self.request.as_dict(), "queue": self.queue.as_dict(),
                            "compute": self.compute.as_dict()},
         }
@@ -144,6 +150,10 @@ class Tee:
     def failed(self, reason: str = OTHER) -> None:
         for s in self.parts:
             s.failed(reason)
+
+    def client_timed_out(self) -> None:
+        for s in self.parts:
+            s.client_timed_out()
 
     def cache_hit(self, ns: int) -> None:
         for s in self.parts:

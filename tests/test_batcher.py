@@ -176,7 +176,7 @@ def test_default_timeout_rejects_and_nothing_waits_for_a_batch():
 def test_request_timeout_only_shortens_and_only_when_allowed():
     b, clock = make_q(Policy(default_timeout_us=1000, allow_timeout_override=True))
     b.add("short", timeout_us=100)
-    b.add("long", timeout_us=5000)  # longer than the default: the default applies
+    b.add("long", timeout_us=5000, deadline_us=5000)  # longer than the default: the default applies
     clock.advance(200)
     assert [p.item for p in b.expire()] == ["short"]
     clock.advance(900)
@@ -185,13 +185,33 @@ def test_request_timeout_only_shortens_and_only_when_allowed():
 
 
 @pytest.mark.parametrize("policy", [
+    Policy(default_timeout_us=1000),  # override not allowed
+    Policy(default_timeout_us=1000, allow_timeout_override=True),
+])
+def test_a_clients_deadline_never_changes_the_policy_timeout(policy):
+    """deadline_us is how long the client waits, not a timeout override: a deadline shorter than the
+    policy's takes the request out at the deadline as its client's (not as a policy timeout), and a
+    timeout_us with override not allowed leaves the policy's timeout as it is."""
+    b, clock = make_q(policy)
+    b.add("waits-less", deadline_us=300)
+    b.add("asks-less", timeout_us=300, deadline_us=60_000)
+    clock.advance(400)
+    gone = b.expire()
+    assert [p.item for p in gone] == (["waits-less", "asks-less"] if policy.allow_timeout_override
+                                      else ["waits-less"])
+    assert gone[0].client_gone(clock()) and not any(p.client_gone(clock()) for p in gone[1:])
+    clock.advance(700)
+    assert [p.item for p in b.expire()] == ([] if policy.allow_timeout_override else ["asks-less"])
+
+
+@pytest.mark.parametrize("policy", [
     Policy(allow_timeout_override=True),  # default 0: Triton ignores the override as a queue timeout
     Policy(default_timeout_us=1000),  # override not allowed
     Policy(default_timeout_us=50, timeout_action=DELAY),  # delayed first, then its client gives up
 ])
-def test_a_clients_own_timeout_always_takes_its_request_out(policy):
+def test_a_clients_deadline_always_takes_its_request_out(policy):
     b, clock = make_q(policy)
-    b.add("x", timeout_us=100)
+    b.add("x", deadline_us=100)
     b.add("patient")
     clock.advance(60)
     b.expire()

@@ -23,3 +23,22 @@ def test_the_book_hands_out_what_expired_or_what_a_carrier_took():
     assert [(req_id, e[1]) for req_id, e in book.carried(False)] == [(2, "b"), (3, "c")]
     assert list(book) == [4]
     assert [req_id for req_id, _ in book.carried(True)] == [4] and not book
+
+
+def test_both_faces_send_their_wait_as_the_deadline_and_a_timeout_only_when_given():
+    """deadline_us is what the face will wait (its infer timeout, else the client's); timeout_us, Triton's
+    override of the queue policy, only what infer(timeout=) asked. Both faces encode through the core."""
+    import numpy as np
+
+    from gepool import AsyncClient, Client
+    from gepool.clientcore import ClientCore
+    from gepool.ipc import protocol
+
+    assert Client._encode is ClientCore._encode and AsyncClient._encode is ClientCore._encode
+    core = ClientCore("ipc:///nowhere", shared_memory=False, arena_bytes=0, timeout=7.5, curve_server_key=None,
+                      curve_client_key=None, lane=False, arena_min_bytes=0)
+    x = {"X": np.ones((1, 1), np.float32)}
+    default = protocol.decode(core._encode("m", x, None, None, None).frames[0])
+    given = protocol.decode(core._encode("m", x, None, None, 0.25).frames[0])
+    assert (default.timeout_us, default.deadline_us) == (0, 7_500_000)
+    assert (given.timeout_us, given.deadline_us) == (250_000, 250_000)

@@ -466,13 +466,15 @@ def test_a_request_whose_clients_timeout_passed_leaves_its_queue_and_never_runs(
     h.ready_all()
     a = h.infer(1.0)
     h.step()
-    late = h.infer(2.0, timeout_us=50_000)
+    late = h.infer(2.0, deadline_us=50_000)
     patient = h.infer(3.0)
     h.step()
     assert h.core.next_deadline() == pytest.approx(h.clock.now + 0.05)
     h.tick(0.06)
     (reply,) = results(h.out.take()).values()
-    assert reply.req_id == late and reply.code == errors.PoolUnavailable.code and "client's timeout" in reply.message
+    assert reply.req_id == late and reply.code == errors.PoolUnavailable.code and "client's deadline" in reply.message
+    stats = h.core.control.group("echo").stats_dict()
+    assert stats["client_timeouts"] == 1 and stats["failure_reasons"]["CANCELED"] == 1, stats
     assert h.core.control.budget.used == 32  # only the patient one is still held
     h.compute(w)
     h.compute(w)

@@ -485,6 +485,22 @@ def test_a_body_that_never_arrives_is_answered_and_others_are_not_stalled(restri
         assert liar.recv(65536) == b""  # and the connection is closed
 
 
+def test_a_connection_that_never_finishes_its_headers_is_closed(restricted):
+    """Slow loris on the headers: connections that send half a request line's headers and stop are closed
+    within the body timeout (2 s here), and others are served meanwhile."""
+    port = restricted
+    lorises = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(20)]
+    try:
+        for s in lorises:
+            s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Le")
+        assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
+        for s in lorises:
+            assert s.recv(65536) == b""  # closed by the sidecar, not left open for its hour-long default
+    finally:
+        for s in lorises:
+            s.close()
+
+
 def test_a_dead_sidecar_is_restarted(tmp_path):
     repo = str(tmp_path / "models")
     test_repo.make_models.make_tiny(repo)

@@ -10,10 +10,10 @@ from gepool.ipc import protocol
 SAMPLES = [
     protocol.Hello(1, protocol.PROTOCOL_VERSION, "pid1"),
     protocol.Welcome(1, protocol.PROTOCOL_VERSION, "123xabc", "gepool"),
-    protocol.Infer(7, "mlp", -1, [["INPUT", "FP32", [2, 4], 0]], ["OUT"], 0, 0, protocol.NO_ARENA, 0, 0),
+    protocol.Infer(7, "mlp", -1, [["INPUT", "FP32", [2, 4], 0]], ["OUT"], 0, 0, protocol.NO_ARENA, 0, 0, 5_000_000),
     protocol.Result(7, [["OUT", "FP32", [2, 4], 0]], False, 1),
     protocol.Error(7, "INVALID_ARGUMENT", "bad shape"),
-    protocol.RegisterArena(8, "/gepool.1x2.arena", 4096),
+    protocol.RegisterArena(8, "/gepool.1x2.arena", 4096, b"t" * 32),
     protocol.UnregisterArena(9, 3),
     protocol.Query(10, "metadata", {"model": "mlp"}),
     protocol.Reply(10, {"name": "mlp", "inputs": []}),
@@ -47,3 +47,16 @@ def test_round_trip(msg):
 def test_garbage_is_refused(frame, why):
     with pytest.raises(protocol.ProtocolError, match=why):
         protocol.decode(frame)
+
+
+def test_trailing_optional_fields_may_be_left_out_and_no_more_added():
+    """A sender that predates deadline_us or the arena token is understood; one field too many is not."""
+    infer = protocol.Infer(7, "mlp", -1, [], None, 0, 0, protocol.NO_ARENA, 0, 0)
+    short = msgpack.packb(list(msgpack.unpackb(infer.encode()))[:-1])
+    assert protocol.decode(short).deadline_us == 0
+    reg = msgpack.packb([int(protocol.MsgType.REGISTER_ARENA), 8, "/gepool.1x2.arena", 4096])
+    assert protocol.decode(reg).token == b""
+    with pytest.raises(protocol.ProtocolError, match="needs 3 to 4 fields, got 5"):
+        protocol.decode(msgpack.packb([int(protocol.MsgType.REGISTER_ARENA), 8, "/a", 1, b"", 0]))
+    with pytest.raises(protocol.ProtocolError, match="needs 10 to 11 fields, got 9"):
+        protocol.decode(msgpack.packb(list(msgpack.unpackb(short))[:-1]))

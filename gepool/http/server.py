@@ -400,7 +400,9 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         if app is None:
             app = web.Application()
             app.router.add_get("/metrics", gw.metrics)
-        runner = web.AppRunner(app, access_log=None)
+        # keepalive_timeout is also aiohttp's only bound on a connection that never finishes its headers
+        # (it is armed when the connection opens): without it a slow-loris connection lives an hour
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=body_timeout)
         await runner.setup()
         await web.TCPSite(runner, host, port, reuse_address=True).start()
         runners.append(runner)
@@ -448,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-max-body-bytes", "--http-max-input-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="the largest request body accepted (413 above it)")
     p.add_argument("--http-body-timeout-s", type=float, default=BODY_TIMEOUT_S,
-                   help="a request body not complete this long after its headers is answered 408")
+                   help="a request body not complete this long after its headers is answered 408; a connection "
+                        "whose headers take this long, or that stays idle this long, is closed")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
     p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
