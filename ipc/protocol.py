@@ -3,7 +3,7 @@
 Client <-> front: a multipart message whose first frame is the encoded header; an ``Infer`` may be
 followed by one raw frame per tensor (``TensorRef.where`` is the frame index), or name a registered
 arena (``where`` is a byte offset into it) so that no tensor crosses the socket. Front <-> worker:
-readiness and Stop here; which slot to run and which is done ride the doorbells (ipc/doorbell.py).
+readiness, DeviceStats and Stop here; which slot to run and which is done ride the doorbells (ipc/doorbell.py).
 The protocol version is checked once, in Hello/Welcome and WorkerReady.
 """
 
@@ -45,6 +45,7 @@ class MsgType(enum.IntEnum):
     STOP = 24  # 22 and 23 (run, done) moved to the doorbells (gepool.ipc.doorbell)
     DROP_ARENA = 25
     SET_LOGGING = 26
+    DEVICE_STATS = 27
 
 
 class ProtocolError(ValueError):
@@ -215,3 +216,16 @@ class SetLogging(_Base):
     level: int
     verbose: int
     format: str
+
+
+@_message
+class DeviceStats(_Base):
+    """Worker -> front, every few seconds from a thread of its own: what its process and device report
+    now. ``sample`` holds numbers only, each key absent where the backend cannot read it: rss_bytes,
+    cpu_seconds (the process); memory_used_bytes, memory_total_bytes, utilization_ratio (the device);
+    health (a word: HEALTHY, ABNORMAL, LOST)."""
+
+    TYPE = MsgType.DEVICE_STATS
+    worker: int
+    pid: int  # the front keeps a sample only from the process it knows as this worker
+    sample: dict

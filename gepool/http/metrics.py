@@ -6,11 +6,20 @@ time, batch size) and gepool's own gauges go through prometheus_client.
 """
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from gepool.http.statistics import duration, failures
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WORKER_LABELS = ["model", "worker", "device"]
+# a worker's DeviceStats reading -> (family, help): Triton's nv_gpu_* names with gepool's prefix
+_DEVICE = (
+    ("memory_used_bytes", "gepool_device_memory_used_bytes",
+     "Device used memory, in bytes, as the device reports it (all processes on the device)"),
+    ("memory_total_bytes", "gepool_device_memory_total_bytes", "Device total memory, in bytes"),
+    ("utilization_ratio", "gepool_device_utilization", "Device (AI Core) utilization rate [0.0 - 1.0]"),
+    ("rss_bytes", "gepool_worker_resident_memory_bytes", "Resident memory of the worker process, in bytes"),
+)
 
 _TRITON = (  # name, help, (count, microseconds) or a count from one model's stats
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
@@ -114,6 +123,24 @@ class _Collector:
         yield occupancy
         yield restarts
         yield memory
+        yield from _device_families(models)
+
+
+def _device_families(models: dict):
+    """The readings of each ready worker's latest DeviceStats: a worker that is gone has no series."""
+    gauges = {key: GaugeMetricFamily(name, text, labels=WORKER_LABELS) for key, name, text in _DEVICE}
+    cpu = CounterMetricFamily("gepool_worker_cpu_seconds", "CPU time the worker process has used, in seconds",
+                              labels=WORKER_LABELS)
+    for model, m in models.items():
+        for d in m.get("devices", []):
+            labels = [model, str(d.get("worker")), str(d.get("device"))]
+            for key, family in gauges.items():
+                if key in d:
+                    family.add_metric(labels, d[key])
+            if "cpu_seconds" in d:
+                cpu.add_metric(labels, d["cpu_seconds"])
+    yield from gauges.values()
+    yield cpu
 
 
 def _le(bound: float) -> str:
