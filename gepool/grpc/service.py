@@ -164,7 +164,7 @@ class InferenceService:
                                              f"model '{call.model}'")
             names = [o.name for o in call.outputs] if call.outputs is not None else None
             outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
-                                                          timeout=call.timeout_s)
+                                                          timeout=call.timeout_s, priority=call.priority)
             served = getattr(outputs, "model_version", None)
             served_text = str(served) if served is not None else (str(call.version) if call.version else "")
             return tensors.response(request, call, served_text, outputs,

@@ -250,7 +250,8 @@ class Gateway:
             # an output asked for as classes travels as [name, class_count] (the front's classification)
             names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
                 if req.outputs is not None else None
-            outputs = await (await self.front()).infer(model, req.inputs, names, version=version)
+            outputs = await (await self.front()).infer(model, req.inputs, names, version=version,
+                                                       priority=req.priority)
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
             served = getattr(outputs, "model_version", None)
