@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: Result names the model version that ran the request
+PROTOCOL_VERSION = 3  # 2: Result names the model version that ran the request; 3: Infer names its origin
 NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
 EXIT_LOAD_FAILED = 3  # a worker's exit code after its WorkerFailed; the front goes by the message
@@ -28,6 +28,18 @@ class ModelState(enum.StrEnum):
     LOADING = "LOADING"
     AVAILABLE = "READY"
     UNAVAILABLE = "UNAVAILABLE"
+
+
+class Origin(enum.IntEnum):
+    """The surface a request came by (Infer.origin): the ``protocol`` label of the per-request metrics."""
+
+    LIBRARY = 0
+    HTTP = 1
+    GRPC = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 class MsgType(enum.IntEnum):
@@ -126,6 +138,7 @@ class Infer(_Base):
     arena: int  # NO_ARENA or an id from REGISTER_ARENA
     out_offset: int  # where in the arena the front may write outputs
     out_size: int  # how many bytes it may use there (0 = send outputs as frames)
+    origin: int = Origin.LIBRARY  # the surface it came by (the gateway sets HTTP or GRPC)
 
 
 @_message

@@ -18,7 +18,7 @@ from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
-from gepool.scheduler.requests import admit
+from gepool.scheduler.requests import admit, origin_of
 from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
@@ -148,7 +148,7 @@ class Core:
             if not model.batcher.add(req, req.rows, req.key, msg.priority, msg.timeout_us, busy, req.nbytes):
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
-            model.stats.failed(failure_reason(exc))
+            model.stats.failed(failure_reason(exc), origin_of(msg))
             raise
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self.dirty.add(model)

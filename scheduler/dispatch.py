@@ -79,7 +79,7 @@ class Dispatcher:
             copy_in = time.perf_counter() - started
         self.last_batch_requests = len(reqs)
         self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
-        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in)
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in, [r.origin for r in reqs])
         w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def _direct(self, model: Model, w: Worker, req: Request) -> tuple[str, list, list] | None:
@@ -143,7 +143,7 @@ class Dispatcher:
                     raise ValueError("the worker left a direct batch's outputs outside the arena")
                 reply = protocol.Result(req.req_id, refs, True, model.version)
                 self.reply(req.identity, [reply.encode()], False)
-                model.stats.answered(self.clock() - req.arrived)
+                model.stats.answered(self.clock() - req.arrived, req.origin)
             except Exception as exc:
                 log.exception("internal error answering request %s", req.req_id)
                 self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
@@ -159,7 +159,7 @@ class Dispatcher:
                     continue
                 try:
                     self._respond(model, req, arrays, row)
-                    model.stats.answered(now - req.arrived)
+                    model.stats.answered(now - req.arrived, req.origin)
                 except Exception as exc:  # one bad request must not lose the others of the batch
                     log.exception("internal error answering request %s", req.req_id)
                     self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
@@ -213,7 +213,7 @@ class Dispatcher:
         self.reply(req.identity, [protocol.Result(req.req_id, entry.refs, False, entry.version).encode(),
                                   *entry.frames], False)
         model.stats.cache_hit(now_ns() - started)
-        model.stats.answered(self.clock() - req.arrived)
+        model.stats.answered(self.clock() - req.arrived, req.origin)
         return True
 
     def _keep(self, model: Model, req: Request, names: list[str], pieces: list[np.ndarray]) -> None:
@@ -248,7 +248,7 @@ class Dispatcher:
             self.reply_error(model, p.item, err)
 
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError) -> None:
-        model.stats.failed(failure_reason(err))
+        model.stats.failed(failure_reason(err), req.origin)
         self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
 
 

@@ -47,6 +47,20 @@ _TRITON = (  # name, help, (count, microseconds) or a count from one model's sta
 )
 
 
+# Triton's per-request series, and nv_inference_request_failure, carry a ``protocol`` label: the surface
+# the requests came by (library, http, grpc); the rest count batches, which may mix them.
+PER_REQUEST = ("nv_inference_request_success", "nv_inference_request_duration_us", "nv_inference_queue_duration_us")
+
+
+def _protocols(stats: dict) -> list[tuple[dict, dict]]:
+    """[(the protocol label, that protocol's counters)], or the model's own under no label where the
+    front reports none by protocol."""
+    by = stats.get("protocols")
+    if not isinstance(by, dict):
+        return [({}, stats)]
+    return [({"protocol": name}, p) for name, p in by.items()]
+
+
 def _labels(**kv) -> str:
     return ",".join(f'{k}="{v}"' for k, v in kv.items())
 
@@ -60,13 +74,18 @@ def render(status: dict, stats: dict, host: tuple[float, int, int] | None = None
     for name, help_text, value in _TRITON:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         for model, s in stats.items():
-            lines.append(f"{name}{{{_labels(model=model, version=versions[model])}}} {value(s)}")
+            if name in PER_REQUEST:
+                for protocol, p in _protocols(s):
+                    lines.append(f"{name}{{{_labels(model=model, **protocol, version=versions[model])}}} {value(p)}")
+            else:
+                lines.append(f"{name}{{{_labels(model=model, version=versions[model])}}} {value(s)}")
     lines += ["# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes",
               "# TYPE nv_inference_request_failure counter"]
     for model, s in stats.items():
-        for reason, count in failures(s).items():
-            labels = _labels(model=model, reason=reason, version=versions[model])
-            lines.append(f"nv_inference_request_failure{{{labels}}} {count}")
+        for protocol, p in _protocols(s):
+            for reason, count in failures(p).items():
+                labels = _labels(model=model, **protocol, reason=reason, version=versions[model])
+                lines.append(f"nv_inference_request_failure{{{labels}}} {count}")
     lines += ["# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting "
               "execution per-model.", "# TYPE nv_inference_pending_request_count gauge"]
     for model, m in models.items():
