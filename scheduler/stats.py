@@ -6,6 +6,7 @@ they aggregate across replicas) of request, queue and compute time, and the batc
 
 import bisect
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ class Histogram:
         return {"buckets": list(BUCKETS_S), "counts": list(self.counts), "sum": self.total, "count": self.n}
 
 
-@dataclass
+@dataclass(slots=True)
 class OriginStats:
     """The per-request counters of the requests of one origin (the ``protocol`` label of Triton's
     per-request series); the batch counters have no origin (a batch may mix them)."""
@@ -80,9 +81,9 @@ class ModelStats:
         self.batches += 1
         self.rows += rows
         self.batch_sizes[rows] += 1
-        by_origin = self.by_origin
-        for w, o in zip(waits, origins or [Origin.LIBRARY] * len(waits), strict=True):
-            self.queue.observe(w)
+        observe, by_origin = self.queue.observe, self.by_origin
+        for w, o in zip(waits, origins or itertools.repeat(Origin.LIBRARY)):
+            observe(w)
             by_origin[o].queue_s += w
         self.compute_input_s += copy_in_s
         self.batch_compute_input_s[rows] += copy_in_s
