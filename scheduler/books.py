@@ -78,7 +78,6 @@ class Worker:
     spawned_at: float = 0.0  # when its process was started: the load timeout's clock
     load_failed: bool = False  # it reported that its model cannot load, or did not load in time
     sample: dict = field(default_factory=dict)  # its process's latest DeviceStats (device_sample); {} when none
-    sample_at: float = 0.0
 
     def move(self, state: WorkerState) -> None:
         self.state = check_worker(self.state, state)
@@ -94,14 +93,13 @@ class Worker:
         self.move(WorkerState.READY)
         self.pid, self.info = msg.pid, dict(msg.info) if isinstance(msg.info, dict) else {}
         self.sample, self.ready_at = device_sample(self.info.pop("stats", None)), now
-        self.sample_at = now
         self.free = list(range(self.slots))
 
-    def sampled(self, msg: protocol.DeviceStats, now: float) -> None:
+    def sampled(self, msg: protocol.DeviceStats) -> None:
         """A DeviceStats: kept while this process serves (one from a predecessor, or sent before its ready
         message arrived on the other socket, is dropped)."""
         if self.state == WorkerState.READY and msg.pid == self.pid:
-            self.sample, self.sample_at = device_sample(msg.sample), now
+            self.sample = device_sample(msg.sample)
 
     def take(self, seq: int, requests: list, rows: int, direct: bool, now: float) -> Batch:
         """A free slot for a batch, now in flight (the caller fills it, then rings the bell)."""

@@ -200,7 +200,7 @@ class Core:
             w.cannot_load(msg.reason if type(msg.reason) is str else "its model cannot load")
             self._refresh(w.model)
         elif isinstance(msg, protocol.DeviceStats):
-            w.sampled(msg, self.clock())
+            w.sampled(msg)
 
     def on_completions(self, w: Worker, records: Iterable[tuple[int, int]]) -> None:
         """What a worker's doorbell carried: each (slot, seq) is a batch done (or failed) in its slot."""
