@@ -18,6 +18,7 @@ ZERO_COPY_MIN = 64 << 10  # smaller arena outputs are copied out: cheaper than a
 # sides costs more than the copies it saves (1 KiB: 275 us as frames against 298-366 through the
 # arena; 16 KiB: 334-372 against 391-403; they meet near 64 KiB, where the front's direct batches start).
 ARENA_MIN = 64 << 10
+MAX_PRIORITY = (1 << 64) - 1  # Triton's priority is a uint64
 
 
 def next_id() -> int:
@@ -53,10 +54,12 @@ class Outgoing:
 
 def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: int | None,
                  timeout: float | None, arena: tuple[ClientArena, int] | None, out_bytes: int,
-                 arena_min: int = ARENA_MIN, deadline: float | None = None) -> Outgoing:
+                 arena_min: int = ARENA_MIN, deadline: float | None = None, priority: int = 0,
+                 origin: int = protocol.Origin.LIBRARY) -> Outgoing:
     """Tensors go into the arena when one is registered and has room, else as raw frames; so does a
     request under ``arena_min`` bytes in all whose inputs are outside the arena. ``timeout``: the
     request's own (Triton's, for the queue policy); ``deadline``: how long the client waits for it."""
+    priority = check_priority(priority)
     if not isinstance(inputs, dict) or not inputs:
         raise errors.InvalidArgument("inputs must be a non-empty dict of name -> numpy array")
     arrays = {}
@@ -92,16 +95,25 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                     np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
                     where, pos = pos, pos + layout.align(arr.nbytes)
                 refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), where])
-            msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
-                                 arena_id, base + total, out_bytes, _timeout_us(deadline))
+            msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
+                                 arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin))
             return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
     refs, frames = [], []
     for i, (name, arr) in enumerate(arrays.items()):
         refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
         frames.append(dtypes.serialize_bytes(arr) if arr.dtype.kind in "OSU" else np.ascontiguousarray(arr))
-    msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
-                         protocol.NO_ARENA, 0, 0, _timeout_us(deadline))
+    msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
+                         protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin))
     return Outgoing(req_id, [msg.encode(), *frames], ranges)
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority as Triton takes it (uint64): 0 is the model's default level, 1 the highest;
+    a level past the model's priority_levels runs at its default level (the front applies both)."""
+    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+        raise errors.InvalidArgument(f"priority must be an integer in 0..{MAX_PRIORITY} (0: the model's default "
+                                     f"level, 1: the highest), got {priority!r}")
+    return priority
 
 
 def _version(version: int | None) -> int:

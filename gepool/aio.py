@@ -57,11 +57,15 @@ class AsyncClient(ClientCore):
             raise
 
     async def infer(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
-                    version: int | None = None, timeout: float | None = None) -> dict:
+                    version: int | None = None, timeout: float | None = None, priority: int = 0,
+                    origin: protocol.Origin = protocol.Origin.LIBRARY) -> dict:
+        """As Client.infer, awaited. ``origin``: the surface the request came by, for the metrics'
+        ``protocol`` label (the gateway's HTTP and gRPC services say theirs)."""
+        _wire.check_priority(priority)  # before any metadata query
         if self.arena is not None and model not in self._meta:
             self._meta[model] = await self.model_metadata(model)
         for attempt in (1, 2):
-            out = self._encode(model, inputs, outputs, version, timeout)
+            out = self._encode(model, inputs, outputs, version, timeout, priority, origin)
             try:
                 msg, frames = await self._exchange(out.frames, out.req_id, timeout, out)
             except BaseException:  # timed out, the pool gone, or cancelled: the front may still write there

@@ -64,15 +64,17 @@ class Client(ClientCore):
 
     # -- requests ------------------------------------------------------------------------
     def infer(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
-              version: int | None = None, timeout: float | None = None) -> dict:
+              version: int | None = None, timeout: float | None = None, priority: int = 0) -> dict:
         """Runs one request and returns {output name: ndarray} (its ``model_version`` attribute: the version
         that ran the request); raises a GepoolError subclass on failure. ``outputs`` names the outputs wanted
         (None: all); an item ``(name, class_count)`` returns that output as its top classes instead, BYTES
-        "value:index[:label]" per row (Triton's classification extension)."""
+        "value:index[:label]" per row (Triton's classification extension). ``priority``: Triton's request
+        priority, for a model with dynamic_batching priority_levels: 1 is the highest level, 0 (and a
+        level past priority_levels) the model's default_priority_level."""
         wait = self.timeout if timeout is None else timeout
         for attempt in (1, 2):
             arena_id = self._arena_id
-            out = self._encode(model, inputs, outputs, version, timeout)
+            out = self._encode(model, inputs, outputs, version, timeout, priority)
             try:
                 msg, frames = self._exchange(out.frames, out.req_id, wait, model)
             except BaseException:
@@ -91,9 +93,10 @@ class Client(ClientCore):
         raise AssertionError("unreachable")
 
     def infer_async(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
-                    version: int | None = None, timeout: float | None = None) -> concurrent.futures.Future:
+                    version: int | None = None, timeout: float | None = None,
+                    priority: int = 0) -> concurrent.futures.Future:
         """Sends at once; the Future resolves to the outputs or to the error."""
-        out = self._encode(model, inputs, outputs, version, timeout)
+        out = self._encode(model, inputs, outputs, version, timeout, priority)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         io = self._io or self._io_thread()
         io.submit(out, fut, self.timeout if timeout is None else timeout)

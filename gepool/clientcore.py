@@ -113,18 +113,20 @@ class ClientCore:
         raise NotImplementedError
 
     def _encode(self, model: str, inputs: dict, outputs: list[str] | None, version: int | None,
-                timeout: float | None) -> _wire.Outgoing:
+                timeout: float | None, priority: int = 0,
+                origin: int = protocol.Origin.LIBRARY) -> _wire.Outgoing:
         if self._closed:
             raise errors.InvalidArgument("the client is closed")
         wait = self.timeout if timeout is None else timeout  # what the face waits: the front drops it after
         arena = self.arena
         if arena is None:
-            return _wire.encode_infer(model, inputs, outputs, version, timeout, None, 0, self.arena_min_bytes, wait)
+            return _wire.encode_infer(model, inputs, outputs, version, timeout, None, 0, self.arena_min_bytes,
+                                      wait, priority, origin)
         meta = self._meta.get(model)
         if meta is None:
             meta = self._meta[model] = self._metadata(model)
         return _wire.encode_infer(model, inputs, outputs, version, timeout, (arena, self._arena_id),
-                                  _wire.output_bytes(meta, inputs), self.arena_min_bytes, wait)
+                                  _wire.output_bytes(meta, inputs), self.arena_min_bytes, wait, priority, origin)
 
     def _arena_lost(self, exc: errors.InvalidArgument) -> bool:
         """A new pool came up on the endpoint (ZMQ reconnected by itself) and does not know our arena:

@@ -3,7 +3,7 @@
 Client <-> front: a multipart message whose first frame is the encoded header; an ``Infer`` may be
 followed by one raw frame per tensor (``TensorRef.where`` is the frame index), or name a registered
 arena (``where`` is a byte offset into it) so that no tensor crosses the socket. Front <-> worker:
-readiness and Stop here; which slot to run and which is done ride the doorbells (ipc/doorbell.py).
+readiness, DeviceStats and Stop here; which slot to run and which is done ride the doorbells (ipc/doorbell.py).
 The protocol version is checked once, in Hello/Welcome and WorkerReady.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: Result names the model version that ran the request
+PROTOCOL_VERSION = 3  # 2: Result names the model version that ran the request; 3: Infer names its origin
 NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
 EXIT_LOAD_FAILED = 3  # a worker's exit code after its WorkerFailed; the front goes by the message
@@ -28,6 +28,18 @@ class ModelState(enum.StrEnum):
     LOADING = "LOADING"
     AVAILABLE = "READY"
     UNAVAILABLE = "UNAVAILABLE"
+
+
+class Origin(enum.IntEnum):
+    """The surface a request came by (Infer.origin): the ``protocol`` label of the per-request metrics."""
+
+    LIBRARY = 0
+    HTTP = 1
+    GRPC = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 class MsgType(enum.IntEnum):
@@ -45,6 +57,7 @@ class MsgType(enum.IntEnum):
     STOP = 24  # 22 and 23 (run, done) moved to the doorbells (gepool.ipc.doorbell)
     DROP_ARENA = 25
     SET_LOGGING = 26
+    DEVICE_STATS = 27
 
 
 class ProtocolError(ValueError):
@@ -131,6 +144,7 @@ class Infer(_Base):
     # how long its client waits for the answer (0 = no limit): past it the request is dropped unrun;
     # unlike timeout_us it never changes the queue policy's timeout
     deadline_us: int = 0
+    origin: int = Origin.LIBRARY  # the surface it came by (the gateway sets HTTP or GRPC)
 
 
 @_message
@@ -222,3 +236,16 @@ class SetLogging(_Base):
     level: int
     verbose: int
     format: str
+
+
+@_message
+class DeviceStats(_Base):
+    """Worker -> front, every few seconds from a thread of its own: what its process and device report
+    now. ``sample`` holds numbers only, each key absent where the backend cannot read it: rss_bytes,
+    cpu_seconds (the process); memory_used_bytes, memory_total_bytes, utilization_ratio (the device);
+    health (a word: HEALTHY, ABNORMAL, LOST)."""
+
+    TYPE = MsgType.DEVICE_STATS
+    worker: int
+    pid: int  # the front keeps a sample only from the process it knows as this worker
+    sample: dict

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,23 @@ if TYPE_CHECKING:
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 10.0  # a worker that served this long before dying starts its backoff afresh
+SAMPLE_NUMBERS = ("rss_bytes", "cpu_seconds", "memory_used_bytes", "memory_total_bytes", "utilization_ratio")
+HEALTH_WORDS = ("HEALTHY", "ABNORMAL", "LOST")
+
+
+def device_sample(raw: object) -> dict:
+    """What the front keeps of a worker's DeviceStats sample: the known readings, each a finite number
+    >= 0 (a ratio at most 1), and a known health word; anything else is dropped, never passed on."""
+    if not isinstance(raw, dict):
+        return {}
+    out: dict = {}
+    for key in SAMPLE_NUMBERS:
+        v = raw.get(key)
+        if type(v) in (int, float) and math.isfinite(v) and v >= 0 and (key != "utilization_ratio" or v <= 1):
+            out[key] = v
+    if raw.get("health") in HEALTH_WORDS:
+        out["health"] = raw["health"]
+    return out
 
 
 @dataclass(slots=True)
@@ -59,6 +77,7 @@ class Worker:
     pid: int = 0
     spawned_at: float = 0.0  # when its process was started: the load timeout's clock
     load_failed: bool = False  # it reported that its model cannot load, or did not load in time
+    sample: dict = field(default_factory=dict)  # its process's latest DeviceStats (device_sample); {} when none
 
     def move(self, state: WorkerState) -> None:
         self.state = check_worker(self.state, state)
@@ -68,13 +87,19 @@ class Worker:
         """A fresh process: no slot is free until it says it is ready."""
         self.move(WorkerState.STARTING)
         self.free, self.inflight, self.rows, self.restart_at = [], {}, 0, None
-        self.spawned_at = now
+        self.spawned_at, self.sample = now, {}
 
     def ready(self, msg: protocol.WorkerReady, now: float) -> None:
         self.move(WorkerState.READY)
         self.pid, self.info = msg.pid, dict(msg.info) if isinstance(msg.info, dict) else {}
-        self.ready_at = now
+        self.sample, self.ready_at = device_sample(self.info.pop("stats", None)), now
         self.free = list(range(self.slots))
+
+    def sampled(self, msg: protocol.DeviceStats) -> None:
+        """A DeviceStats: kept while this process serves (one from a predecessor, or sent before its ready
+        message arrived on the other socket, is dropped)."""
+        if self.state == WorkerState.READY and msg.pid == self.pid:
+            self.sample = device_sample(msg.sample)
 
     def take(self, seq: int, requests: list, rows: int, direct: bool, now: float) -> Batch:
         """A free slot for a batch, now in flight (the caller fills it, then rings the bell)."""

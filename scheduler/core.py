@@ -19,7 +19,7 @@ from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
-from gepool.scheduler.requests import admit
+from gepool.scheduler.requests import admit, origin_of
 from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
@@ -153,7 +153,7 @@ class Core:
                 return  # answered from the cache: no worker runs it
             self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
         except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
-            model.stats.failed(failure_reason(exc))
+            model.stats.failed(failure_reason(exc), origin_of(msg))
             raise
         self._refused.discard(msg.model)
 
@@ -171,7 +171,7 @@ class Core:
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         except errors.GepoolError as exc:
             if not counted:
-                model.stats.failed(failure_reason(exc))
+                model.stats.failed(failure_reason(exc), req.origin)
             raise
         group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
         self.dirty.add(model)
@@ -221,6 +221,8 @@ class Core:
         elif isinstance(msg, protocol.WorkerFailed):
             w.cannot_load(msg.reason if type(msg.reason) is str else "its model cannot load")
             self._refresh(w.model)
+        elif isinstance(msg, protocol.DeviceStats):
+            w.sampled(msg)
 
     def on_completions(self, w: Worker, records: Iterable[tuple[int, int]]) -> None:
         """What a worker's doorbell carried: each (slot, seq) is a batch done (or failed) in its slot."""

@@ -83,7 +83,7 @@ class Dispatcher:
             copy_in = time.perf_counter() - started
         self.last_batch_requests = len(reqs)
         self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
-        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in)
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in, [r.origin for r in reqs])
         w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def _intact(self, model: Model, reqs: list[Request]) -> list[Request]:
@@ -169,7 +169,7 @@ class Dispatcher:
                     raise ValueError("the worker left a direct batch's outputs outside the arena")
                 reply = protocol.Result(req.req_id, refs, True, model.version)
                 self.reply(req.identity, [reply.encode()], False)
-                model.stats.answered(self.clock() - req.arrived)
+                model.stats.answered(self.clock() - req.arrived, req.origin)
             except Exception as exc:
                 log.exception("internal error answering request %s", req.req_id)
                 self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
@@ -188,7 +188,7 @@ class Dispatcher:
                         req.sink.done(model, arrays, row, t_end - t_start)
                     else:
                         self.respond(model, req, arrays, row)
-                    model.stats.answered(now - req.arrived)
+                    model.stats.answered(now - req.arrived, req.origin)
                 except Exception as exc:  # one bad request must not lose the others of the batch
                     log.exception("internal error answering request %s", req.req_id)
                     self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
@@ -242,7 +242,7 @@ class Dispatcher:
         self.reply(req.identity, [protocol.Result(req.req_id, entry.refs, False, entry.version).encode(),
                                   *entry.frames], False)
         model.stats.cache_hit(now_ns() - started)
-        model.stats.answered(self.clock() - req.arrived)
+        model.stats.answered(self.clock() - req.arrived, req.origin)
         return True
 
     def _keep(self, model: Model, req: Request, names: list[str], pieces: list[np.ndarray]) -> None:
@@ -281,9 +281,9 @@ class Dispatcher:
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError, client_gone: bool = False) -> None:
         """``client_gone``: its client's deadline passed before it ran (Triton's CANCELED, and a client timeout)."""
         if client_gone:
-            model.stats.client_timed_out()
+            model.stats.client_timed_out(req.origin)
         else:
-            model.stats.failed(failure_reason(err))
+            model.stats.failed(failure_reason(err), req.origin)
         if req.sink is not None:
             req.sink.failed(model, err)
             return

@@ -162,11 +162,12 @@ class Ensembles:
             frames.append(t.buf)
         msg = protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
                              outputs=None, timeout_us=timeout_us, priority=run.priority, arena=protocol.NO_ARENA,
-                             out_offset=0, out_size=0, deadline_us=timeout_us)
+                             out_offset=0, out_size=0, deadline_us=timeout_us,
+                             origin=run.req.origin)
         try:
             req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
-            model.stats.failed(failure_reason(exc))
+            model.stats.failed(failure_reason(exc), run.req.origin)
             raise
         req.sink = StepSink(self, run, i, now)
         self.enqueue(group, model, req, run.priority, timeout_us, timeout_us)
@@ -209,7 +210,7 @@ class Ensembles:
 
     def _fail(self, run: Run, err: errors.GepoolError) -> None:
         run.finished = True
-        run.model.stats.failed(failure_reason(err))
+        run.model.stats.failed(failure_reason(err), run.req.origin)
         self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
 
     def _answer(self, run: Run) -> None:
@@ -222,4 +223,4 @@ class Ensembles:
             log.exception("internal error answering ensemble request %s", req.req_id)
             self._fail(run, errors.Internal(f"internal error: {exc}"))
             return
-        model.stats.ensemble_answered(req.rows, self.clock() - req.arrived, run.queue_s, run.compute_s)
+        model.stats.ensemble_answered(req.rows, self.clock() - req.arrived, run.queue_s, run.compute_s, req.origin)

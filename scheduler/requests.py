@@ -49,6 +49,7 @@ class Request:
     classify: dict[str, int] | None = None  # outputs asked for as their top classes: name -> class count
     cache_key: bytes | None = None  # a response cache miss: its response is kept under this key
     sink: Sink | None = None  # an ensemble's step: its outputs and errors go there, not to a client
+    origin: int = protocol.Origin.LIBRARY  # the surface it came by: the per-request metrics' protocol label
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
@@ -58,6 +59,7 @@ BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
 
 _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size", "deadline_us")
 _NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size", "deadline_us")
+ORIGINS = tuple(int(o) for o in protocol.Origin)
 
 
 def _check_fields(msg: protocol.Infer) -> None:
@@ -72,6 +74,13 @@ def _check_fields(msg: protocol.Infer) -> None:
             raise InvalidArgument(f"{name} must be >= 0, got {getattr(msg, name)}")
     if type(msg.inputs) is not list:
         raise InvalidArgument("inputs must be a list")
+    if type(msg.origin) is not int or msg.origin not in ORIGINS:
+        raise InvalidArgument(f"origin must be one of {list(ORIGINS)}, got {msg.origin!r}")
+
+
+def origin_of(msg: protocol.Infer) -> int:
+    """The request's origin, or LIBRARY where it names none of ours (admission then refuses it)."""
+    return msg.origin if type(msg.origin) is int and msg.origin in ORIGINS else protocol.Origin.LIBRARY
 
 
 def _shape_of(name: str, shape: object) -> tuple[int, ...]:
@@ -169,7 +178,7 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify)
+                   classify=classify, origin=msg.origin)
 
 
 def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:

@@ -6,10 +6,12 @@ they aggregate across replicas) of request, queue and compute time, and the batc
 
 import bisect
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from gepool.common import errors
+from gepool.ipc.protocol import Origin
 
 # Triton's reason label of nv_inference_request_failure
 REJECTED, CANCELED, BACKEND, OTHER = "REJECTED", "CANCELED", "BACKEND", "OTHER"
@@ -31,6 +33,22 @@ class Histogram:
 
     def as_dict(self) -> dict:
         return {"buckets": list(BUCKETS_S), "counts": list(self.counts), "sum": self.total, "count": self.n}
+
+
+@dataclass(slots=True)
+class OriginStats:
+    """The per-request counters of the requests of one origin (the ``protocol`` label of Triton's
+    per-request series); the batch counters have no origin (a batch may mix them)."""
+
+    requests: int = 0
+    request_s: float = 0.0
+    queue_s: float = 0.0
+    failure_reasons: collections.Counter = field(default_factory=collections.Counter)
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "request_us": round(self.request_s * 1e6),
+                "queue_us": round(self.queue_s * 1e6), "failures": sum(self.failure_reasons.values()),
+                "failure_reasons": {r: self.failure_reasons.get(r, 0) for r in FAILURE_REASONS}}
 
 
 @dataclass
@@ -55,14 +73,19 @@ class ModelStats:
     cache_misses: int = 0
     cache_miss_ns: int = 0  # lookups that missed, and the insertion of their responses
     client_timeouts: int = 0  # dropped unrun from a queue: the client's deadline had passed
+    by_origin: list[OriginStats] = field(default_factory=lambda: [OriginStats() for _ in Origin])
 
-    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0) -> None:
-        """A batch handed to a worker, ``copy_in_s`` the front's copy of its inputs (Triton's compute_input)."""
+    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0,
+                   origins: list[int] | None = None) -> None:
+        """A batch handed to a worker, ``copy_in_s`` the front's copy of its inputs (Triton's compute_input),
+        ``origins`` its requests' origins (in the order of ``waits``; None: all LIBRARY)."""
         self.batches += 1
         self.rows += rows
         self.batch_sizes[rows] += 1
-        for w in waits:
-            self.queue.observe(w)
+        observe, by_origin = self.queue.observe, self.by_origin
+        for w, o in zip(waits, origins or itertools.repeat(Origin.LIBRARY)):
+            observe(w)
+            by_origin[o].queue_s += w
         self.compute_input_s += copy_in_s
         self.batch_compute_input_s[rows] += copy_in_s
 
@@ -74,25 +97,30 @@ class ModelStats:
         self.compute_output_s += copy_out_s
         self.batch_compute_output_s[rows] += copy_out_s
 
-    def answered(self, seconds: float) -> None:
+    def answered(self, seconds: float, origin: int = Origin.LIBRARY) -> None:
         self.requests += 1
         self.request.observe(seconds)
         self.last_inference = time.time()
+        o = self.by_origin[origin]
+        o.requests += 1
+        o.request_s += seconds
 
-    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float) -> None:
+    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float,
+                          origin: int = Origin.LIBRARY) -> None:
         """An ensemble request of ``rows`` answered: its queue and compute time are those of its steps,
         summed (Triton's ensemble statistics); it runs no batch of its own."""
         self.rows += rows
-        self.answered(seconds)
+        self.answered(seconds, origin)
         self.queue.observe(queue_s)
         self.compute.observe(compute_s)
 
-    def failed(self, reason: str = OTHER) -> None:
+    def failed(self, reason: str = OTHER, origin: int = Origin.LIBRARY) -> None:
         self.failures += 1
         self.failure_reasons[reason] += 1
+        self.by_origin[origin].failure_reasons[reason] += 1
 
-    def client_timed_out(self) -> None:
-        self.failed(CANCELED)
+    def client_timed_out(self, origin: int = Origin.LIBRARY) -> None:
+        self.failed(CANCELED, origin)
         self.client_timeouts += 1
 
     def cache_hit(self, ns: int) -> None:
@@ -121,6 +149,7 @@ class ModelStats:
             "client_timeouts": self.client_timeouts,
             "histograms": {"request": self.request.as_dict(), "queue": self.queue.as_dict(),
                            "compute": self.compute.as_dict()},
+            "protocols": {Origin(i).label: o.as_dict() for i, o in enumerate(self.by_origin)},
         }
 
 
@@ -131,29 +160,31 @@ class Tee:
     def __init__(self, *stats: ModelStats) -> None:
         self.parts = stats
 
-    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0) -> None:
+    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0,
+                   origins: list[int] | None = None) -> None:
         for s in self.parts:
-            s.dispatched(rows, waits, copy_in_s)
+            s.dispatched(rows, waits, copy_in_s, origins)
 
     def computed(self, rows: int, seconds: float, copy_out_s: float = 0.0) -> None:
         for s in self.parts:
             s.computed(rows, seconds, copy_out_s)
 
-    def answered(self, seconds: float) -> None:
+    def answered(self, seconds: float, origin: int = Origin.LIBRARY) -> None:
         for s in self.parts:
-            s.answered(seconds)
+            s.answered(seconds, origin)
 
-    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float) -> None:
+    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float,
+                          origin: int = Origin.LIBRARY) -> None:
         for s in self.parts:
-            s.ensemble_answered(rows, seconds, queue_s, compute_s)
+            s.ensemble_answered(rows, seconds, queue_s, compute_s, origin)
 
-    def failed(self, reason: str = OTHER) -> None:
+    def failed(self, reason: str = OTHER, origin: int = Origin.LIBRARY) -> None:
         for s in self.parts:
-            s.failed(reason)
+            s.failed(reason, origin)
 
-    def client_timed_out(self) -> None:
+    def client_timed_out(self, origin: int = Origin.LIBRARY) -> None:
         for s in self.parts:
-            s.client_timed_out()
+            s.client_timed_out(origin)
 
     def cache_hit(self, ns: int) -> None:
         for s in self.parts:

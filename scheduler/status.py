@@ -39,6 +39,7 @@ class Workload:
     busy_worker_pids: list[int] = field(default_factory=list)
     worker_threads: list[int] = field(default_factory=list)
     device_memory: dict[str, int] = field(default_factory=dict)
+    devices: list[dict] = field(default_factory=list)  # per ready worker: its latest DeviceStats readings
 
     @classmethod
     def of(cls, model: Model) -> Workload:
@@ -47,7 +48,8 @@ class Workload:
                    sum(len(w.inflight) for w in model.workers), sum(w.restarts for w in model.workers),
                    [w.pid for w in ready], [w.pid for w in ready if w.inflight],
                    [w.info["threads"] for w in ready if "threads" in w.info],
-                   {w.device: w.info.get("device_memory", 0) for w in ready if "device_memory" in w.info})
+                   {w.device: w.info.get("device_memory", 0) for w in ready if "device_memory" in w.info},
+                   [{"worker": w.id, "device": w.device, "pid": w.pid, **w.sample} for w in ready if w.sample])
 
     def add(self, other: Workload) -> None:
         for key in ("workers", "ready_workers", "queued", "slots", "slots_busy", "restarts"):
@@ -56,6 +58,7 @@ class Workload:
         self.busy_worker_pids += other.busy_worker_pids
         self.worker_threads += other.worker_threads
         self.device_memory.update(other.device_memory)
+        self.devices += other.devices
 
 
 @dataclass

@@ -382,7 +382,8 @@ def test_grpc_health_and_reflection(gpool, channel):
 def test_grpc_requests_count_in_the_same_metrics_series(gpool, triton):
     def success() -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{gpool.metrics_port}/metrics", timeout=30).read().decode()
-        line = next(ln for ln in text.splitlines() if ln.startswith('nv_inference_request_success{model="mixed"'))
+        line = next(ln for ln in text.splitlines()
+                    if ln.startswith('nv_inference_request_success{model="mixed",protocol="grpc"'))
         return float(line.rsplit(" ", 1)[1])
 
     before = success()

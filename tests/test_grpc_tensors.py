@@ -77,6 +77,14 @@ def test_raw_inputs_of_every_fixed_type_and_bytes():
         assert call.inputs[name].dtype == arr.dtype and call.inputs[name].tolist() == arr.tolist(), name
 
 
+def test_priority_and_timeout_parameters_as_tritonclient_sends_them():
+    i = InferInput("X", [1], "FP32")
+    i.set_data_from_numpy(np.ones(1, np.float32))
+    call = tensors.parse(_request([i], priority=(1 << 64) - 1, timeout=1500), _no_shm, 1 << 20)
+    assert (call.priority, call.timeout_s) == ((1 << 64) - 1, 0.0015)  # a uint64; the front maps it to a level
+    assert tensors.parse(_request([i]), _no_shm, 1 << 20).priority == 0
+
+
 def test_typed_contents():
     req = pb.ModelInferRequest(model_name="m")
     t = req.inputs.add(name="X", datatype="INT16", shape=[2, 2])
@@ -109,7 +117,7 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     _bad(raw([4], b"\0" * 8, "BF16"), "'BF16' is not supported")
     _bad(raw([4], b"\0" * 16, "FLOAT"), "'FLOAT' is not supported")
     _bad(raw([3], b"\x05\0\0\0ab", "BYTES"), "BYTES")
-    _bad(raw([4], b"\0" * 16, priority=3), "'priority' 3 is not supported")
+    _bad(raw([4], b"\0" * 16, priority=-3), "'priority' must be a non-negative integer, got -3")
     _bad(raw([4], b"\0" * 16, sequence_id=7), "sequence batching")
     _bad(raw([4], b"\0" * 16, colour=1), "'colour' is not supported")
     extra = raw([4], b"\0" * 16)

@@ -192,8 +192,9 @@ def test_metrics_parse_and_move(http_pool, triton):
         samples = {}
         for family in text_string_to_metric_families(text.decode()):
             for s in family.samples:
-                # the parser reports Triton's suffix-less counters as "<name>_total"
-                samples[(s.name.removesuffix("_total"), s.labels.get("model"), s.labels.get("le"))] = s.value
+                # the parser reports Triton's suffix-less counters as "<name>_total"; summed over protocols
+                key = (s.name.removesuffix("_total"), s.labels.get("model"), s.labels.get("le"))
+                samples[key] = samples.get(key, 0) + s.value
         return samples
 
     before = scrape()

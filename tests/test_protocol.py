@@ -22,6 +22,7 @@ SAMPLES = [
     protocol.Stop(),
     protocol.DropArena("/gepool.1x2.arena"),
     protocol.SetLogging(10, 1, "ISO8601"),
+    protocol.DeviceStats(3, 999, {"rss_bytes": 1 << 20, "cpu_seconds": 0.5, "health": "HEALTHY"}),
 ]
 
 

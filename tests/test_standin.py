@@ -185,3 +185,17 @@ def test_standin_ascend310_takes_only_infinite_waits(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [107000, 0, "Ascend310"]
+
+
+def test_standin_mem_info_is_the_devices_and_refuses_an_unknown_attr(tmp_path):
+    (tmp_path / "device0.json").write_text(json.dumps({"other_bytes": 1 << 20}))
+    script = ("import acl, json; acl.init(); acl.rt.set_device(0); acl.rt.create_context(0); "
+              "p, _ = acl.rt.malloc(4096, 0); "
+              "print(json.dumps([acl.rt.get_mem_info(1), acl.rt.get_mem_info(10), acl.get_recent_err_msg()]))")
+    env = dict(os.environ, PYTHONPATH=ge_repo.STANDIN, ACL_STANDIN_CONTROL_DIR=str(tmp_path),
+               ACL_STANDIN_DEVICE_MEMORY=str(64 << 20))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (free, total, ret), bad, err = json.loads(proc.stdout)
+    assert (total, ret) == (64 << 20, 0) and free == (64 << 20) - (1 << 20) - 4096  # another process's 1 MiB
+    assert bad == [0, 0, 100000] and "aclrtMemAttr" in err

@@ -21,6 +21,7 @@ from gepool.workers.arena_maps import ArenaMaps
 from gepool.workers.backends import create_backend
 from gepool.workers.backends.base import AsyncBackend, Backend, SyncBackend
 from gepool.workers.execute import execute_slot, plan_outputs
+from gepool.workers.stats import StatsReporter
 
 LOAD_FAILED_EXIT = protocol.EXIT_LOAD_FAILED  # for people reading exit codes: the front goes by WorkerFailed
 PARENT_CHECK_MS = 500
@@ -67,8 +68,10 @@ def run_worker(spec: WorkerSpec) -> None:
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
     asynchronous = type(backend).asynchronous
-    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(),
-                                   ready_info(backend, warmup_runs)).encode())
+    reporter = StatsReporter(ctx, spec.endpoint, spec.worker_id, backend)
+    info = dict(ready_info(backend, warmup_runs), stats=reporter.sample())
+    sock.send(protocol.WorkerReady(spec.worker_id, protocol.PROTOCOL_VERSION, os.getpid(), info).encode())
+    reporter.start()
     lost = None
     try:
         if asynchronous:
@@ -76,6 +79,7 @@ def run_worker(spec: WorkerSpec) -> None:
         else:
             _serve(spec, sock, ring, backend, bell)
     finally:
+        reporter.close()
         if lost is None:
             backend.close()
             ring.close()

@@ -18,7 +18,7 @@ from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
 from gepool.http import peer
 from gepool.http.limits import INLINE_PARSE_BYTES
-from gepool.ipc.protocol import ModelState
+from gepool.ipc.protocol import ModelState, Origin
 
 log = logging.getLogger("gepool.grpc")
 SERVICE = "inference.GRPCInferenceService"
@@ -164,7 +164,8 @@ class InferenceService:
                                              f"model '{call.model}'")
             names = [o.name for o in call.outputs] if call.outputs is not None else None
             outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
-                                                          timeout=call.timeout_s)
+                                                          timeout=call.timeout_s, priority=call.priority,
+                                                          origin=Origin.GRPC)
             served = getattr(outputs, "model_version", None)
             served_text = str(served) if served is not None else (str(call.version) if call.version else "")
             return tensors.response(request, call, served_text, outputs,

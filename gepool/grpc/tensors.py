@@ -48,6 +48,7 @@ class InferCall:
     outputs: list[OutputRequest] | None  # None: every output of the model
     timeout_s: float | None
     mark_final: bool = False  # triton_enable_empty_final_response: flag the (only) response as the final one
+    priority: int = 0  # 0: the model's default level
 
 
 def param_value(p: pb.InferParameter):
@@ -116,10 +117,12 @@ def _typed(name: str, datatype: str, shape: list[int], contents: pb.InferTensorC
     return arr.astype(dtype).reshape(shape)
 
 
-def _check_parameters(request: pb.ModelInferRequest) -> tuple[float | None, bool]:
-    """The request's timeout in seconds (Triton's ``timeout`` parameter is in microseconds) and whether to
-    mark its response final, refusing what gepool cannot do rather than ignoring it."""
-    timeout, final = None, False
+def _check_parameters(request: pb.ModelInferRequest) -> tuple[float | None, bool, int]:
+    """The request's timeout in seconds (Triton's ``timeout`` parameter is in microseconds), whether to
+    mark its response final, and its priority (Triton's uint64: 0 the model's default level, 1 the
+    highest; the front runs a level past priority_levels at the default level, as Triton does),
+    refusing what gepool cannot do rather than ignoring it."""
+    timeout, final, priority = None, False, 0
     for key, p in request.parameters.items():
         value = param_value(p)
         if key == FINAL_FLAG:  # perf_analyzer and streaming clients send it; every gepool model answers once
@@ -132,15 +135,15 @@ def _check_parameters(request: pb.ModelInferRequest) -> tuple[float | None, bool
                                       f"got {value!r}")
             timeout = value * MICROSECONDS if value else None
         elif key == "priority":
-            if not (value is None or (type(value) is int and value == 0)):
-                raise InvalidArgument(f"parameter 'priority' {value!r} is not supported: gepool's gateway serves "
-                                      f"every request at the model's default priority (send 0 or leave it out)")
+            if type(value) is not int or value < 0:  # tritonclient sends a uint64; an int64 may be negative
+                raise InvalidArgument(f"parameter 'priority' must be a non-negative integer, got {value!r}")
+            priority = value
         elif key.startswith("sequence_"):
             raise InvalidArgument(f"parameter '{key}': sequence batching is not supported by gepool")
         else:
             raise InvalidArgument(f"parameter '{key}' is not supported by gepool (supported: priority, timeout, "
                                   f"{FINAL_FLAG})")
-    return timeout, final
+    return timeout, final, priority
 
 
 def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | None, int], memoryview],
@@ -149,7 +152,7 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
     size, limit)`` reads a system shared-memory input of at most ``limit`` bytes."""
     if not request.model_name:
         raise InvalidArgument("the request names no model (model_name is empty)")
-    timeout, final = _check_parameters(request)
+    timeout, final, priority = _check_parameters(request)
     raw = request.raw_input_contents
     raw_used = 0
     inputs: dict[str, np.ndarray] = {}
@@ -196,7 +199,7 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
             outputs.append(OutputRequest(o.name, region,
                                          _int_param(what, o.parameters, "shared_memory_byte_size", 0),
                                          _int_param(what, o.parameters, "shared_memory_offset", 0)))
-    return InferCall(request.model_name, version(request.model_version), inputs, outputs, timeout, final)
+    return InferCall(request.model_name, version(request.model_version), inputs, outputs, timeout, final, priority)
 
 
 def response(request: pb.ModelInferRequest, call: InferCall, served: str, outputs: dict[str, np.ndarray],

@@ -41,6 +41,7 @@ class InferRequest:
     binary_output: bool
     id: str | None = None
     parameters: dict = field(default_factory=dict)
+    priority: int = 0  # Triton's request priority: 0 the model's default level, 1 the highest
 
 
 def numpy_dtype(datatype: str) -> np.dtype:
@@ -282,7 +283,8 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
                 o["name"], bool(op.get("binary_data", binary_output)), region,
                 _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0),
                 _param_int(what, op, "classification", 0)))
-    return InferRequest(inputs, outputs, binary_output, header.get("id"), params)
+    return InferRequest(inputs, outputs, binary_output, header.get("id"), params,
+                        _param_int("the request", params, "priority", 0))
 
 
 def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],

@@ -6,11 +6,20 @@ time, batch size) and gepool's own gauges go through prometheus_client.
 """
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from gepool.http.statistics import duration, failures
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WORKER_LABELS = ["model", "worker", "device"]
+# a worker's DeviceStats reading -> (family, help): Triton's nv_gpu_* names with gepool's prefix
+_DEVICE = (
+    ("memory_used_bytes", "gepool_device_memory_used_bytes",
+     "Device used memory, in bytes, as the device reports it (all processes on the device)"),
+    ("memory_total_bytes", "gepool_device_memory_total_bytes", "Device total memory, in bytes"),
+    ("utilization_ratio", "gepool_device_utilization", "Device (AI Core) utilization rate [0.0 - 1.0]"),
+    ("rss_bytes", "gepool_worker_resident_memory_bytes", "Resident memory of the worker process, in bytes"),
+)
 
 _TRITON = (  # name, help, (count, microseconds) or a count from one model's stats
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
@@ -38,6 +47,20 @@ _TRITON = (  # name, help, (count, microseconds) or a count from one model's sta
 )
 
 
+# Triton's per-request series, and nv_inference_request_failure, carry a ``protocol`` label: the surface
+# the requests came by (library, http, grpc); the rest count batches, which may mix them.
+PER_REQUEST = ("nv_inference_request_success", "nv_inference_request_duration_us", "nv_inference_queue_duration_us")
+
+
+def _protocols(stats: dict) -> list[tuple[dict, dict]]:
+    """[(the protocol label, that protocol's counters)], or the model's own under no label where the
+    front reports none by protocol."""
+    by = stats.get("protocols")
+    if not isinstance(by, dict):
+        return [({}, stats)]
+    return [({"protocol": name}, p) for name, p in by.items()]
+
+
 def _labels(**kv) -> str:
     return ",".join(f'{k}="{v}"' for k, v in kv.items())
 
@@ -51,13 +74,18 @@ def render(status: dict, stats: dict, host: tuple[float, int, int] | None = None
     for name, help_text, value in _TRITON:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         for model, s in stats.items():
-            lines.append(f"{name}{{{_labels(model=model, version=versions[model])}}} {value(s)}")
+            if name in PER_REQUEST:
+                for protocol, p in _protocols(s):
+                    lines.append(f"{name}{{{_labels(model=model, **protocol, version=versions[model])}}} {value(p)}")
+            else:
+                lines.append(f"{name}{{{_labels(model=model, version=versions[model])}}} {value(s)}")
     lines += ["# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes",
               "# TYPE nv_inference_request_failure counter"]
     for model, s in stats.items():
-        for reason, count in failures(s).items():
-            labels = _labels(model=model, reason=reason, version=versions[model])
-            lines.append(f"nv_inference_request_failure{{{labels}}} {count}")
+        for protocol, p in _protocols(s):
+            for reason, count in failures(p).items():
+                labels = _labels(model=model, **protocol, reason=reason, version=versions[model])
+                lines.append(f"nv_inference_request_failure{{{labels}}} {count}")
     lines += ["# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting "
               "execution per-model.", "# TYPE nv_inference_pending_request_count gauge"]
     for model, m in models.items():
@@ -114,6 +142,24 @@ class _Collector:
         yield occupancy
         yield restarts
         yield memory
+        yield from _device_families(models)
+
+
+def _device_families(models: dict):
+    """The readings of each ready worker's latest DeviceStats: a worker that is gone has no series."""
+    gauges = {key: GaugeMetricFamily(name, text, labels=WORKER_LABELS) for key, name, text in _DEVICE}
+    cpu = CounterMetricFamily("gepool_worker_cpu_seconds", "CPU time the worker process has used, in seconds",
+                              labels=WORKER_LABELS)
+    for model, m in models.items():
+        for d in m.get("devices", []):
+            labels = [model, str(d.get("worker")), str(d.get("device"))]
+            for key, family in gauges.items():
+                if key in d:
+                    family.add_metric(labels, d[key])
+            if "cpu_seconds" in d:
+                cpu.add_metric(labels, d["cpu_seconds"])
+    yield from gauges.values()
+    yield cpu
 
 
 def _le(bound: float) -> str:

@@ -38,7 +38,7 @@ from gepool.http.limits import (
 from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
 from gepool.http.statistics import model_statistics
-from gepool.ipc.protocol import ModelState
+from gepool.ipc.protocol import ModelState, Origin
 
 log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",
@@ -250,7 +250,8 @@ class Gateway:
             # an output asked for as classes travels as [name, class_count] (the front's classification)
             names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
                 if req.outputs is not None else None
-            outputs = await (await self.front()).infer(model, req.inputs, names, version=version)
+            outputs = await (await self.front()).infer(model, req.inputs, names, version=version,
+                                                       priority=req.priority, origin=Origin.HTTP)
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
             served = getattr(outputs, "model_version", None)

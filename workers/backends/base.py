@@ -68,6 +68,13 @@ class Backend(abc.ABC):
     def warmup(self) -> int:
         """Runs the model before it is READY; returns the number of runs. A failure raises."""
 
+    def device_stats(self) -> dict:
+        """What its device reports now, for the worker's stats thread (ipc.protocol.DeviceStats): numbers
+        under memory_used_bytes, memory_total_bytes, utilization_ratio, and a ``health`` word, each left out
+        where the device cannot tell. Called from that thread, never between a stream's calls: read what
+        the backend already holds. A CPU backend has no device beyond the process: {}."""
+        return {}
+
     def close(self) -> None:
         """Releases what the backend holds; the process exits right after."""
 

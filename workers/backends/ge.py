@@ -155,6 +155,12 @@ class GeBackend(AsyncBackend):
             status["health"] = LOST
         return status
 
+    def device_stats(self) -> dict:
+        """The health thread's latest reading (that thread holds the context; the stats thread need not).
+        ``utilization`` per unit stays in the ready info: the sample carries the AI Core ratio."""
+        status = self.info.get("device") or {}
+        return {k: v for k, v in status.items() if k != "utilization"}
+
     def context_alive(self) -> str:
         """After a failed batch: "" if the context still runs work, else why not. A device exception
         aborts the context, and every later task fails with ordinary-looking errors."""

@@ -362,12 +362,22 @@ def memcpy_async(dst: int, dest_max: int, src: int, count: int, kind: int, strea
     return S.SUCCESS
 
 
+MEM_ATTRS = range(10)  # aclrtMemAttr: DDR_MEM 0 ... HBM_P2P_NORMAL 9 (acl_rt.h [S2]; get_mem_info [S5])
+
+
 @checked("rt.get_mem_info", int)
 def get_mem_info(attr: int):
+    """(free, total, ret) of the current device ("needs a current device" [S5 get_mem_info]). The
+    figures are the device's memory open to applications, system reserve excluded (hicann/runtime
+    docs/api_docs/aclrtGetMemInfo.md), not this process's: what other processes hold on the device
+    is not free (a test sets it as ``other_bytes`` in the control folder)."""
     ctx, ret = _need_context()
     if ret:
         return 0, 0, ret
-    return S.DEVICE_MEMORY - S.device_used[ctx.device], S.DEVICE_MEMORY, S.SUCCESS
+    if attr not in MEM_ATTRS:
+        return 0, 0, S.set_error(S.INVALID_PARAM, f"get_mem_info attr {attr} is not an aclrtMemAttr")
+    other = int(S.control(ctx.device).get("other_bytes", 0))
+    return max(0, S.DEVICE_MEMORY - S.device_used[ctx.device] - other), S.DEVICE_MEMORY, S.SUCCESS
 
 
 @checked("rt.get_device_utilization_rate", int)
