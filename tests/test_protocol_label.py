@@ -67,7 +67,7 @@ def test_the_front_refuses_an_origin_it_does_not_know(tmp_path):
         h.ready_all()
         for origin in (7, -1, True, "http"):
             msg = protocol.Infer(1, "echo", protocol.NO_VERSION, [["INPUT", "FP32", [1, 4], 0]], None, 0, 0,
-                                 protocol.NO_ARENA, 0, 0, origin)
+                                 protocol.NO_ARENA, 0, 0, origin=origin)
             h.core.on_message(b"\0client", [memoryview(msg.encode()), memoryview(np.ones((1, 4), np.float32))])
             ((_, reply, _),) = h.out.take()
             assert isinstance(reply, protocol.Error) and "origin must be one of [0, 1, 2]" in reply.message, reply
