@@ -153,6 +153,12 @@ GOOD = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "dat
      "Unable to find system shared memory region: 'nowhere'"),
     (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 15], "datatype": "FP32", "data": [0] * 15}]}).encode(),
      {}, "does not match the model's [-1, 16]"),
+    (json.dumps({**GOOD, "parameters": {"max_tokens": 3}}).encode(), {},
+     "parameter 'max_tokens' is not supported by gepool (supported: binary_data_output, priority, timeout)"),
+    (json.dumps({**GOOD, "parameters": {"sequence_id": 3}}).encode(), {},
+     "parameter 'sequence_id': sequence batching is not supported"),
+    (json.dumps({**GOOD, "parameters": {"timeout": -5}}).encode(), {},
+     "'timeout' must be a non-negative integer, got -5"),
 ])
 def test_malformed_http_gets_400_and_pool_serves_on(http_pool, body, headers, words):
     status, reply = post(http_pool.http_port, "/v2/models/tiny/infer", body, headers)
@@ -160,6 +166,14 @@ def test_malformed_http_gets_400_and_pool_serves_on(http_pool, body, headers, wo
     assert words in reply["error"]
     status, reply = post(http_pool.http_port, "/v2/models/tiny/infer", json.dumps(GOOD).encode())
     assert status == 200 and reply["outputs"][0]["data"][:3] == [1.0, 3.0, 5.0]
+
+
+def test_the_timeout_parameter_is_the_requests_timeout_in_microseconds():
+    from gepool.http import kserve
+    body = json.dumps({**GOOD, "parameters": {"timeout": 2500, "priority": 2}}).encode()
+    req = kserve.parse_request(body, None)
+    assert req.timeout_s == pytest.approx(0.0025) and req.priority == 2
+    assert kserve.parse_request(json.dumps(GOOD).encode(), None).timeout_s is None
 
 
 def test_shared_memory_offsets_are_checked(http_pool, tmp_path):

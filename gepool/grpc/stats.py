@@ -1,5 +1,7 @@
 """ModelStatistics rows in Triton's shape from the front's per-model counters (as the HTTP gateway answers)."""
 
+from gepool.http.statistics import compute_count
+
 NS_PER_US = 1000
 NS_PER_S = 1_000_000_000
 
@@ -24,7 +26,7 @@ def rows(stats: dict, status: dict, wanted: str | None = None) -> list[dict]:
                 "fail": _duration(s["failures"]),
                 "queue": _duration(s["histograms"]["queue"]["count"], s["queue_us"] * NS_PER_US),
                 "compute_input": _duration(s["batches"]),
-                "compute_infer": _duration(s["histograms"]["compute"]["count"], s["compute_us"] * NS_PER_US),
+                "compute_infer": _duration(compute_count(s), s["compute_us"] * NS_PER_US),
                 "compute_output": _duration(s["batches"]),
                 "cache_hit": _duration(0), "cache_miss": _duration(0)},
             "batch_stats": [{"batch_size": int(size), "compute_input": _duration(n),

@@ -251,7 +251,7 @@ class Gateway:
             names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
                 if req.outputs is not None else None
             outputs = await (await self.front()).infer(model, req.inputs, names, version=version,
-                                                       priority=req.priority, origin=Origin.HTTP)
+                                                       priority=req.priority, timeout=req.timeout_s, origin=Origin.HTTP)
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
             served = getattr(outputs, "model_version", None)

@@ -34,6 +34,13 @@ def _by_size(seconds: dict | None) -> dict[int, float]:
     return {int(k): v for k, v in (seconds or {}).items()}
 
 
+def compute_count(s: dict) -> int:
+    """compute_infer's count: a model's batches, the same count as compute_input's and compute_output's
+    (perf_analyzer refuses stats where they differ, and a batch in flight is counted at dispatch); an
+    ensemble runs no batch, and counts the requests whose steps it summed."""
+    return s["batches"] or s["histograms"]["compute"]["count"]
+
+
 def _pair(count: int, ns: int) -> dict:
     return {"count": count, "ns": ns}
 
@@ -50,7 +57,7 @@ def model_statistics(name: str, version: str, s: dict) -> dict:
             "fail": _pair(s["failures"], 0),
             "queue": _pair(s["histograms"]["queue"]["count"], s["queue_us"] * 1000),
             "compute_input": _pair(*duration(s, "compute_input")),
-            "compute_infer": _pair(s["histograms"]["compute"]["count"], s["compute_us"] * 1000),
+            "compute_infer": _pair(compute_count(s), s["compute_us"] * 1000),
             "compute_output": _pair(*duration(s, "compute_output")),
             "cache_hit": _pair(*duration(s, "cache_hit", False)),
             "cache_miss": _pair(*duration(s, "cache_miss", False))},
