@@ -53,9 +53,10 @@ class Outgoing:
 
 def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: int | None,
                  timeout: float | None, arena: tuple[ClientArena, int] | None, out_bytes: int,
-                 arena_min: int = ARENA_MIN) -> Outgoing:
+                 arena_min: int = ARENA_MIN, caller: list | None = None) -> Outgoing:
     """Tensors go into the arena when one is registered and has room, else as raw frames; so does a
-    request under ``arena_min`` bytes in all whose inputs are outside the arena."""
+    request under ``arena_min`` bytes in all whose inputs are outside the arena. ``caller``: a BLS
+    call's batch (protocol.Infer.caller)."""
     if not isinstance(inputs, dict) or not inputs:
         raise errors.InvalidArgument("inputs must be a non-empty dict of name -> numpy array")
     arrays = {}
@@ -92,14 +93,14 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                     where, pos = pos, pos + layout.align(arr.nbytes)
                 refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), where])
             msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
-                                 arena_id, base + total, out_bytes)
+                                 arena_id, base + total, out_bytes, caller)
             return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
     refs, frames = [], []
     for i, (name, arr) in enumerate(arrays.items()):
         refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
         frames.append(dtypes.serialize_bytes(arr) if arr.dtype.kind in "OSU" else np.ascontiguousarray(arr))
     msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), 0,
-                         protocol.NO_ARENA, 0, 0)
+                         protocol.NO_ARENA, 0, 0, caller)
     return Outgoing(req_id, [msg.encode(), *frames], ranges)
 
 

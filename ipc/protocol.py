@@ -9,7 +9,7 @@ The protocol version is checked once, in Hello/Welcome and WorkerReady.
 
 import enum
 import operator
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -59,6 +59,7 @@ def _message(cls: type) -> type:
     # and reads several messages per request. Nothing keeps or hashes a message after handling it.
     cls = dataclass(slots=True)(cls)
     cls._FIELDS = tuple(f.name for f in fields(cls))
+    cls._REQUIRED = sum(1 for f in fields(cls) if f.default is MISSING)  # the rest may be left off the end
     get = operator.attrgetter(*cls._FIELDS) if cls._FIELDS else (lambda _: ())
     cls._values = staticmethod(get if len(cls._FIELDS) != 1 else (lambda m, g=get: (g(m),)))
     cls._TYPE = int(cls.TYPE)
@@ -69,6 +70,7 @@ def _message(cls: type) -> type:
 class _Base:
     TYPE: ClassVar[MsgType]
     _FIELDS: ClassVar[tuple[str, ...]]
+    _REQUIRED: ClassVar[int]
     _TYPE: ClassVar[int]
 
     def encode(self) -> bytes:
@@ -86,8 +88,9 @@ def decode(frame: bytes | memoryview) -> Any:
     cls = _BY_TYPE.get(items[0])
     if cls is None:
         raise ProtocolError(f"unknown message type {items[0]}")
-    if len(items) - 1 != len(cls._FIELDS):
-        raise ProtocolError(f"{cls.__name__} needs {len(cls._FIELDS)} fields, got {len(items) - 1}")
+    if not cls._REQUIRED <= len(items) - 1 <= len(cls._FIELDS):
+        want = str(len(cls._FIELDS)) if cls._REQUIRED == len(cls._FIELDS) else f"{cls._REQUIRED} to {len(cls._FIELDS)}"
+        raise ProtocolError(f"{cls.__name__} needs {want} fields, got {len(items) - 1}")
     return cls(*items[1:])
 
 
@@ -125,6 +128,9 @@ class Infer(_Base):
     arena: int  # NO_ARENA or an id from REGISTER_ARENA
     out_offset: int  # where in the arena the front may write outputs
     out_size: int  # how many bytes it may use there (0 = send outputs as frames)
+    # A BLS call (a python model calling another model): [worker id, slot, seq] of the batch whose execute
+    # waits on it (slot -1: the worker's warmup). The front derives the call chain from that batch.
+    caller: list | None = None
 
 
 @_message

@@ -18,7 +18,7 @@ from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
-from gepool.scheduler.requests import admit
+from gepool.scheduler.requests import admit, bls_chain
 from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
@@ -135,8 +135,11 @@ class Core:
         group = self.control.group(msg.model)
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         try:
+            # a call on itself is refused even while the model loads (its warmup would wait for itself)
+            chain = () if msg.caller is None else bls_chain(msg.caller, model.name, self.workers)
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
+            req.chain = chain
             if self.dispatch.cache is not None and model.config.response_cache \
                     and self.dispatch.answer_cached(model, req):
                 return  # answered from the cache: no worker runs it

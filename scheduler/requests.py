@@ -2,12 +2,16 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gepool.common.config import ModelConfig
-from gepool.common.errors import InvalidArgument, RequestTooLarge
+from gepool.common.errors import InvalidArgument, RequestTooLarge, Unavailable
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
+
+if TYPE_CHECKING:
+    from gepool.scheduler.books import Workers
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +37,7 @@ class Request:
     where: list[int] | None = None  # the inputs' offsets in the client's arena (None: they came as frames)
     classify: dict[str, int] | None = None  # outputs asked for as their top classes: name -> class count
     cache_key: bytes | None = None  # a response cache miss: its response is kept under this key
+    chain: tuple[str, ...] = ()  # a BLS call: the models whose execute waits on it, outermost first
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
@@ -154,6 +159,36 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
                    classify=classify)
+
+
+MAX_BLS_DEPTH = 8  # models in one BLS call chain, the outermost caller included
+
+
+def bls_chain(caller: object, target: str, workers: "Workers") -> tuple[str, ...]:
+    """The call chain of a BLS request from ``caller`` ([worker, slot, seq] of the batch that waits on it):
+    the chains of that batch's requests, then the batch's model. Refused when ``target`` is in it already
+    (its execute would wait on itself: a deadlock while its instances are all waiting) or it is too deep."""
+    if not (type(caller) is list and len(caller) == 3 and all(type(v) is int for v in caller)):
+        raise InvalidArgument(f"caller must be [worker, slot, seq] (integers), got {caller!r}")
+    w = workers.get(caller[0])
+    if w is None:
+        raise InvalidArgument(f"the BLS caller names worker {caller[0]}, which this pool does not have")
+    chain: dict[str, None] = {}
+    if caller[1] != -1:  # -1: the caller is warming up, with no request behind it
+        batch = w.inflight.get(caller[1])
+        if batch is None or batch.seq != caller[2]:
+            raise Unavailable(f"the batch of model '{w.model.name}' that made this BLS call is no longer running")
+        for req in batch.requests:
+            chain.update(dict.fromkeys(req.chain))
+    chain[w.model.name] = None
+    if target in chain:
+        names = list(chain)
+        loop = " -> ".join(names[names.index(target):] + [target])
+        raise InvalidArgument(f"model '{target}' calls itself through BLS: {loop}")
+    if len(chain) >= MAX_BLS_DEPTH:
+        raise InvalidArgument(f"BLS calls nest {len(chain) + 1} models deep, past the limit of {MAX_BLS_DEPTH}: "
+                              f"{' -> '.join([*chain, target])}")
+    return tuple(chain)
 
 
 def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:
