@@ -72,28 +72,29 @@ class PoolHandle:
     def infer(self, model: str, inputs: dict, outputs: list[str] | None = None, *, version: int | None = None,
               timeout: float | None = None) -> dict:
         """Runs ``model`` on ``inputs`` ({name: ndarray}) and returns {output name: ndarray} (read-only
-        views); raises a GepoolError naming what failed. ``version`` None or -1: the default version;
-        ``timeout`` (s): how long to wait, else the handle's (BLS_TIMEOUT_S)."""
+        views); raises a GepoolError naming what failed. ``version`` None or -1: the default version.
+        ``timeout`` (s) is the call's, as a client's: without one the callee's queue policy applies, and
+        the front gives the call no more time than the requests that made it have left; either way the
+        call waits for its answer at most ``timeout`` or the handle's (BLS_TIMEOUT_S)."""
         client = self._connect()
-        wait = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             try:
-                return client.infer(model, inputs, outputs, version=_version(version), timeout=wait)
+                return client.infer(model, inputs, outputs, version=_version(version), timeout=timeout)
             except errors.ModelNotReady as exc:
                 # warming up, the pool is loading too: wait for the callee (not once serving: no hang)
                 if self._batch is not None or "LOADING" not in exc.message or time.monotonic() >= deadline:
                     raise
             time.sleep(LOADING_RETRY_S)
-            wait = max(0.001, deadline - time.monotonic())
+            if timeout is not None:
+                timeout = max(0.001, deadline - time.monotonic())
 
     def infer_async(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
                     version: int | None = None, timeout: float | None = None):
         """Sends now. Inside a running event loop (an ``async def execute``) returns an asyncio future to
         await, else a concurrent.futures.Future; either resolves to the outputs or raises the error."""
         client = self._connect()
-        fut = client.infer_async(model, inputs, outputs, version=_version(version),
-                                 timeout=self.timeout if timeout is None else timeout)
+        fut = client.infer_async(model, inputs, outputs, version=_version(version), timeout=timeout)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -136,7 +136,7 @@ class Core:
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         try:
             # a call on itself is refused even while the model loads (its warmup would wait for itself)
-            chain = () if msg.caller is None else bls_chain(msg.caller, model.name, self.workers)
+            chain = () if msg.caller is None else bls_chain(msg, model.name, self.workers, self.clock())
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
             req.chain = chain

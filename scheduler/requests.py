@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gepool.common.config import ModelConfig
-from gepool.common.errors import InvalidArgument, RequestTooLarge, Unavailable
+from gepool.common.errors import InvalidArgument, RequestTooLarge, Timeout, Unavailable
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
@@ -38,6 +38,7 @@ class Request:
     classify: dict[str, int] | None = None  # outputs asked for as their top classes: name -> class count
     cache_key: bytes | None = None  # a response cache miss: its response is kept under this key
     chain: tuple[str, ...] = ()  # a BLS call: the models whose execute waits on it, outermost first
+    deadline: float | None = None  # when its client stops waiting (its timeout), if it gave one
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
@@ -158,16 +159,18 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify)
+                   classify=classify, deadline=now + msg.timeout_us / 1e6 if msg.timeout_us else None)
 
 
 MAX_BLS_DEPTH = 8  # models in one BLS call chain, the outermost caller included
 
 
-def bls_chain(caller: object, target: str, workers: "Workers") -> tuple[str, ...]:
-    """The call chain of a BLS request from ``caller`` ([worker, slot, seq] of the batch that waits on it):
-    the chains of that batch's requests, then the batch's model. Refused when ``target`` is in it already
-    (its execute would wait on itself: a deadlock while its instances are all waiting) or it is too deep."""
+def bls_chain(msg: protocol.Infer, target: str, workers: "Workers", now: float) -> tuple[str, ...]:
+    """The call chain of a BLS request from ``msg.caller`` ([worker, slot, seq] of the batch that waits on
+    it): the chains of that batch's requests, then the batch's model. Refused when ``target`` is in it
+    already (its execute would wait on itself: a deadlock while its instances are all waiting) or it is
+    too deep. The call's timeout becomes no later than the calling requests' own deadline."""
+    caller = msg.caller
     if not (type(caller) is list and len(caller) == 3 and all(type(v) is int for v in caller)):
         raise InvalidArgument(f"caller must be [worker, slot, seq] (integers), got {caller!r}")
     w = workers.get(caller[0])
@@ -180,6 +183,7 @@ def bls_chain(caller: object, target: str, workers: "Workers") -> tuple[str, ...
             raise Unavailable(f"the batch of model '{w.model.name}' that made this BLS call is no longer running")
         for req in batch.requests:
             chain.update(dict.fromkeys(req.chain))
+        _cap_timeout(msg, [r.deadline for r in batch.requests if r.deadline is not None], now)
     chain[w.model.name] = None
     if target in chain:
         names = list(chain)
@@ -189,6 +193,17 @@ def bls_chain(caller: object, target: str, workers: "Workers") -> tuple[str, ...
         raise InvalidArgument(f"BLS calls nest {len(chain) + 1} models deep, past the limit of {MAX_BLS_DEPTH}: "
                               f"{' -> '.join([*chain, target])}")
     return tuple(chain)
+
+
+def _cap_timeout(msg: protocol.Infer, deadlines: list[float], now: float) -> None:
+    """Nobody waits for a BLS call's answer past the deadline of the requests that made it: that is its
+    timeout at the latest (in microseconds, as the client gave its own)."""
+    if not deadlines or type(msg.timeout_us) is not int or msg.timeout_us < 0:
+        return  # (a bad timeout is refused by admission)
+    left = int((min(deadlines) - now) * 1e6)
+    if left <= 0:
+        raise Timeout("the request that made this BLS call is past its timeout")
+    msg.timeout_us = min(msg.timeout_us, left) if msg.timeout_us > 0 else left
 
 
 def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:

@@ -312,6 +312,25 @@ def test_a_call_honours_its_timeout_when_the_callee_is_stuck(bls_pool, bls_repo)
     assert (held.result(timeout=60)["OUTPUT"] == -1).all()
 
 
+def test_a_call_without_a_timeout_gets_the_calling_requests_remaining_time(bls_pool, bls_repo):
+    """via_held's call names no timeout; its client gives 3 s. The front expires the call in held's queue
+    when those 3 s are up, so via_held's worker is free again long before the handle's own 60 s."""
+    _, gate = bls_repo
+    c = bls_pool.client()
+    open(gate, "w").close()
+    try:
+        held = c.infer_async("held", {"INPUT": np.full((1, WIDTH), -1, np.float32)})  # holds held's worker
+        assert wait_until(lambda: c.stats()["held"]["batches"] >= 1)
+        with pytest.raises(errors.GepoolError, match="no answer"):
+            c.infer("via_held", {"INPUT": np.ones((1, WIDTH), np.float32)}, timeout=3)
+        # held is still held: only a freed via_held worker answers this (zeros: no call) within 30 s
+        out = c.infer("via_held", {"INPUT": np.zeros((1, WIDTH), np.float32)}, timeout=30)
+        assert out["OUTPUT"].shape == (1, WIDTH)
+    finally:
+        os.unlink(gate)
+    assert (held.result(timeout=60)["OUTPUT"] == -1).all()
+
+
 def test_async_calls_from_an_async_execute_are_in_flight_together(bls_pool):
     """duo batches two requests only when both are queued at once (its max queue delay is a minute)."""
     c = bls_pool.client()
@@ -390,16 +409,40 @@ def test_the_front_derives_the_chain_from_the_calling_batch_and_limits_its_depth
         req = Request(b"c", i, w.model.name, [], [], 1, 0, None, -1, 0, 0, 0.0, chain=chain)
         w.take(7, [req], 1, False, 0.0)  # its batch in slot 1, seq 7, waits on the call below
         if i + 1 < MAX_BLS_DEPTH:
-            chain = bls_chain([w.id, 1, 7], names[i + 1], workers)
+            chain = bls_chain(_call([w.id, 1, 7]), names[i + 1], workers, 0.0)
             assert chain == tuple(names[:i + 1])
         else:
             with pytest.raises(errors.InvalidArgument, match=f"past the limit of {MAX_BLS_DEPTH}"):
-                bls_chain([w.id, 1, 7], names[i + 1], workers)
+                bls_chain(_call([w.id, 1, 7]), names[i + 1], workers, 0.0)
     with pytest.raises(errors.InvalidArgument, match="model 'm1' calls itself through BLS: m1 -> m2 -> m3 -> m1"):
-        bls_chain([ws[3].id, 1, 7], "m1", workers)
-    assert bls_chain([ws[3].id, -1, 0], "m3x", workers) == ("m3",)  # a warmup's call: its model only
+        bls_chain(_call([ws[3].id, 1, 7]), "m1", workers, 0.0)
+    assert bls_chain(_call([ws[3].id, -1, 0]), "m3x", workers, 0.0) == ("m3",)  # a warmup's call: its model only
     with pytest.raises(errors.Unavailable, match="no longer running"):
-        bls_chain([ws[3].id, 1, 8], "m9", workers)  # a batch since answered (or its worker dead)
+        bls_chain(_call([ws[3].id, 1, 8]), "m9", workers, 0.0)  # a batch since answered (or its worker dead)
     for bad in ([ws[0].id, 1], ["w", 1, 7], None, [999, 1, 7]):
         with pytest.raises(errors.InvalidArgument):
-            bls_chain(bad, "m1", workers)
+            bls_chain(_call(bad), "m1", workers, 0.0)
+
+
+def test_a_call_gets_the_calling_requests_deadline_as_its_timeout_at_the_latest():
+    from gepool.scheduler.books import Workers
+    from gepool.scheduler.requests import Request, bls_chain
+
+    workers = Workers()
+    w = workers.add(_Model("a"), "cpu", 1, 2, 1 << 20)
+    w.free = [0, 1]
+    reqs = [Request(b"c", i, "a", [], [], 1, 0, None, -1, 0, 0, 0.0, deadline=d) for i, d in enumerate((None, 12.0,
+                                                                                                        10.0))]
+    w.take(3, reqs, 3, False, 0.0)
+    for asked, want in ((0, 2_000_000), (5_000_000, 2_000_000), (1_000_000, 1_000_000)):
+        msg = _call([w.id, 1, 3], asked)
+        bls_chain(msg, "b", workers, 8.0)
+        assert msg.timeout_us == want  # two seconds left of the earliest deadline (10.0 at 8.0)
+    with pytest.raises(errors.Timeout, match="past its timeout"):
+        bls_chain(_call([w.id, 1, 3]), "b", workers, 10.5)
+
+
+def _call(caller, timeout_us: int = 0):
+    from gepool.ipc import protocol
+
+    return protocol.Infer(1, "x", -1, [], None, timeout_us, 0, protocol.NO_ARENA, 0, 0, caller)
