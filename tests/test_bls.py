@@ -64,6 +64,27 @@ class Model:
         return {"OUTPUT": self.pool.infer(self.callee, {"INPUT": x}, ["OUTPUT"], timeout=self.timeout)["OUTPUT"]}
 '''
 
+# One call per row, from four threads at once: the handle is shared by the worker's threads.
+THREADS_PY = '''
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+class Model:
+    def initialize(self, config):
+        self.pool = config["pool"]
+        self.threads = ThreadPoolExecutor(4)
+
+    def execute(self, inputs):
+        x = inputs["INPUT"]
+        rows = self.threads.map(lambda r: self.pool.infer("mlp", {"INPUT": x[r:r + 1]})["LOGITS"], range(len(x)))
+        return {"OUTPUT": np.concatenate(list(rows))}
+
+    def finalize(self):
+        self.threads.shutdown()
+'''
+
 # gepool's handle from an async def execute: two calls in flight at once.
 ASYNC_PY = '''
 import asyncio
@@ -207,6 +228,7 @@ def bls_repo(tmp_path_factory):
     test_repo.make_models.make_mlp(repo, sizes=(WIDTH, 32, WIDTH))
     _python_model(repo, "loop", LOOP_PY)
     _python_model(repo, "outer", LOOP_PY, params={"times": "2", "callee": "loop"})  # outer -> loop -> mlp
+    _python_model(repo, "threads", THREADS_PY)
     _python_model(repo, "cond", COND_PY, outputs=f'{{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ {WIDTH} ] }}, '
                   '{ name: "ROUTE" data_type: TYPE_INT32 dims: [ 1 ] }')
     _python_model(repo, "self_call", CALLER_PY, params={"callee": "self_call"})
@@ -249,6 +271,14 @@ def test_a_model_calling_mlp_in_a_loop_equals_the_client_doing_it(bls_pool):
         for _ in range(3):
             want = c.infer("mlp", {"INPUT": want})["LOGITS"]
         np.testing.assert_array_equal(c.infer("loop", {"INPUT": x})["OUTPUT"], want)
+
+
+def test_threads_of_one_model_share_its_handle(bls_pool):
+    c = bls_pool.client()
+    x = _x(8, 11)
+    out = c.infer("threads", {"INPUT": x}, timeout=60)["OUTPUT"]
+    for r in range(8):
+        np.testing.assert_allclose(out[r:r + 1], c.infer("mlp", {"INPUT": x[r:r + 1]})["LOGITS"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_chain_of_calls_is_served_by_queueing_under_concurrency(bls_pool):
