@@ -1,6 +1,5 @@
 """The pool handle a python model gets for BLS: calls to other models of its pool, from inside a worker."""
 
-import asyncio
 import threading
 import time
 
@@ -93,6 +92,8 @@ class PoolHandle:
                     version: int | None = None, timeout: float | None = None):
         """Sends now. Inside a running event loop (an ``async def execute``) returns an asyncio future to
         await, else a concurrent.futures.Future; either resolves to the outputs or raises the error."""
+        import asyncio
+
         client = self._connect()
         fut = client.infer_async(model, inputs, outputs, version=_version(version), timeout=timeout)
         try:

@@ -476,3 +476,19 @@ def _call(caller, timeout_us: int = 0):
     from gepool.ipc import protocol
 
     return protocol.Infer(1, "x", -1, [], None, timeout_us, 0, protocol.NO_ARENA, 0, 0, caller)
+
+
+def test_infer_carries_its_caller_and_a_message_without_one_still_decodes():
+    import msgpack
+
+    from gepool.ipc import protocol
+
+    msg = _call([3, 1, 7], 5)
+    back = protocol.decode(msg.encode())
+    assert back == msg and back.caller == [3, 1, 7]
+    fields = msgpack.unpackb(msg.encode())
+    assert protocol.decode(msgpack.packb(fields[:-1])).caller is None  # a client that sends no caller
+    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 11 fields, got 12"):
+        protocol.decode(msgpack.packb([*fields, 0]))
+    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 11 fields, got 9"):
+        protocol.decode(msgpack.packb(fields[:-2]))

@@ -1,6 +1,5 @@
 """User Python models: gepool's ``class Model`` (execute(inputs) -> outputs), or Triton's ``TritonPythonModel``."""
 
-import asyncio
 import importlib.util
 import inspect
 import os
@@ -83,12 +82,14 @@ class Coroutines:
     backend's own, made on first use; a plain value passes through."""
 
     def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop = None  # an asyncio event loop, once a coroutine needs one
 
     def run(self, result):
         if not inspect.isawaitable(result):
             return result
         if self.loop is None:
+            import asyncio  # only for models with an async def execute
+
             self.loop = asyncio.new_event_loop()
         return self.loop.run_until_complete(result)
 
