@@ -55,10 +55,11 @@ class Outgoing:
 def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: int | None,
                  timeout: float | None, arena: tuple[ClientArena, int] | None, out_bytes: int,
                  arena_min: int = ARENA_MIN, deadline: float | None = None, priority: int = 0,
-                 origin: int = protocol.Origin.LIBRARY) -> Outgoing:
+                 origin: int = protocol.Origin.LIBRARY, caller: list | None = None) -> Outgoing:
     """Tensors go into the arena when one is registered and has room, else as raw frames; so does a
     request under ``arena_min`` bytes in all whose inputs are outside the arena. ``timeout``: the
-    request's own (Triton's, for the queue policy); ``deadline``: how long the client waits for it."""
+    request's own (Triton's, for the queue policy); ``deadline``: how long the client waits for it;
+    ``caller``: a BLS call's batch (protocol.Infer.caller)."""
     priority = check_priority(priority)
     if not isinstance(inputs, dict) or not inputs:
         raise errors.InvalidArgument("inputs must be a non-empty dict of name -> numpy array")
@@ -96,14 +97,14 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                     where, pos = pos, pos + layout.align(arr.nbytes)
                 refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), where])
             msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                                 arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin))
+                                 arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller)
             return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
     refs, frames = [], []
     for i, (name, arr) in enumerate(arrays.items()):
         refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
         frames.append(dtypes.serialize_bytes(arr) if arr.dtype.kind in "OSU" else np.ascontiguousarray(arr))
     msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                         protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin))
+                         protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller)
     return Outgoing(req_id, [msg.encode(), *frames], ranges)
 
 

@@ -71,8 +71,11 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
         if on_ready is not None:
             on_ready(status)
 
+    def start(**kwargs):  # the endpoint as bound (a tcp port left to the system is known once the front runs)
+        return start_worker(pool_endpoint=front.endpoint, pool_curve_key=front.curve_secret_key, **kwargs)
+
     try:
-        return Front(front, start_worker, ready, place=place_workers).run()
+        return Front(front, start, ready, place=place_workers).run()
     finally:
         for sidecar in gateway:
             sidecar.stop()

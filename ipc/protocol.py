@@ -145,6 +145,9 @@ class Infer(_Base):
     # unlike timeout_us it never changes the queue policy's timeout
     deadline_us: int = 0
     origin: int = Origin.LIBRARY  # the surface it came by (the gateway sets HTTP or GRPC)
+    # A BLS call (a python model calling another model): [worker id, slot, seq] of the batch whose execute
+    # waits on it (slot -1: the worker's warmup). The front derives the call chain from that batch.
+    caller: list | None = None
 
 
 @_message

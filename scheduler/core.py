@@ -19,7 +19,7 @@ from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
-from gepool.scheduler.requests import admit, origin_of
+from gepool.scheduler.requests import admit, bls_chain, origin_of
 from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
@@ -142,8 +142,11 @@ class Core:
         group = self.control.group(msg.model)
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         try:
+            # a call on itself is refused even while the model loads (its warmup would wait for itself)
+            chain = () if msg.caller is None else bls_chain(msg, model.name, self.workers, self.clock())
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
+            req.chain = chain
             if model.config.ensemble is not None:
                 self.ensembles.start(model, req, msg.priority, msg.timeout_us, msg.deadline_us)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1

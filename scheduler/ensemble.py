@@ -154,6 +154,9 @@ class Ensembles:
             timeout_us = max(1, int(left * 1e6))
         group = self.control.group(step.model_name)
         model = group.route(protocol.NO_VERSION if step.model_version == LATEST else step.model_version)
+        if model.name in run.req.chain:  # a BLS caller's own model as a step: it would wait on itself
+            loop = " -> ".join([*run.req.chain[run.req.chain.index(model.name):], run.model.name, model.name])
+            raise errors.InvalidArgument(f"model '{model.name}' calls itself through BLS: {loop}")
         model.check_servable()
         refs, frames = [], []
         for inp, name in step.input_map.items():
@@ -170,6 +173,7 @@ class Ensembles:
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
         req.sink = StepSink(self, run, i, now)
+        req.chain = run.req.chain
         self.enqueue(group, model, req, run.priority, timeout_us, timeout_us)
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float) -> None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gepool.common.config import ModelConfig
-from gepool.common.errors import InvalidArgument, RequestTooLarge
+from gepool.common.errors import InvalidArgument, RequestTooLarge, Timeout, Unavailable
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arena_io import ArenaSpan
 from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
+
+if TYPE_CHECKING:
+    from gepool.scheduler.books import Workers
 
 
 class Sink(Protocol):
@@ -50,6 +53,8 @@ class Request:
     cache_key: bytes | None = None  # a response cache miss: its response is kept under this key
     sink: Sink | None = None  # an ensemble's step: its outputs and errors go there, not to a client
     origin: int = protocol.Origin.LIBRARY  # the surface it came by: the per-request metrics' protocol label
+    chain: tuple[str, ...] = ()  # a BLS call: the models whose execute waits on it, outermost first
+    deadline: float | None = None  # when nobody waits for it any more (its timeout or its client's deadline)
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
@@ -178,7 +183,56 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify, origin=msg.origin)
+                   classify=classify, origin=msg.origin, deadline=_deadline(msg, now))
+
+
+def _deadline(msg: protocol.Infer, now: float) -> float | None:
+    limits = [us for us in (msg.timeout_us, msg.deadline_us) if us]
+    return now + min(limits) / 1e6 if limits else None
+
+
+MAX_BLS_DEPTH = 8  # models in one BLS call chain, the outermost caller included
+
+
+def bls_chain(msg: protocol.Infer, target: str, workers: Workers, now: float) -> tuple[str, ...]:
+    """The call chain of a BLS request from ``msg.caller`` ([worker, slot, seq] of the batch that waits on
+    it): the chains of that batch's requests, then the batch's model. Refused when ``target`` is in it
+    already (its execute would wait on itself: a deadlock while its instances are all waiting) or it is
+    too deep. The call's timeout becomes no later than the calling requests' own deadline."""
+    caller = msg.caller
+    if not (type(caller) is list and len(caller) == 3 and all(type(v) is int for v in caller)):
+        raise InvalidArgument(f"caller must be [worker, slot, seq] (integers), got {caller!r}")
+    w = workers.get(caller[0])
+    if w is None:
+        raise InvalidArgument(f"the BLS caller names worker {caller[0]}, which this pool does not have")
+    chain: dict[str, None] = {}
+    if caller[1] != -1:  # -1: the caller is warming up, with no request behind it
+        batch = w.inflight.get(caller[1])
+        if batch is None or batch.seq != caller[2]:
+            raise Unavailable(f"the batch of model '{w.model.name}' that made this BLS call is no longer running")
+        for req in batch.requests:
+            chain.update(dict.fromkeys(req.chain))
+        _cap_timeout(msg, [r.deadline for r in batch.requests if r.deadline is not None], now)
+    chain[w.model.name] = None
+    if target in chain:
+        names = list(chain)
+        loop = " -> ".join(names[names.index(target):] + [target])
+        raise InvalidArgument(f"model '{target}' calls itself through BLS: {loop}")
+    if len(chain) >= MAX_BLS_DEPTH:
+        raise InvalidArgument(f"BLS calls nest {len(chain) + 1} models deep, past the limit of {MAX_BLS_DEPTH}: "
+                              f"{' -> '.join([*chain, target])}")
+    return tuple(chain)
+
+
+def _cap_timeout(msg: protocol.Infer, deadlines: list[float], now: float) -> None:
+    """Nobody waits for a BLS call's answer past the deadline of the requests that made it: that is the
+    call's client deadline at the latest (deadline_us: dropped unrun once it passes)."""
+    if not deadlines or type(msg.deadline_us) is not int or msg.deadline_us < 0:
+        return  # (a bad deadline is refused by admission)
+    left = int((min(deadlines) - now) * 1e6)
+    if left <= 0:
+        raise Timeout("the request that made this BLS call is past its timeout")
+    msg.deadline_us = min(msg.deadline_us, left) if msg.deadline_us > 0 else left
 
 
 def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Arena | None) -> memoryview:

@@ -169,7 +169,7 @@ class TritonPythonModel:
         x = pb_utils.get_input_tensor_by_name(requests[0], "INPUT0")
         if (x.as_numpy() > 0).any():
             call = pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=["OUTPUT0"], inputs=[x])
-            call.exec()
+            call.exec(decoupled=True)
         return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT0", x.as_numpy())])
                 for _ in requests]
 '''
@@ -306,8 +306,9 @@ def test_an_exception_from_execute_fails_the_whole_batch(triton_pool):
             fut.result(timeout=60)
 
 
-def test_bls_says_it_is_not_supported_yet(triton_pool):
-    with pytest.raises(errors.ModelError, match="BLS .* is not supported by gepool yet"):
+def test_decoupled_bls_says_it_is_not_supported_yet(triton_pool):
+    with pytest.raises(errors.ModelError, match=r"decoupled BLS \(InferenceRequest.exec\(decoupled=True\)\) is not "
+                                                "supported by gepool yet"):
         triton_pool.client().infer("bls", {"INPUT0": np.ones((1, 2), np.float32)})
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from gepool.common.config import ModelConfig
+from gepool.common.config import BACKEND_PYTHON, ModelConfig
 from gepool.common.logsettings import LogSettings
 from gepool.ipc import protocol
 from gepool.ipc.doorbell import PREPARE, BellPaths, WorkerBell
@@ -45,6 +45,8 @@ class WorkerSpec:
     parent_pid: int
     log_level: int = logging.INFO
     bell: BellPaths | None = None
+    pool_endpoint: str = ""  # the pool's client endpoint, for a python model's BLS calls
+    pool_curve_key: str | None = None  # the pool's CURVE certificate, when its endpoint needs one
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -57,6 +59,7 @@ def run_worker(spec: WorkerSpec) -> None:
     sock = make_socket(ctx, zmq.DEALER, connect=spec.endpoint, identity=worker_identity(spec.worker_id))
     ring = Ring.attach(spec.ring)
     bell = WorkerBell(spec.bell)
+    handle = _pool_handle(spec)
     try:
         backend = create_backend(spec.config, spec.version_dir, spec.device, spec.threads)
         warmup_runs = backend.warmup()
@@ -64,6 +67,8 @@ def run_worker(spec: WorkerSpec) -> None:
         log.exception("model %s failed to load", spec.config.name)
         sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
         sock.send(protocol.WorkerFailed(spec.worker_id, f"{type(exc).__name__}: {exc}").encode())
+        if handle is not None:
+            handle.close()
         sock.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
@@ -77,12 +82,14 @@ def run_worker(spec: WorkerSpec) -> None:
         if asynchronous:
             lost = _serve_async(spec, sock, ring, backend, bell)
         else:
-            _serve(spec, sock, ring, backend, bell)
+            _serve(spec, sock, ring, backend, bell, handle)
     finally:
         reporter.close()
         if lost is None:
             backend.close()
             ring.close()
+        if handle is not None:
+            handle.close()
         bell.close()
         sock.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS if lost else 0)
         sock.close()
@@ -91,6 +98,17 @@ def run_worker(spec: WorkerSpec) -> None:
         # A hung device cannot be released in order (its stream never drains): leave it to the OS.
         log.error("device lost: %s; exiting so the worker is replaced", lost)
         os._exit(protocol.EXIT_DEVICE_LOST)
+
+
+def _pool_handle(spec: WorkerSpec):
+    """A python model's pool handle (gepool.bls), installed before the model loads; None for other backends."""
+    if spec.config.backend != BACKEND_PYTHON:
+        return None
+    from gepool import bls  # the client face, imported only by python workers
+
+    handle = bls.PoolHandle(spec.pool_endpoint, spec.worker_id, spec.pool_curve_key)
+    bls.install(handle)
+    return handle
 
 
 def ready_info(backend: Backend, warmup_runs: int) -> dict:
@@ -119,8 +137,10 @@ def worker_identity(worker_id: int) -> bytes:
     return b"w%d" % worker_id
 
 
-def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: SyncBackend, bell: WorkerBell) -> None:
-    """Batches arrive on the doorbell and are answered on it; the socket carries DropArena and Stop."""
+def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: SyncBackend, bell: WorkerBell,
+           handle=None) -> None:
+    """Batches arrive on the doorbell and are answered on it; the socket carries DropArena and Stop.
+    ``handle``: a python model's pool handle, told which batch runs (its BLS calls name it)."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(bell.run_fd, zmq.POLLIN)
@@ -137,7 +157,11 @@ def _serve(spec: WorkerSpec, sock: zmq.Socket, ring: Ring, backend: SyncBackend,
                 while records:
                     for index, seq in records:
                         if index != PREPARE:
+                            if handle is not None:
+                                handle.running(index, seq)
                             execute_slot(ring.slots[index], backend, spec.config, arenas, plans)
+                            if handle is not None:
+                                handle.running(None)
                             bell.done(index, seq)
                     records = _await_batch(bell) if records[-1][0] == PREPARE else None
             if sock in events and _stop_asked(sock, arenas):

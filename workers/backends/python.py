@@ -41,6 +41,7 @@ class PythonBackend(SyncBackend):
         path = os.path.join(version_dir, config.model_filename)
         model_cls = getattr(module, CLASS_NAME, None) or _only_model_class(module, path)
         self.model = model_cls()
+        self.runner = Coroutines()
         init = getattr(self.model, "initialize", None)
         if init is not None:
             init({
@@ -51,18 +52,51 @@ class PythonBackend(SyncBackend):
                 "outputs": [{"name": t.name, "data_type": t.datatype, "dims": list(t.dims)} for t in config.outputs],
                 "version_dir": version_dir,
                 "device": device,
+                "pool": pool_handle(),
             })
 
     def execute(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
-        result = self.model.execute(inputs)
+        result = self.runner.run(self.model.execute(inputs))
         if not isinstance(result, dict):
             raise TypeError(f"execute() must return a dict of output name -> array, got {type(result).__name__}")
         return {name: np.asarray(value) for name, value in result.items()}
 
     def close(self) -> None:
         fin = getattr(self.model, "finalize", None)
-        if fin is not None:
-            fin()
+        try:
+            if fin is not None:
+                self.runner.run(fin())
+        finally:
+            self.runner.close()
+
+
+def pool_handle():
+    """The worker's pool handle (gepool.bls), what BLS calls go through; it connects on its first call."""
+    from gepool import bls
+
+    return bls.installed()
+
+
+class Coroutines:
+    """Runs what an ``async def execute`` (or finalize) returns to completion on an event loop of the
+    backend's own, made on first use; a plain value passes through."""
+
+    def __init__(self) -> None:
+        self.loop = None  # an asyncio event loop, once a coroutine needs one
+
+    def run(self, result):
+        if not inspect.isawaitable(result):
+            return result
+        if self.loop is None:
+            import asyncio  # only for models with an async def execute
+
+            self.loop = asyncio.new_event_loop()
+        return self.loop.run_until_complete(result)
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
 
 
 def load_module(config: ModelConfig, version_dir: str) -> ModuleType:

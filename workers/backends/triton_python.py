@@ -11,6 +11,7 @@ from gepool.common.render import render
 from gepool.ipc import dtypes
 from gepool.workers.backends import triton_python_backend_utils as pb_utils
 from gepool.workers.backends.base import KIND_CPU, RequestSpan, SyncBackend
+from gepool.workers.backends.python import Coroutines
 
 _INSTANCE_KINDS = {KIND_CPU: "CPU", "KIND_MODEL": "MODEL"}
 
@@ -32,6 +33,7 @@ class TritonPythonBackend(SyncBackend):
         self.version = int(os.path.basename(os.path.normpath(version_dir)))
         self._check_auto_complete(model_cls)
         self.model = model_cls()
+        self.runner = Coroutines()
         init = getattr(self.model, "initialize", None)
         if init is not None:
             group = (self.model_config.get("instance_group") or [{"name": f"{config.name}_0"}])[0]
@@ -47,8 +49,11 @@ class TritonPythonBackend(SyncBackend):
 
     def close(self) -> None:
         fin = getattr(self.model, "finalize", None)
-        if fin is not None:
-            fin()
+        try:
+            if fin is not None:
+                self.runner.run(fin())
+        finally:
+            self.runner.close()
 
     def _check_auto_complete(self, model_cls: type) -> None:
         """Triton lets auto_complete_config fill in the config; gepool loads the config.pbtxt as written, so
@@ -85,7 +90,7 @@ class TritonPythonBackend(SyncBackend):
             tensors = [pb_utils.Tensor(name, arr[span.start:span.start + span.rows] if batched else arr)
                        for name, arr in inputs.items()]
             served.append(pb_utils.InferenceRequest._served(tensors, span.outputs, self.config.name, self.version))
-        responses = self.model.execute(served)
+        responses = self.runner.run(self.model.execute(served))  # Triton allows an async def execute
         if not isinstance(responses, list | tuple) or len(responses) != len(served):
             got = f"{len(responses)} responses" if isinstance(responses, list | tuple) else type(responses).__name__
             raise TypeError(f"execute() must return a list of one pb_utils.InferenceResponse per request: "

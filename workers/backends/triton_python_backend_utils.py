@@ -2,9 +2,10 @@
 
 The worker puts this module in ``sys.modules`` under Triton's name before it runs a model.py, so
 ``import triton_python_backend_utils as pb_utils`` there finds it. It has the names Triton's module
-has (tensors, requests, responses, errors, config helpers, auto-complete's ModelConfig, Logger);
-what needs more than one model (BLS, the model loading API) or a decoupled transaction raises
-TritonModelException saying it is not supported yet.
+has (tensors, requests, responses, errors, config helpers, auto-complete's ModelConfig, Logger) and
+BLS (``InferenceRequest(...).exec()`` and ``async_exec()``, through the worker's pool handle); the model
+loading API, decoupled BLS and decoupled transactions raise TritonModelException saying they are not
+supported yet.
 """
 
 import json
@@ -16,7 +17,9 @@ import numpy as np
 _log = logging.getLogger("gepool.model")
 
 NOT_YET = "is not supported by gepool yet"
-BLS_NOT_YET = f"BLS (calling another model from a python model) {NOT_YET}; it comes with pipelines"
+# gepool's error codes -> TritonError's, for the error response of a BLS call
+_ERROR_CODES = {"INVALID_ARGUMENT": 3, "MODEL_NOT_FOUND": 2, "NOT_FOUND": 2, "UNAVAILABLE": 4,
+                "MODEL_NOT_READY": 4, "POOL_UNAVAILABLE": 4, "TIMEOUT": 4, "REQUEST_TOO_LARGE": 3}
 
 TRITON_STRING_TO_NUMPY = {
     "TYPE_BOOL": bool, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
@@ -144,7 +147,7 @@ class Tensor:
 
 
 class InferenceRequest:
-    """A request as ``execute(requests)`` receives it. Built by a model (for BLS), it cannot run yet."""
+    """A request as ``execute(requests)`` receives it, or one a model builds to call another model (BLS)."""
 
     def __init__(self, request_id: str = "", correlation_id: int | str = 0, inputs: list | None = None,
                  requested_output_names: list | None = None, model_name: str | None = None,
@@ -157,6 +160,7 @@ class InferenceRequest:
         self._model_name, self._model_version = model_name, model_version
         self._flags, self._timeout = flags, timeout
         self._parameters = json.dumps(parameters or {})
+        self._trace, self._preferred_memory = trace, preferred_memory
 
     @classmethod
     def _served(cls, inputs: list[Tensor], requested: tuple[str, ...], model_name: str,
@@ -197,11 +201,73 @@ class InferenceRequest:
     def set_release_flags(self, flags: int) -> None:
         raise TritonModelException(f"request rescheduling (InferenceRequest.set_release_flags) {NOT_YET}")
 
-    def exec(self, decoupled: bool = False):
-        raise TritonModelException(BLS_NOT_YET)
+    def exec(self, decoupled: bool = False) -> "InferenceResponse":
+        """Runs the request on its model in the pool and waits (BLS); a failure of the call comes back as
+        an error response (``has_error()``), not an exception."""
+        model, inputs, outputs, version, timeout = self._bls_call(decoupled, "exec")
+        from gepool import bls
+        from gepool.common.errors import GepoolError
+
+        try:
+            result = bls.installed().infer(model, inputs, outputs, version=version, timeout=timeout)
+        except GepoolError as exc:
+            return _error_response(exc)
+        return _response(result)
 
     def async_exec(self, decoupled: bool = False):
-        raise TritonModelException(BLS_NOT_YET)
+        """Sends the request now and returns an awaitable (for an ``async def execute``) that resolves to
+        its InferenceResponse; several in flight run at once."""
+        import asyncio
+
+        model, inputs, outputs, version, timeout = self._bls_call(decoupled, "async_exec")
+        from gepool import bls
+        from gepool.common.errors import GepoolError
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise TritonModelException("InferenceRequest.async_exec() is awaited inside an async def "
+                                       "execute; call exec() from a plain execute") from None
+        try:
+            pending = bls.installed().infer_async(model, inputs, outputs, version=version, timeout=timeout)
+        except GepoolError as exc:
+            pending = None
+            failed = exc
+
+        async def response() -> InferenceResponse:
+            if pending is None:
+                return _error_response(failed)
+            try:
+                return _response(await pending)
+            except GepoolError as exc:
+                return _error_response(exc)
+
+        return response()
+
+    def _bls_call(self, decoupled: bool, how: str) -> tuple:
+        """(model, inputs, outputs, version, timeout) of this request as a BLS call; what gepool cannot
+        run is refused, named."""
+        if decoupled:
+            raise TritonModelException(f"decoupled BLS (InferenceRequest.{how}(decoupled=True)) {NOT_YET}")
+        for what, given in (("flags", self._flags), ("correlation_id", self._correlation_id),
+                            ("parameters", self._parameters != "{}"), ("trace", self._trace is not None),
+                            ("preferred_memory", self._preferred_memory is not None)):
+            if given:
+                raise TritonModelException(f"a BLS request with {what} {NOT_YET}")
+        model = self._model_name
+        if isinstance(model, bytes | np.bytes_):
+            model = model.decode("utf-8")
+        if not isinstance(model, str):
+            raise TritonModelException(f"model_name must be a string, got {type(model).__name__}")
+        inputs = {}
+        for t in self._inputs:
+            if not isinstance(t, Tensor):
+                raise TritonModelException(f"inputs must be pb_utils.Tensor objects, got {type(t).__name__}")
+            inputs[t.name()] = t.as_numpy()
+        outputs = sorted(self._outputs) or None  # none named: every output, as Triton answers
+        version = None if self._model_version in (-1, None) else int(self._model_version)
+        timeout = self._timeout / 1e6 if self._timeout else None  # Triton's timeout is in microseconds
+        return model, inputs, outputs, version, timeout
 
 
 class InferenceResponse:
@@ -228,6 +294,15 @@ class InferenceResponse:
 
     def parameters(self) -> str:
         return self._parameters
+
+
+def _response(outputs: dict) -> InferenceResponse:
+    return InferenceResponse([Tensor(name, array) for name, array in outputs.items()])
+
+
+def _error_response(exc: Exception) -> InferenceResponse:
+    code = _ERROR_CODES.get(getattr(exc, "code", ""), TritonError.INTERNAL)
+    return InferenceResponse(error=TritonError(getattr(exc, "message", str(exc)), code))
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
