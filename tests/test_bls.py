@@ -454,7 +454,7 @@ def test_the_front_derives_the_chain_from_the_calling_batch_and_limits_its_depth
             bls_chain(_call(bad), "m1", workers, 0.0)
 
 
-def test_a_call_gets_the_calling_requests_deadline_as_its_timeout_at_the_latest():
+def test_a_call_gets_the_calling_requests_deadline_as_its_own_at_the_latest():
     from gepool.scheduler.books import Workers
     from gepool.scheduler.requests import Request, bls_chain
 
@@ -467,15 +467,15 @@ def test_a_call_gets_the_calling_requests_deadline_as_its_timeout_at_the_latest(
     for asked, want in ((0, 2_000_000), (5_000_000, 2_000_000), (1_000_000, 1_000_000)):
         msg = _call([w.id, 1, 3], asked)
         bls_chain(msg, "b", workers, 8.0)
-        assert msg.timeout_us == want  # two seconds left of the earliest deadline (10.0 at 8.0)
+        assert msg.deadline_us == want and msg.timeout_us == 0  # two seconds left of the earliest deadline (10.0 at 8.0)
     with pytest.raises(errors.Timeout, match="past its timeout"):
         bls_chain(_call([w.id, 1, 3]), "b", workers, 10.5)
 
 
-def _call(caller, timeout_us: int = 0):
+def _call(caller, deadline_us: int = 0):
     from gepool.ipc import protocol
 
-    return protocol.Infer(1, "x", -1, [], None, timeout_us, 0, protocol.NO_ARENA, 0, 0, caller)
+    return protocol.Infer(1, "x", -1, [], None, 0, 0, protocol.NO_ARENA, 0, 0, deadline_us, caller=caller)
 
 
 def test_infer_carries_its_caller_and_a_message_without_one_still_decodes():
@@ -488,7 +488,7 @@ def test_infer_carries_its_caller_and_a_message_without_one_still_decodes():
     assert back == msg and back.caller == [3, 1, 7]
     fields = msgpack.unpackb(msg.encode())
     assert protocol.decode(msgpack.packb(fields[:-1])).caller is None  # a client that sends no caller
-    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 11 fields, got 12"):
+    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 13 fields, got 14"):
         protocol.decode(msgpack.packb([*fields, 0]))
-    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 11 fields, got 9"):
-        protocol.decode(msgpack.packb(fields[:-2]))
+    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 13 fields, got 9"):
+        protocol.decode(msgpack.packb(fields[:-4]))
