@@ -467,7 +467,7 @@ def test_a_call_gets_the_calling_requests_deadline_as_its_own_at_the_latest():
     for asked, want in ((0, 2_000_000), (5_000_000, 2_000_000), (1_000_000, 1_000_000)):
         msg = _call([w.id, 1, 3], asked)
         bls_chain(msg, "b", workers, 8.0)
-        assert msg.deadline_us == want and msg.timeout_us == 0  # two seconds left of the earliest deadline (10.0 at 8.0)
+        assert msg.deadline_us == want and msg.timeout_us == 0  # 2 s left of the earliest deadline (10.0 at 8.0)
     with pytest.raises(errors.Timeout, match="past its timeout"):
         bls_chain(_call([w.id, 1, 3]), "b", workers, 10.5)
 

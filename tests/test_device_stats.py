@@ -83,7 +83,7 @@ def test_metrics_render_each_workers_readings_and_leave_out_what_it_lacks():
     lines = text.splitlines()
     for line in ('gepool_device_memory_used_bytes{device="ascend:0",model="net",worker="3"} 300.0',
                  'gepool_device_memory_total_bytes{device="ascend:0",model="net",worker="3"} 1000.0',
-                 'gepool_device_utilization{device="ascend:0",model="net",worker="3"} 0.37',
+                 'gepool_device_utilization_ratio{device="ascend:0",model="net",worker="3"} 0.37',
                  'gepool_worker_resident_memory_bytes{device="ascend:0",model="net",worker="3"} 100.0',
                  'gepool_worker_resident_memory_bytes{device="cpu",model="net",worker="4"} 200.0',
                  'gepool_worker_cpu_seconds_total{device="cpu",model="net",worker="4"} 1.0'):
@@ -124,14 +124,14 @@ def test_npu_gauges_follow_what_the_device_reports(standin, tmp_path):
         assert d["device"] == "ascend:0" and d["health"] == "HEALTHY" and d["memory_total_bytes"] == 256 * MIB
         labels = {"model": "net", "device": "ascend:0", "worker": str(d["worker"])}
         first = scrape(pool)
-        assert value(first, "gepool_device_utilization", **labels) == 0.37
+        assert value(first, "gepool_device_utilization_ratio", **labels) == 0.37
         assert value(first, "gepool_device_memory_total_bytes", **labels) == 256 * MIB
         used = value(first, "gepool_device_memory_used_bytes", **labels)
         assert 0 < used < 256 * MIB
         assert value(first, "gepool_worker_resident_memory_bytes", **labels) > 0
         # another process takes 64 MiB of the device and the AI Core gets busier: the gauges move
         put(standin, cube=80, vector=5, status=0, other_bytes=64 * MIB)
-        assert wait_until(lambda: value(scrape(pool), "gepool_device_utilization", **labels) == 0.8, 60, 0.25), \
+        assert wait_until(lambda: value(scrape(pool), "gepool_device_utilization_ratio", **labels) == 0.8, 60, 0.25), \
             "the utilization gauge never moved"
         assert wait_until(lambda: value(scrape(pool), "gepool_device_memory_used_bytes", **labels)
                           == used + 64 * MIB, 60, 0.25)

@@ -51,7 +51,7 @@ def test_garbage_is_refused(frame, why):
 
 
 def test_trailing_optional_fields_may_be_left_out_and_no_more_added():
-    """A sender that predates deadline_us, origin, caller or the arena token is understood; one field too many is not."""
+    """A sender that predates deadline_us, origin, caller or the arena token is understood; one more field is not."""
     infer = protocol.Infer(7, "mlp", -1, [], None, 0, 0, protocol.NO_ARENA, 0, 0, 5, protocol.Origin.GRPC)
     short = msgpack.packb(list(msgpack.unpackb(infer.encode()))[:-3])
     assert protocol.decode(short).deadline_us == 0 and protocol.decode(short).origin == protocol.Origin.LIBRARY

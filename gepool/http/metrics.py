@@ -17,7 +17,7 @@ _DEVICE = (
     ("memory_used_bytes", "gepool_device_memory_used_bytes",
      "Device used memory, in bytes, as the device reports it (all processes on the device)"),
     ("memory_total_bytes", "gepool_device_memory_total_bytes", "Device total memory, in bytes"),
-    ("utilization_ratio", "gepool_device_utilization", "Device (AI Core) utilization rate [0.0 - 1.0]"),
+    ("utilization_ratio", "gepool_device_utilization_ratio", "Device (AI Core) utilization rate [0.0 - 1.0]"),
     ("rss_bytes", "gepool_worker_resident_memory_bytes", "Resident memory of the worker process, in bytes"),
 )
 
