@@ -48,6 +48,20 @@ class Model:
 '''
 
 
+# a python model whose version N computes INPUT + N: tells apart which version served a request
+ADD_PY = '''
+import numpy as np
+
+
+class Model:
+    def initialize(self, config):
+        self.k = float(config["version_dir"].rstrip("/").rsplit("/", 1)[1])  # version N computes x + N
+
+    def execute(self, inputs):
+        return {"OUTPUT": inputs["INPUT"] + np.float32(self.k)}
+'''
+
+
 def write(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

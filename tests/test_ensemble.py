@@ -10,7 +10,7 @@ import pytest
 from gepool import Client, Pool
 from gepool.common import errors
 from tests.conftest import free_port, wait_until
-from tests.repo import bytes_model, make_models, recorder, write
+from tests.repo import ADD_PY, bytes_model, make_models, recorder, write
 
 TOP_K = make_models.TOP_K
 
@@ -286,19 +286,6 @@ def test_tritonclient_grpc_reads_the_ensemble_and_infers_it(pool, client):
 
 
 # -- lifecycle: explicit model control ----------------------------------------------------------
-
-ADD_PY = '''
-import numpy as np
-
-
-class Model:
-    def initialize(self, config):
-        self.k = float(config["version_dir"].rstrip("/").rsplit("/", 1)[1])  # version N computes x + N
-
-    def execute(self, inputs):
-        return {"OUTPUT": inputs["INPUT"] + np.float32(self.k)}
-'''
-
 
 def test_an_ensemble_follows_its_steps_through_unload_load_and_reload(tmp_path):
     repo = str(tmp_path)

@@ -11,19 +11,8 @@ import pytest
 from gepool import Client, Pool
 from gepool.common import errors
 from tests.conftest import rss_kb, wait_until
-from tests.repo import write
+from tests.repo import ADD_PY, write
 
-ADD_PY = '''
-import numpy as np
-
-
-class Model:
-    def initialize(self, config):
-        self.k = float(config["version_dir"].rstrip("/").rsplit("/", 1)[1])  # version N computes x + N
-
-    def execute(self, inputs):
-        return {"OUTPUT": inputs["INPUT"] + np.float32(self.k)}
-'''
 BROKEN_PY = '''
 class Model:
     def initialize(self, config):
