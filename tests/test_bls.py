@@ -1,6 +1,7 @@
 """BLS: python models calling other models of their pool (gepool's pool handle and Triton's pb_utils), with
 real workers, a real front and onnxruntime; call chains refused where they would wait on themselves."""
 
+import contextlib
 import os
 import signal
 import struct
@@ -328,36 +329,37 @@ def test_a_call_back_through_another_model_gets_an_error_naming_the_chain(bls_po
         c.infer("pong", {"INPUT": np.ones((2, WIDTH), np.float32)}, timeout=60)
 
 
-def test_a_call_honours_its_timeout_when_the_callee_is_stuck(bls_pool, bls_repo):
-    _, gate = bls_repo
-    c = bls_pool.client()
+@contextlib.contextmanager
+def holding_held(c, gate: str):
+    """'held' blocked on the gate file for the block's length: yields the future of the request holding
+    its one worker, and lets it go (the gate removed) however the block ends."""
     open(gate, "w").close()
     try:
-        held = c.infer_async("held", {"INPUT": np.full((1, WIDTH), -1, np.float32)})  # holds held's worker
+        held = c.infer_async("held", {"INPUT": np.full((1, WIDTH), -1, np.float32)})
         assert wait_until(lambda: c.stats()["held"]["batches"] >= 1)
-        with pytest.raises(errors.ModelError, match="no answer"):
-            c.infer("impatient", {"INPUT": np.ones((1, WIDTH), np.float32)}, timeout=60)
+        yield held
     finally:
         os.unlink(gate)
+
+
+def test_a_call_honours_its_timeout_when_the_callee_is_stuck(bls_pool, bls_repo):
+    c = bls_pool.client()
+    with holding_held(c, bls_repo[1]) as held:
+        with pytest.raises(errors.ModelError, match="no answer"):
+            c.infer("impatient", {"INPUT": np.ones((1, WIDTH), np.float32)}, timeout=60)
     assert (held.result(timeout=60)["OUTPUT"] == -1).all()
 
 
 def test_a_call_without_a_timeout_gets_the_calling_requests_remaining_time(bls_pool, bls_repo):
     """via_held's call names no timeout; its client gives 3 s. The front expires the call in held's queue
     when those 3 s are up, so via_held's worker is free again long before the handle's own 60 s."""
-    _, gate = bls_repo
     c = bls_pool.client()
-    open(gate, "w").close()
-    try:
-        held = c.infer_async("held", {"INPUT": np.full((1, WIDTH), -1, np.float32)})  # holds held's worker
-        assert wait_until(lambda: c.stats()["held"]["batches"] >= 1)
+    with holding_held(c, bls_repo[1]) as held:
         with pytest.raises(errors.GepoolError, match="no answer"):
             c.infer("via_held", {"INPUT": np.ones((1, WIDTH), np.float32)}, timeout=3)
         # held is still held: only a freed via_held worker answers this (zeros: no call) within 30 s
         out = c.infer("via_held", {"INPUT": np.zeros((1, WIDTH), np.float32)}, timeout=30)
         assert out["OUTPUT"].shape == (1, WIDTH)
-    finally:
-        os.unlink(gate)
     assert (held.result(timeout=60)["OUTPUT"] == -1).all()
 
 
