@@ -512,6 +512,38 @@ def test_a_dead_sidecar_is_restarted(tmp_path):
         assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
 
 
+def test_the_pools_own_sidecar_is_ready_as_soon_as_its_front(tmp_path):
+    """A sidecar told its front is ready (the pool's own: --front-ready) answers a readiness probe sent
+    before its first connection once connected, not "not ready" from the instant between; one not told so
+    answers at once. The front is ready first; its socket appears under the sidecars' path only later."""
+    repo = str(tmp_path / "models")
+    test_repo.make_models.make_tiny(repo)
+    with Pool(repo, endpoint=f"ipc://{tmp_path}/front.sock"):
+        later = tmp_path / "later.sock"
+        ports = [free_port(), free_port()]
+        procs = [subprocess.Popen([sys.executable, "-m", "gepool.http.server", "--endpoint", f"ipc://{later}",
+                                   "--http-port", str(port), "--metrics-port", "0", *flag])
+                 for port, flag in zip(ports, (["--front-ready"], []))]
+        try:
+            assert wait_until(lambda: all(_listening(port) for port in ports), 60)
+            assert request(ports[1], "GET", "/v2/health/ready")[0] == 400  # no front reached, and none promised
+            early = {}
+            probe = threading.Thread(target=lambda: early.update(code=request(ports[0], "GET", "/v2/health/ready")[0]))
+            probe.start()
+            try:
+                assert not wait_until(lambda: "code" in early, 0.5)  # held while its front cannot be reached
+                os.symlink(tmp_path / "front.sock", later)
+                probe.join(60)
+                assert early == {"code": 200}
+                assert wait_until(lambda: _ready(ports[1]), 60)
+            finally:
+                probe.join(60)
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+
+
 def _ready(port: int) -> bool:
     try:
         return request(port, "GET", "/v2/health/ready", timeout=5)[0] == 200

@@ -64,7 +64,7 @@ class Health(health_pb2_grpc.HealthServicer):
         if name not in ("", SERVICE):
             return _Status.SERVICE_UNKNOWN
         try:
-            ready = await self.service.ready()
+            ready = await self.service.gw.ready()
         except errors.GepoolError:
             ready = False
         return _Status.SERVING if ready else _Status.NOT_SERVING

@@ -85,19 +85,12 @@ class InferenceService:
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta
 
-    async def ready(self) -> bool:
-        if not self.gw.connected.is_set():
-            return False
-        status = await self.gw.client.status()
-        return not status["stopping"] and (not self.gw.strict_readiness or all(
-            m["state"] == ModelState.AVAILABLE for m in status["models"].values()))
-
     # -- health and metadata ---------------------------------------------------------------
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=await self.ready())
+        return pb.ServerReadyResponse(ready=await self.gw.ready())
 
     async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="gepool", version=gepool.__version__, extensions=EXTENSIONS)

@@ -46,6 +46,7 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system
 PARENT_CHECK_S = 1.0
 CONNECT_RETRY_S = 0.5  # a client fails at once where no pool listens: wait before trying again
 REQUEST_TIMEOUT_S = 300.0
+FRONT_READY_WAIT_S = 30.0  # a pool's own sidecar starts after its front is ready: the first connect is near
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -55,7 +56,7 @@ def _error(status: int, message: str) -> web.Response:
 class Gateway:
     def __init__(self, endpoint: str, curve_key: str | None = None, restrictions: Restrictions | None = None,
                  max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
-                 strict_readiness: bool = True) -> None:
+                 strict_readiness: bool = True, front_ready: bool = False) -> None:
         self.endpoint, self.curve_key, self.strict_readiness = endpoint, curve_key, strict_readiness
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
@@ -65,6 +66,7 @@ class Gateway:
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
         self.cpu = CpuUtilization()
+        self.front_ready = front_ready
 
     async def connect(self) -> None:
         """Keeps trying: the gateway listens before the front is ready, and outlives nothing it needs."""
@@ -91,6 +93,20 @@ class Gateway:
     async def front(self) -> AsyncClient:
         await self.connected.wait()
         return self.client
+
+    async def ready(self) -> bool:
+        """Triton's server readiness. A sidecar told its front is ready (``--front-ready``) waits a moment
+        for its first connection instead of answering "not ready" in the instant after the pool said ready."""
+        if not self.connected.is_set() and self.front_ready:
+            try:
+                await asyncio.wait_for(self.connected.wait(), FRONT_READY_WAIT_S)
+            except TimeoutError:
+                pass
+        if not self.connected.is_set():
+            return False
+        status = await self.client.status()
+        return not status["stopping"] and (not self.strict_readiness or all(
+            m["state"] == ModelState.AVAILABLE for m in status["models"].values()))
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
@@ -160,13 +176,8 @@ class Gateway:
         return web.Response(status=200)
 
     @route
-    async def ready(self, request):
-        if not self.connected.is_set():
-            return web.Response(status=400)
-        status = await self.client.status()
-        ok = not status["stopping"] and (not self.strict_readiness
-                                         or all(m["state"] == ModelState.AVAILABLE for m in status["models"].values()))
-        return web.Response(status=200 if ok else 400)
+    async def server_ready(self, request):
+        return web.Response(status=200 if await self.ready() else 400)
 
     @route
     async def server_metadata(self, request):
@@ -360,7 +371,7 @@ def http_app(gw: Gateway) -> web.Application:
     r.add_post(m + "/infer", gw.infer)
     r.add_post(mv + "/infer", gw.infer)
     r.add_get("/v2/health/live", gw.live)
-    r.add_get("/v2/health/ready", gw.ready)
+    r.add_get("/v2/health/ready", gw.server_ready)
     r.add_get("/v2", gw.server_metadata)
     r.add_get("/v2/models/stats", gw.model_stats)
     for base in (m, mv):
@@ -391,8 +402,8 @@ def http_app(gw: Gateway) -> web.Application:
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
-                strict_readiness: bool = True, grpc_port: int = 0) -> None:
-    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness)
+                strict_readiness: bool = True, grpc_port: int = 0, front_ready: bool = False) -> None:
+    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners = []
     for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
@@ -457,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
     p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
                    help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
+    p.add_argument("--front-ready", action="store_true",
+                   help="the front was ready when this sidecar started (the pool's own): the readiness probe "
+                        "waits a moment for the first connection instead of answering not ready")
     args = p.parse_args(argv)
     try:
         restrictions = Restrictions.parse(args.http_restricted_api)
@@ -473,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
-                      args.strict_readiness == "true", args.grpc_port))
+                      args.strict_readiness == "true", args.grpc_port, args.front_ready))
     return 0
 
 
