@@ -21,7 +21,6 @@ from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.states import ModelState, WorkerState, check_model
-from gepool.scheduler.stats import Tee
 
 log = logging.getLogger("gepool.control")
 
@@ -106,7 +105,7 @@ class ModelControl:
         group.signature = signature(self.opts.repository, name)
         for src in load_sources(self.opts.repository, name, auto_complete=self.opts.auto_complete_config):
             self.generation += 1
-            model = Model(src, Tee(group.stats, group.version_stats(src.version)), self.generation, self.clock,
+            model = Model(src, group.version_stats(src.version), self.generation, self.clock,
                           self.budget)
             if src.config is not None and src.config.response_cache and not self.opts.cache_size:
                 log.warning("model %s: response_cache is enabled, but this pool has no response cache "

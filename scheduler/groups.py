@@ -34,12 +34,16 @@ class Group:
         self.failed: list[Model] = []  # the last load's failures, for status
         self.error = ""
         self.waiters: list[tuple[bytes, int]] = []  # load requests answered when the load settles
-        self.stats = ModelStats()  # across versions and generations
         self.by_version: dict[int, ModelStats] = {}  # per version, across generations
         self.version_requests: dict[int, int] = {}
         self.unloading = False
         self.signature: tuple = ()
         self._rng = random.Random(0)
+
+    @property
+    def stats(self) -> ModelStats:
+        """Across versions and generations: the sum of the versions' (each request is counted once)."""
+        return ModelStats.summed(self.by_version.values())
 
     def version_stats(self, version: int | None) -> ModelStats:
         return self.by_version.setdefault(version if version is not None else 0, ModelStats())

@@ -8,7 +8,7 @@ import bisect
 import collections
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from gepool.common import errors
 from gepool.ipc.protocol import Origin
@@ -31,6 +31,11 @@ class Histogram:
         self.total += seconds
         self.n += 1
 
+    def add(self, other: "Histogram") -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.total += other.total
+        self.n += other.n
+
     def as_dict(self) -> dict:
         return {"buckets": list(BUCKETS_S), "counts": list(self.counts), "sum": self.total, "count": self.n}
 
@@ -44,6 +49,12 @@ class OriginStats:
     request_s: float = 0.0
     queue_s: float = 0.0
     failure_reasons: collections.Counter = field(default_factory=collections.Counter)
+
+    def add(self, other: "OriginStats") -> None:
+        self.requests += other.requests
+        self.request_s += other.request_s
+        self.queue_s += other.queue_s
+        self.failure_reasons.update(other.failure_reasons)
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "request_us": round(self.request_s * 1e6),
@@ -132,6 +143,27 @@ class ModelStats:
         self.cache_misses += lookup
         self.cache_miss_ns += ns
 
+    @classmethod
+    def summed(cls, parts) -> "ModelStats":
+        """The statistics of several (a model name's, from those of its versions): counted once per request,
+        in its version's, and added up only when asked for."""
+        out = cls()
+        for s in parts:
+            for f in fields(cls):
+                mine, theirs = getattr(out, f.name), getattr(s, f.name)
+                if f.name == "last_inference":
+                    out.last_inference = max(mine, theirs)
+                elif isinstance(mine, collections.Counter):
+                    mine.update(theirs)
+                elif isinstance(mine, Histogram):
+                    mine.add(theirs)
+                elif isinstance(mine, list):
+                    for a, b in zip(mine, theirs):
+                        a.add(b)
+                else:
+                    setattr(out, f.name, mine + theirs)
+        return out
+
     def as_dict(self) -> dict:
         return {
             "requests": self.requests, "failures": self.failures, "batches": self.batches, "rows": self.rows,
@@ -151,48 +183,6 @@ class ModelStats:
                            "compute": self.compute.as_dict()},
             "protocols": {Origin(i).label: o.as_dict() for i, o in enumerate(self.by_origin)},
         }
-
-
-class Tee:
-    """Records into several ModelStats at once: a model version's own, and its name's across versions
-    (so a candidate version in a gray release can be compared with the one it may replace)."""
-
-    def __init__(self, *stats: ModelStats) -> None:
-        self.parts = stats
-
-    def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0,
-                   origins: list[int] | None = None) -> None:
-        for s in self.parts:
-            s.dispatched(rows, waits, copy_in_s, origins)
-
-    def computed(self, rows: int, seconds: float, copy_out_s: float = 0.0) -> None:
-        for s in self.parts:
-            s.computed(rows, seconds, copy_out_s)
-
-    def answered(self, seconds: float, origin: int = Origin.LIBRARY) -> None:
-        for s in self.parts:
-            s.answered(seconds, origin)
-
-    def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float,
-                          origin: int = Origin.LIBRARY) -> None:
-        for s in self.parts:
-            s.ensemble_answered(rows, seconds, queue_s, compute_s, origin)
-
-    def failed(self, reason: str = OTHER, origin: int = Origin.LIBRARY) -> None:
-        for s in self.parts:
-            s.failed(reason, origin)
-
-    def client_timed_out(self, origin: int = Origin.LIBRARY) -> None:
-        for s in self.parts:
-            s.client_timed_out(origin)
-
-    def cache_hit(self, ns: int) -> None:
-        for s in self.parts:
-            s.cache_hit(ns)
-
-    def cache_missed(self, ns: int, lookup: bool = False) -> None:
-        for s in self.parts:
-            s.cache_missed(ns, lookup)
 
 
 def failure_reason(err: Exception) -> str:
