@@ -63,17 +63,17 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
     priority = check_priority(priority)
     if not isinstance(inputs, dict) or not inputs:
         raise errors.InvalidArgument("inputs must be a non-empty dict of name -> numpy array")
-    arrays = {}
+    arrays, types = {}, []
     for name, value in inputs.items():
         arr = np.asarray(value)
         try:
-            dtypes.from_numpy(arr.dtype)
+            types.append(dtypes.from_numpy(arr.dtype))
         except ValueError as exc:
             raise errors.InvalidArgument(f"input '{name}': {exc}") from None
         arrays[name] = arr
     req_id = next_id()
     ranges: list[tuple[int, int]] = []
-    if any(a.dtype.kind in "OSU" for a in arrays.values()):
+    if dtypes.BYTES in types:
         arena = None  # BYTES travel as frames
     if arena is not None:
         seg, arena_id = arena
@@ -100,9 +100,9 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                                  arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller)
             return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
     refs, frames = [], []
-    for i, (name, arr) in enumerate(arrays.items()):
-        refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), i])
-        frames.append(dtypes.serialize_bytes(arr) if arr.dtype.kind in "OSU" else np.ascontiguousarray(arr))
+    for i, ((name, arr), datatype) in enumerate(zip(arrays.items(), types)):
+        refs.append([name, datatype, list(arr.shape), i])
+        frames.append(dtypes.serialize_bytes(arr) if datatype == dtypes.BYTES else np.ascontiguousarray(arr))
     msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
                          protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller)
     return Outgoing(req_id, [msg.encode(), *frames], ranges)

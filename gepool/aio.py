@@ -145,40 +145,66 @@ class AsyncClient(ClientCore):
 
     async def _send_lane(self, frames: list, req_id: int, entry: tuple) -> bool:
         """False: no lane, or it died before the pool read this request (then ZMQ carries it).
-        A lock keeps one message's records together; a record that finds the socket full waits."""
+        A lock keeps one message's records together: it is taken only by a send that must wait (a record
+        found the socket full) and by the sends that come while one waits."""
         if self._lane is None:
             if not self._dialer.due():
                 return False
             async with self._lane_lock:  # one connection attempt at a time
                 if self._lane is None and self._dialer.due():
                     await self._connect_lane()
+        try:
+            records = _lane.records(frames)
+        except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
+            return False
+        lock = self._lane_lock
+        if lock.locked():  # another message is part sent: this one's records go after all of its
+            async with lock:
+                return await self._send_records(self._lane, records, 0, req_id, entry)
+        sock = self._lane
+        if sock is None:
+            return False
+        sent = 0
+        try:
+            for record in records:
+                sock.sendmsg(record)
+                sent += 1
+        except BlockingIOError:
+            # taken at once: nothing ran since locked() said it was free, and the rest waits under it
+            async with lock:
+                return await self._send_records(sock, records, sent, req_id, entry)
+        except OSError as exc:
+            self._lose_lane(exc)
+            return False
+        if req_id in self._inflight:  # a reply may have come already, and taken the entry
+            self._inflight[req_id] = entry[:3] + (True,)
+        return True
+
+    async def _send_records(self, sock: socket.socket | None, records: list, sent: int, req_id: int,
+                            entry: tuple) -> bool:
+        """The records of a message from ``sent`` on, under the lane lock, waiting where the socket is full."""
+        if sock is None or sock is not self._lane:  # lost (or replaced) while this send waited for the lock
+            if sent:
+                self._lose_lane(ConnectionAbortedError("the lane was lost mid-message"))
+            return False
         loop = asyncio.get_running_loop()
-        async with self._lane_lock:
-            sock = self._lane
-            if sock is None:
-                return False
-            try:
-                records = _lane.records(frames)
-            except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
-                return False
-            sent = 0
-            try:
-                for record in records:
-                    try:
-                        sock.sendmsg(record)
-                    except BlockingIOError:
-                        await loop.sock_sendall(sock, b"".join(record))
-                    sent += 1
-            except OSError as exc:
-                self._lose_lane(exc)
-                return False
-            except asyncio.CancelledError:  # mid-message, the rest would never follow: close the lane
-                if sent:
-                    self._lose_lane(ConnectionAbortedError("a send was cancelled mid-message"))
-                raise
-            if req_id in self._inflight:  # a reply may have come already, and taken the entry
-                self._inflight[req_id] = entry[:3] + (True,)
-            return True
+        try:
+            for record in records[sent:]:
+                try:
+                    sock.sendmsg(record)
+                except BlockingIOError:
+                    await loop.sock_sendall(sock, b"".join(record))
+                sent += 1
+        except OSError as exc:
+            self._lose_lane(exc)
+            return False
+        except asyncio.CancelledError:  # mid-message, the rest would never follow: close the lane
+            if sent:
+                self._lose_lane(ConnectionAbortedError("a send was cancelled mid-message"))
+            raise
+        if req_id in self._inflight:
+            self._inflight[req_id] = entry[:3] + (True,)
+        return True
 
     async def _connect_lane(self) -> None:
         """Waits for the front's ACCEPTED without blocking the loop (the front may be busy, or be the

@@ -487,3 +487,55 @@ def test_a_declared_size_costs_no_memory_until_its_bytes_arrive():
     finally:
         a.close()
         b.close()
+
+
+def test_asyncio_sends_that_fill_the_lane_keep_each_message_whole(tmp_path):
+    """Many messages of several records each, sent at once from one event loop into a lane that is read
+    slowly: a send that finds the socket full waits under the lane's lock, and the sends that come
+    meanwhile queue behind it, so every message arrives whole and none is interleaved with another."""
+    import asyncio
+
+    from gepool import AsyncClient
+
+    ours, theirs = _pair()
+    ours.setblocking(False)
+    messages = [[f"message {i}".encode(), np.full(3 * lane.RECORD_MAX // 8 + i, i, np.float64)] for i in range(40)]
+    got, broken = [], []
+
+    def read_slowly():
+        rx = lane.Receiver()
+        try:
+            while len(got) < len(messages):
+                parts = rx.recv(theirs)
+                if parts is not None:
+                    got.append([bytes(p) for p in parts])
+                time.sleep(0.0005)
+        except (lane.LaneError, OSError) as exc:  # interleaved records: the senders hear the lane close
+            broken.append(exc)
+            theirs.close()
+
+    async def send_all() -> list[bool]:
+        client = AsyncClient(f"ipc://{tmp_path}/none.sock")
+        client._lane, client._dialer.retry_at = ours, float("inf")
+
+        async def send(i: int) -> bool:  # staggered: some start while another waits mid-message
+            await asyncio.sleep(i * 0.002)
+            return await client._send_lane(messages[i], i, (None, None, None, False))
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(send(i) for i in range(len(messages)))), 60)
+        finally:
+            client._lane = None
+            await client.close()
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    try:
+        sent = asyncio.run(send_all())
+    finally:
+        reader.join(60)
+        ours.close()
+        theirs.close()
+    assert not broken and sent == [True] * len(messages)
+    assert sorted(got) == sorted([[m[0], m[1].tobytes()] for m in messages])
+    assert all(len(g[1]) == messages[int(g[0].split()[1])][1].nbytes for g in got)

@@ -169,7 +169,7 @@ def load_header(raw, exact: bool = False) -> dict:
     names what is wrong as before. ``exact``: the json module only, which also keeps an integer past 64
     bits an integer (orjson reads it as a float)."""
     raw = raw if isinstance(raw, bytes) else bytes(raw)
-    if exact or raw.count(b"[") + raw.count(b"{") > ORJSON_MAX_BRACKETS:
+    if exact or len(raw) > ORJSON_MAX_BRACKETS and _brackets(raw) > ORJSON_MAX_BRACKETS:
         header = _load_json(raw)
     else:
         try:
@@ -179,6 +179,13 @@ def load_header(raw, exact: bool = False) -> dict:
     if not isinstance(header, dict):
         raise InvalidArgument("the request JSON must be an object")
     return header
+
+
+def _brackets(raw: bytes) -> int:
+    """How many '[' and '{' a text holds (numpy compares a byte at a time in vector code: bytes.count
+    does not)."""
+    codes = np.frombuffer(raw, np.uint8)
+    return int(np.count_nonzero(codes == 0x5B)) + int(np.count_nonzero(codes == 0x7B))
 
 
 def _load_json(raw) -> object:

@@ -112,7 +112,8 @@ class Gateway:
     @staticmethod
     def route(handler):
         async def wrapped(self, request: web.Request) -> web.Response:
-            log.debug("HTTP request: %s %s", request.method, request.path)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("HTTP request: %s %s", request.method, request.path)
             refusal = self.restrictions.refusal(request.path, request.headers)
             if refusal is not None:  # before anything else, as Triton does
                 return _error(403, refusal)
@@ -220,7 +221,7 @@ class Gateway:
     async def infer(self, request):
         model = request.match_info["model"]
         version = limits.version(request.match_info.get("version"))
-        body = await self._body(request)
+        body = await limits.read_body(request, self.max_body, self.body_timeout)
         held: dict[str, object] = {}  # region name -> Region, referenced until the request has ended
         caller: list[int] = []
 
@@ -261,8 +262,9 @@ class Gateway:
             # an output asked for as classes travels as [name, class_count] (the front's classification)
             names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
                 if req.outputs is not None else None
-            outputs = await (await self.front()).infer(model, req.inputs, names, version=version,
-                                                       priority=req.priority, timeout=req.timeout_s, origin=Origin.HTTP)
+            client = self.client if self.connected.is_set() else await self.front()
+            outputs = await client.infer(model, req.inputs, names, version=version, priority=req.priority,
+                                         timeout=req.timeout_s, origin=Origin.HTTP)
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
             served = getattr(outputs, "model_version", None)

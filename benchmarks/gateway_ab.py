@@ -1,0 +1,112 @@
+"""Two versions of gepool under the gateway benchmark, alternating in one run: CPU per request by process.
+
+    python benchmarks/gateway_ab.py --base REV [--head REV] [--rounds 3] [--seconds 8] [--models tiny,mlp]
+        [--levels 64] [--tools wrk]
+
+Each round runs ``benchmarks/gateway_bench.py`` of the base, then of the head (the working tree when no
+``--head`` is given), each against its own code: a revision is exported with ``git archive`` into a
+temporary folder and laid out as the installed package (``gepool.ipc`` = ``ipc/``, ...) on PYTHONPATH,
+ahead of the editable install. The table at the end gives, per model, tool and concurrency, the median
+over the rounds of req/s and of each process's CPU microseconds per request (on a shared host the
+CPU per request is the figure to compare, not req/s), and the head's change against the base.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PACKAGES = {"ipc": "ipc", "scheduler": "scheduler", "workers": "workers"}  # setup.cfg's package_dir
+ROW = re.compile(r"^(\w+)\s+(\w+)\s+(\d+)\s+([\d.]+|nan)\s+([\d.]+|nan)\s+([\d.]+|nan)\s+([\d.]+|nan)\s+(.*)$")
+
+
+def tree(rev: str | None, into: str) -> str:
+    """A source tree of ``rev`` (None: the working tree as it is), and the import root laid over it."""
+    if rev is None:
+        src = ROOT
+    else:
+        src = os.path.join(into, "src")
+        os.makedirs(src)
+        archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+    pkg = os.path.join(into, "root", "gepool")
+    os.makedirs(pkg)
+    for entry in os.listdir(os.path.join(src, "gepool")):
+        os.symlink(os.path.join(src, "gepool", entry), os.path.join(pkg, entry))
+    for name, folder in PACKAGES.items():
+        os.symlink(os.path.join(src, folder), os.path.join(pkg, name))
+    return src
+
+
+def run(src: str, root: str, args: argparse.Namespace) -> dict:
+    """{(model, tool, conc): {"rps": .., label: cpu us}} from one gateway_bench run."""
+    env = dict(os.environ, PYTHONPATH=root)
+    cmd = [sys.executable, os.path.join(src, "benchmarks", "gateway_bench.py"), "--seconds", str(args.seconds),
+           "--levels", args.levels, "--models", args.models, "--tools", args.tools]
+    # not from src: its gepool/ (without ipc/) would come first on sys.path
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+    lines = proc.stdout.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("model tool"))
+    except StopIteration:
+        raise SystemExit(f"no table from {src}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}") from None
+    labels = [h.removesuffix(" us") for h in re.findall(r"(\S+ us)", lines[start])]
+    out = {}
+    for line in lines[start + 1:]:
+        m = ROW.match(line)
+        if m is None:
+            continue
+        model, tool, conc, rps, _p50, _p99, _batch, rest = m.groups()
+        row = {"rps": float(rps)}
+        row.update(zip(labels, (float(v) for v in rest.split())))
+        out[(model, tool, int(conc))] = row
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="the revision to compare against (e.g. main, a commit)")
+    p.add_argument("--head", help="the revision measured against it (default: the working tree)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=8.0, help="per level, tool and version")
+    p.add_argument("--models", default="tiny,mlp")
+    p.add_argument("--levels", default="64")
+    p.add_argument("--tools", default="wrk")
+    args = p.parse_args()
+    work = tempfile.mkdtemp(prefix="gepool-ab-")
+    try:
+        versions = {}
+        for label, rev in (("base", args.base), ("head", args.head)):
+            into = os.path.join(work, label)
+            versions[label] = (tree(rev, into), os.path.join(into, "root"))
+        results: dict[str, list[dict]] = {"base": [], "head": []}
+        for r in range(args.rounds):
+            for label, (src, root) in versions.items():
+                results[label].append(run(src, root, args))
+                for key, row in sorted(results[label][-1].items()):
+                    print(f"round {r + 1} {label:4s} {' '.join(map(str, key)):14s} "
+                          + " ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nmedians over {args.rounds} rounds (base {args.base}, head {args.head or 'working tree'}; "
+          f"CPU in us per request)")
+    keys = sorted(set().union(*(set(r) for r in results["base"] + results["head"])))
+    for key in keys:
+        fields = sorted({f for label in results for r in results[label] for f in r.get(key, {})},
+                        key=lambda f: (f != "rps", f != "sidecar", f != "front", f))
+        for f in fields:
+            med = {label: statistics.median([r[key][f] for r in results[label] if key in r and f in r[key]])
+                   for label in results}
+            change = (med["head"] / med["base"] - 1) * 100 if med["base"] else float("nan")
+            print(f"{' '.join(map(str, key)):14s} {f:10s} base {med['base']:9.0f} head {med['head']:9.0f} "
+                  f"{change:+6.1f}%")
+
+
+if __name__ == "__main__":
+    main()
