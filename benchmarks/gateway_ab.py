@@ -3,8 +3,9 @@
     python benchmarks/gateway_ab.py --base REV [--head REV] [--rounds 3] [--seconds 8] [--models tiny,mlp]
         [--levels 64] [--tools wrk]
 
-Each round runs ``benchmarks/gateway_bench.py`` of the base, then of the head (the working tree when no
-``--head`` is given), each against its own code: a revision is exported with ``git archive`` into a
+Each round runs ``benchmarks/gateway_bench.py`` of the base and of the head (the working tree when no
+``--head`` is given; base first in odd rounds, head first in even ones, so that a host's drifting load
+falls on both alike), each against its own code: a revision is exported with ``git archive`` into a
 temporary folder and laid out as the installed package (``gepool.ipc`` = ``ipc/``, ...) on PYTHONPATH,
 ahead of the editable install. The table at the end gives, per model, tool and concurrency, the median
 over the rounds of req/s and of each process's CPU microseconds per request (on a shared host the
@@ -87,7 +88,8 @@ def main() -> None:
             versions[label] = (tree(rev, into), os.path.join(into, "root"))
         results: dict[str, list[dict]] = {"base": [], "head": []}
         for r in range(args.rounds):
-            for label, (src, root) in versions.items():
+            order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]  # ABBA: drift cancels
+            for label, (src, root) in order:
                 results[label].append(run(src, root, args))
                 for key, row in sorted(results[label][-1].items()):
                     print(f"round {r + 1} {label:4s} {' '.join(map(str, key)):14s} "

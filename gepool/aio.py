@@ -1,6 +1,7 @@
 """The asyncio client: ``await client.infer(...)``, many requests in flight on one socket."""
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -34,6 +35,7 @@ class AsyncClient(ClientCore):
         self._lane: socket.socket | None = None
         self._lane_rx: _lane.Receiver | None = None
         self._lane_lock = asyncio.Lock()
+        self._lane_users = 0  # sends and connections holding or waiting for _lane_lock
         self._inflight = Inflight()  # req_id -> (out or None, future of (msg, frames), deadline, sent over the lane)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -145,21 +147,21 @@ class AsyncClient(ClientCore):
 
     async def _send_lane(self, frames: list, req_id: int, entry: tuple) -> bool:
         """False: no lane, or it died before the pool read this request (then ZMQ carries it).
-        A lock keeps one message's records together: it is taken only by a send that must wait (a record
-        found the socket full) and by the sends that come while one waits."""
+        A lock keeps one message's records together. A send goes without it while nobody holds or waits
+        for it; one whose record finds the socket full then takes it (at once: nobody else could have)
+        and waits under it, and the sends that come meanwhile queue for it."""
         if self._lane is None:
             if not self._dialer.due():
                 return False
-            async with self._lane_lock:  # one connection attempt at a time
+            async with self._locked_lane():  # one connection attempt at a time
                 if self._lane is None and self._dialer.due():
                     await self._connect_lane()
         try:
             records = _lane.records(frames)
         except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
             return False
-        lock = self._lane_lock
-        if lock.locked():  # another message is part sent: this one's records go after all of its
-            async with lock:
+        if self._lane_users:  # another message may be part sent: this one's records go after all of its
+            async with self._locked_lane():
                 return await self._send_records(self._lane, records, 0, req_id, entry)
         sock = self._lane
         if sock is None:
@@ -170,8 +172,7 @@ class AsyncClient(ClientCore):
                 sock.sendmsg(record)
                 sent += 1
         except BlockingIOError:
-            # taken at once: nothing ran since locked() said it was free, and the rest waits under it
-            async with lock:
+            async with self._locked_lane():
                 return await self._send_records(sock, records, sent, req_id, entry)
         except OSError as exc:
             self._lose_lane(exc)
@@ -179,6 +180,16 @@ class AsyncClient(ClientCore):
         if req_id in self._inflight:  # a reply may have come already, and taken the entry
             self._inflight[req_id] = entry[:3] + (True,)
         return True
+
+    @contextlib.asynccontextmanager
+    async def _locked_lane(self):
+        """The lane's lock, counted while held or waited for (the unlocked sends look at the count)."""
+        self._lane_users += 1
+        try:
+            async with self._lane_lock:
+                yield
+        finally:
+            self._lane_users -= 1
 
     async def _send_records(self, sock: socket.socket | None, records: list, sent: int, req_id: int,
                             entry: tuple) -> bool:
