@@ -196,6 +196,19 @@ def test_a_failing_step_is_named_and_the_pool_keeps_serving(client):
     np.testing.assert_array_equal(out["Y"], np.full((2, 4), 2, np.float32))
 
 
+def test_a_lone_ensemble_request_prewakes_the_worker_of_each_step(pool, client):
+    """Sequential traffic: each step's worker is woken before its batch is admitted (the first as the
+    request arrives, the next as the step before it completes), as a client's own requests' are."""
+    if client.status()["polling"]["mode"] == "off":
+        pytest.skip("the front does not poll on one CPU, nor prewake")
+    x = np.random.default_rng(3).random((1, 1024), dtype=np.float32)
+    client.infer("classify", {"IMAGE": x})  # the last batch held one request: traffic is sequential
+    before = client.status()["polling"]["prewakes"]
+    for _ in range(5):
+        client.infer("classify", {"IMAGE": x})
+    assert client.status()["polling"]["prewakes"] - before == 5 * 3
+
+
 def test_bytes_tensors_pass_between_steps(client):
     out = client.infer("shouted", {"T": np.array([[b"ab"], [b"xyz"]], dtype=object)})
     assert out["OUT"].tolist() == [[b"AB"], [b"XYZ"]] and out["LEN"].tolist() == [[2], [3]]
