@@ -14,7 +14,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,51 +25,15 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [os.path.join(ROOT, "examples"), HERE]
 
 import make_models  # noqa: E402
-from ensemble_bench import LibraryCalls  # noqa: E402
+from ensemble_bench import LibraryCalls, export, pool_of  # noqa: E402
 
 STEPS = ("preprocess", "mlp", "topk")
-PACKAGES = {"ipc": "ipc", "scheduler": "scheduler", "workers": "workers"}  # setup.cfg's package_dir
 
 
 def snapshot(client) -> dict:
     stats = client.stats()
     return {m: (stats[m]["requests"], stats[m]["batches"], stats[m]["queue_us"], stats[m]["compute_us"])
             for m in STEPS}
-
-
-def export(rev: str, into: str) -> str:
-    """The gepool package of ``rev`` laid out as installed (gepool/ with ipc, scheduler and workers in it)."""
-    src = os.path.join(into, "src")
-    os.makedirs(src)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
-    site = os.path.join(into, "site")
-    shutil.copytree(os.path.join(src, "gepool"), os.path.join(site, "gepool"))
-    for sub, folder in PACKAGES.items():
-        shutil.copytree(os.path.join(src, folder), os.path.join(site, "gepool", sub))
-    return site
-
-
-@contextlib.contextmanager
-def pool_of(repo: str, site: str | None):
-    """A pool whose front and workers import gepool from ``site`` (None: this interpreter's own)."""
-    from gepool import Pool
-
-    saved = os.environ.get("PYTHONPATH")
-    if site is not None:
-        os.environ["PYTHONPATH"] = site  # the front's interpreter; its workers inherit its sys.path
-    try:
-        pool = Pool(repo).start()
-    finally:
-        if site is not None:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
-    try:
-        yield pool
-    finally:
-        pool.stop()
 
 
 def measure(calls: LibraryCalls, mode: str, x: np.ndarray, seconds: float) -> dict:
