@@ -1,19 +1,24 @@
 """The classify ensemble (preprocess -> mlp -> topk, scheduled in the front) against the same three calls
 made one after another by a client, over the library client and HTTP, at each concurrency.
 
-    python benchmarks/ensemble_bench.py --seconds 10 [--concurrency 1 16] [--carriers library http]
+    python benchmarks/ensemble_bench.py --seconds 10 [--concurrency 1 16] [--carriers library http] [--baseline REV]
 
 For each carrier and concurrency it prints throughput (requests/s of one image each), latency p50/p99,
 and for the ensemble its per-step overhead: mean ensemble latency minus the mean of its steps' compute
 (the front's stats, summed over the steps each request ran in), divided by the number of steps. The
 steps alone (each model called directly at the highest concurrency) give the slowest step's own
 throughput, which the ensemble's is compared with. A JSON line per measurement follows the table.
+``--baseline REV`` runs a second pool from that git revision beside this tree's, each measurement taken
+on both in turn (which goes first alternates), so that a change is compared under the same load.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -22,15 +27,52 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 WIDTH, STEPS = 1024, ("preprocess", "mlp", "topk")
+PACKAGES = {"ipc": "ipc", "scheduler": "scheduler", "workers": "workers"}  # setup.cfg's package_dir
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def export(rev: str, into: str) -> str:
+    """The gepool package of ``rev`` laid out as installed (gepool/ with ipc, scheduler and workers in it)."""
+    src = os.path.join(into, "src")
+    os.makedirs(src)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+    site = os.path.join(into, "site")
+    shutil.copytree(os.path.join(src, "gepool"), os.path.join(site, "gepool"))
+    for sub, folder in PACKAGES.items():
+        shutil.copytree(os.path.join(src, folder), os.path.join(site, "gepool", sub))
+    return site
+
+
+@contextlib.contextmanager
+def pool_of(repo: str, site: str | None, **kwargs):
+    """A pool whose front and workers import gepool from ``site`` (None: this interpreter's own)."""
+    from gepool import Pool
+
+    saved = os.environ.get("PYTHONPATH")
+    if site is not None:
+        os.environ["PYTHONPATH"] = site  # the front's interpreter; its workers inherit its sys.path
+    try:
+        pool = Pool(repo, **kwargs).start()
+    finally:
+        if site is not None:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+    try:
+        yield pool
+    finally:
+        pool.stop()
 
 
 class LibraryCalls:
@@ -142,50 +184,74 @@ def main() -> int:
     parser.add_argument("--carriers", nargs="+", default=["library", "http"], choices=["library", "http"])
     parser.add_argument("--repository", help="a repository holding classify and its steps (default: written "
                                              "to a temporary folder by examples/make_models.py)")
+    parser.add_argument("--baseline", metavar="REV", help="also measure a pool from this git revision (exported "
+                                                         "to a temporary folder), alternating with this tree's")
     args = parser.parse_args()
 
     import make_models
 
-    from gepool import Client, Pool
+    from gepool import Client
 
-    repo = args.repository or make_models.make_examples(tempfile.mkdtemp(prefix="gepool-ens-bench-"))
-    port = free_port()
+    work = tempfile.mkdtemp(prefix="gepool-ens-bench-")
+    repo = args.repository or make_models.make_examples(os.path.join(work, "repo"))
+    sites = {"this": None}
+    if args.baseline:
+        sites = {args.baseline: export(args.baseline, os.path.join(work, "baseline")), "this": None}
+    os.chdir(work)  # a front started here imports gepool from its PYTHONPATH or the installed one, not a checkout
     rows = []
-    with Pool(repo, http_port=port if "http" in args.carriers else 0) as pool:
-        stats_client = Client(pool.endpoint, timeout=60)
-        x = np.random.default_rng(1).random((3, WIDTH), dtype=np.float32)
-        lib = LibraryCalls(pool.endpoint)
-        assert np.array_equal(lib.ensemble(x), lib.chain(x)), "the ensemble and the chain disagree"
-        lib.close()
-        makers = {"library": lambda: LibraryCalls(pool.endpoint), "http": lambda: HttpCalls(f"127.0.0.1:{port}")}
+    with contextlib.ExitStack() as stack:
+        pools, ports, stats = {}, {}, {}
+        for name, site in sites.items():
+            ports[name] = free_port()
+            pools[name] = stack.enter_context(pool_of(repo, site, http_port=ports[name] if "http" in args.carriers
+                                                      else 0))
+            stats[name] = Client(pools[name].endpoint, timeout=60)
+            stack.callback(stats[name].close)
+            x = np.random.default_rng(1).random((3, WIDTH), dtype=np.float32)
+            lib = LibraryCalls(pools[name].endpoint)
+            assert np.array_equal(lib.ensemble(x), lib.chain(x)), "the ensemble and the chain disagree"
+            lib.close()
+
+        def maker(carrier: str, name: str):
+            if carrier == "http":
+                return lambda: HttpCalls(f"127.0.0.1:{ports[name]}")
+            return lambda: LibraryCalls(pools[name].endpoint)
+
+        turn = 0
         for carrier in args.carriers:
             for c in args.concurrency:
                 for call in ("ensemble", "chain"):
-                    before = ensemble_compute(stats_client.stats())
-                    r = measure(makers[carrier], call, c, args.seconds)
-                    after = ensemble_compute(stats_client.stats())
-                    row = {"carrier": carrier, "concurrency": c, "mode": call, **r}
-                    if call == "ensemble" and after[0] > before[0]:
-                        compute_us = (after[1] - before[1]) / (after[0] - before[0]) * 1e6
-                        row["steps_compute_us"] = compute_us
-                        row["overhead_per_step_us"] = (r["mean_us"] - compute_us) / len(STEPS)
-                    rows.append(row)
+                    order = list(sites) if turn % 2 == 0 else list(reversed(sites))  # ABBA
+                    turn += 1
+                    for name in order:
+                        before = ensemble_compute(stats[name].stats())
+                        r = measure(maker(carrier, name), call, c, args.seconds)
+                        after = ensemble_compute(stats[name].stats())
+                        row = {"pool": name, "carrier": carrier, "concurrency": c, "mode": call, **r}
+                        if call == "ensemble" and after[0] > before[0]:
+                            compute_us = (after[1] - before[1]) / (after[0] - before[0]) * 1e6
+                            row["steps_compute_us"] = compute_us
+                            row["overhead_per_step_us"] = (r["mean_us"] - compute_us) / len(STEPS)
+                        rows.append(row)
         top = max(args.concurrency)
         for model in STEPS:
-            r = measure(lambda: LibraryCalls(pool.endpoint), "step", top, args.seconds, model)
-            rows.append({"carrier": "library", "concurrency": top, "mode": f"{model} alone", **r})
-        stats_client.close()
-    print(f"\n{'carrier':8} {'c':>3} {'mode':16} {'req/s':>8} {'p50 us':>9} {'p99 us':>9} {'steps us':>9} "
+            for name in sites:
+                r = measure(maker("library", name), "step", top, args.seconds, model)
+                rows.append({"pool": name, "carrier": "library", "concurrency": top, "mode": f"{model} alone", **r})
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{'pool':8} {'carrier':8} {'c':>3} {'mode':16} {'req/s':>8} {'p50 us':>9} {'p99 us':>9} {'steps us':>9} "
           f"{'ovh/step us':>11} {'errors':>6}")
     for r in rows:
-        print(f"{r['carrier']:8} {r['concurrency']:>3} {r['mode']:16} {r['rps']:8.1f} {r['p50_us']:9.0f} "
-              f"{r['p99_us']:9.0f} {r.get('steps_compute_us', float('nan')):9.0f} "
+        print(f"{r['pool'][:8]:8} {r['carrier']:8} {r['concurrency']:>3} {r['mode']:16} {r['rps']:8.1f} "
+              f"{r['p50_us']:9.0f} {r['p99_us']:9.0f} {r.get('steps_compute_us', float('nan')):9.0f} "
               f"{r.get('overhead_per_step_us', float('nan')):11.0f} {r['errors']:>6}")
-    slowest = min((r for r in rows if r["mode"].endswith(" alone")), key=lambda r: r["rps"])
     for r in rows:
         if r["mode"] == "ensemble" and r["concurrency"] == top:
-            print(f"{r['carrier']} c={top}: ensemble {r['rps']:.1f} req/s = {r['rps'] / slowest['rps']:.0%} of the "
-                  f"slowest step alone ({slowest['mode']}, {slowest['rps']:.1f} req/s)")
+            slowest = min((s for s in rows if s["mode"].endswith(" alone") and s["pool"] == r["pool"]),
+                          key=lambda s: s["rps"])
+            print(f"{r['pool']} {r['carrier']} c={top}: ensemble {r['rps']:.1f} req/s = "
+                  f"{r['rps'] / slowest['rps']:.0%} of the slowest step alone ({slowest['mode']}, "
+                  f"{slowest['rps']:.1f} req/s)")
     for r in rows:
         print(json.dumps(r))
     return 0

@@ -56,7 +56,8 @@ class Core:
         self.dirty: set[Model] = set()  # models a request or a completion touched since the last schedule
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
-        self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock)
+        self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock,
+                                   self._prewake_step)
         self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:
@@ -195,6 +196,12 @@ class Core:
                 self.polling.prewakes += 1
                 return True
         return False
+
+    def _prewake_step(self, name: str) -> bool:
+        """An ensemble's step about to enter its model's queue: its worker is prewoken as a client's
+        request's would be, while traffic is sequential and no worker computes."""
+        return (self.polling.enabled and self.dispatch.last_batch_requests <= 1 and not self.workers.busy()
+                and self._prepare_worker(name))
 
     def message_limit(self) -> int:
         """The most bytes one client message may declare: the largest slot of any model, plus headers."""

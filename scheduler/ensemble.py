@@ -10,7 +10,7 @@ batching needs), and the ensemble's outputs are answered from them. Nothing pass
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,12 +67,13 @@ class Ensembles:
     """Runs the ensembles' requests, and keeps each ensemble's state that of its steps' models.
     ``respond`` answers a client from arrays (the dispatcher's), ``reply`` sends a client a message (the
     outbox's), ``enqueue`` puts a step request in its model's queue and marks it to be scheduled (raising
-    as admission does when it cannot)."""
+    as admission does when it cannot), ``prewake(model name)`` wakes the idle worker of a step about to
+    be queued, when traffic is sequential (the core's rule for a client's request)."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False) -> None:
         self.control, self.arenas, self.clock = control, arenas, clock
-        self.respond, self.reply, self.enqueue = respond, reply, enqueue
+        self.respond, self.reply, self.enqueue, self.prewake = respond, reply, enqueue, prewake
 
     # -- state -------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -123,6 +124,7 @@ class Ensembles:
         limits = [us for us in (timeout_us, deadline_us) if us]
         deadline = req.arrived + min(limits) / 1e6 if limits else None
         run = Run(model, req, priority, deadline, tensors, set(range(len(ens.steps))))
+        self._prewake_ready(run, ())
         try:
             self._advance(run)
         except errors.GepoolError:
@@ -142,6 +144,16 @@ class Ensembles:
                 run.running += 1
         if not run.waiting and not run.running:
             self._answer(run)
+
+    def _prewake_ready(self, run: Run, coming: Iterable[str]) -> None:
+        """Wakes the workers of the steps that can start once the tensors ``coming`` exist. A worker woken
+        by its batch's doorbell takes a CPU from the front in the middle of its hand-over, and the front
+        then competes with the batch it handed over; woken first, the worker polls and yields while the
+        front copies and admits, and the front goes back to sleep before the batch computes."""
+        steps, have = run.model.config.ensemble.steps, set(coming)
+        for i in run.model.config.ensemble.order:
+            if i in run.waiting and all(t in run.tensors or t in have for t in steps[i].input_map.values()):
+                self.prewake(steps[i].model_name)
 
     def _submit(self, run: Run, i: int) -> None:
         step = run.model.config.ensemble.steps[i]
@@ -182,6 +194,7 @@ class Ensembles:
         if run.finished:
             return
         step = run.model.config.ensemble.steps[sink.index]
+        self._prewake_ready(run, step.output_map.values())  # before the copies: the worker wakes meanwhile
         rows = run.req.rows
         batched = model.config.max_batch_size > 0
         for t in model.config.outputs:

@@ -15,7 +15,8 @@ workers and a wake-up is shared by a whole batch):
   every time; sparse traffic shrinks the window to nothing within a few requests.
 
 A sequential request also wakes its idle worker with a PREPARE record, so that the worker's wake-up
-overlaps the request's admission (it polls its doorbell briefly for the batch). None of this happens
+overlaps the request's admission (it polls its doorbell briefly for the batch); so does each step of a
+sequential ensemble request, its first on arrival and the next as the step before it completes. None of this happens
 while another worker computes: the cores are taken then, and polling slowed the others down (three
 tiny clients beside an MLP one lost 10-15% of their throughput). Both pollers yield the CPU between
 polls: the process they wait for may have been woken onto their CPU.

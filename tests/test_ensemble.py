@@ -90,6 +90,7 @@ def repo(tmp_path_factory):
     make_models.make_mlp(repo)
     make_models.make_classify(repo)
     recorder(repo, "rec", preferred="8", delay_us=10_000_000)  # a batch of 8 goes at once, less waits 10 s
+    recorder(repo, "failer", delay_us=0)  # the same model, each request run at once (it fails on -7)
     simple(repo, "plus", PLUS_PY)
     marks = str(tmp_path_factory.mktemp("marks"))
     for me, other in (("left", "right"), ("right", "left")):
@@ -97,7 +98,7 @@ def repo(tmp_path_factory):
                                     f'parameters {{ key: "other" value: {{ string_value: "{marks}/{other}" }} }}')
     ensemble(repo, "batch8", step("rec", {"INPUT": "X"}, {"OUTPUT": "Y", "BATCH": "B"}), f"{Y}, {B}")
     ensemble(repo, "chain", step("plus", {"INPUT": "X"}, {"OUTPUT": "mid"}) + ", "
-             + step("rec", {"INPUT": "mid"}, {"OUTPUT": "Y", "BATCH": "B"}), f"{Y}, {B}")
+             + step("failer", {"INPUT": "mid"}, {"OUTPUT": "Y", "BATCH": "B"}), f"{Y}, {B}")
     ensemble(repo, "fork", step("left", {"INPUT": "X"}, {"OUTPUT": "L"}) + ", "
              + step("right", {"INPUT": "X"}, {"OUTPUT": "R"}),
              '{ name: "L" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "R" data_type: TYPE_FP32 dims: [ 4 ] }')
@@ -190,10 +191,24 @@ def test_independent_branches_run_at_the_same_time(client):
 
 def test_a_failing_step_is_named_and_the_pool_keeps_serving(client):
     with pytest.raises(errors.ModelError) as exc:
-        client.infer("chain", {"X": np.full((1, 4), -8, np.float32)})  # plus makes it -7: rec fails on it
-    assert "ensemble 'chain' step 2 ('rec')" in str(exc.value) and "asked to fail" in str(exc.value)
+        client.infer("chain", {"X": np.full((1, 4), -8, np.float32)})  # plus makes it -7: failer fails on it
+    assert "ensemble 'chain' step 2 ('failer')" in str(exc.value) and "asked to fail" in str(exc.value)
     out = client.infer("chain", {"X": np.full((2, 4), 1, np.float32)})
     np.testing.assert_array_equal(out["Y"], np.full((2, 4), 2, np.float32))
+    assert out["B"].tolist() == [[2], [2]]  # the failed step's worker ran the next batch
+
+
+def test_a_lone_ensemble_request_prewakes_the_worker_of_each_step(pool, client):
+    """Sequential traffic: each step's worker is woken before its batch is admitted (the first as the
+    request arrives, the next as the step before it completes), as a client's own requests' are."""
+    if client.status()["polling"]["mode"] == "off":
+        pytest.skip("the front does not poll on one CPU, nor prewake")
+    x = np.random.default_rng(3).random((1, 1024), dtype=np.float32)
+    client.infer("classify", {"IMAGE": x})  # the last batch held one request: traffic is sequential
+    before = client.status()["polling"]["prewakes"]
+    for _ in range(5):
+        client.infer("classify", {"IMAGE": x})
+    assert client.status()["polling"]["prewakes"] - before == 5 * 3
 
 
 def test_bytes_tensors_pass_between_steps(client):

@@ -133,3 +133,76 @@ def test_a_step_model_that_goes_away_fails_queued_ensemble_requests_naming_the_s
     assert "ensemble 'pipe' step 1 ('a')" in err.message
     group = h.core.control.groups["pipe"]
     assert group.state() == ModelState.UNAVAILABLE and "step 1 ('a')" in group.default().reason
+
+
+class Journal:
+    """Every worker's bell writes, in order: ("prepare" | "ring", model name)."""
+
+    def __init__(self, workers) -> None:
+        self.log: list[tuple[str, str]] = []
+        for w in workers:
+            ring = w.bell.ring
+            w.bell.prepare = lambda name=w.model.name: self.log.append(("prepare", name))
+            w.bell.ring = lambda slot, seq, name=w.model.name, ring=ring: (self.log.append(("ring", name)),
+                                                                           ring(slot, seq))
+
+    def take(self) -> list[tuple[str, str]]:
+        out, self.log = self.log, []
+        return out
+
+
+def prewaking(h) -> list:
+    """Its workers ready as real synchronous ones say they are (they answer a PREPARE record), polling on."""
+    h.core.polling.enabled = True  # the harness turns it off; a pool on more than one CPU has it on
+    for w in h.out.spawned:
+        h.core.on_worker_message(protocol.WorkerReady(w.id, protocol.PROTOCOL_VERSION, w.process.pid,
+                                                      {"prewake": True}))
+    h.tick()
+    return sorted(h.out.spawned, key=lambda w: w.model.name)
+
+
+def test_a_lone_ensemble_request_prewakes_each_steps_worker_before_its_batch(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    wa, wb = prewaking(h)
+    journal = Journal([wa, wb])
+    for value in (1.0, 3.0):  # the second comes after a whole pipeline: traffic is sequential
+        rid = ens_infer(h, value)
+        assert journal.take() == [("prepare", "a"), ("ring", "a")]
+        h.compute(wa)  # b's worker is woken as a's batch completes, before b's batch is admitted
+        assert journal.take() == [("prepare", "b"), ("ring", "b")]
+        h.compute(wb)
+        assert journal.take() == []
+        np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), value * 4, np.float32))
+    assert h.core.polling.prewakes == 4
+
+
+def test_no_step_worker_is_prewoken_while_another_computes_or_traffic_batches(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    echo_model(tmp_path, "c")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    wa, wb, wc = prewaking(h)
+    journal = Journal([wa, wb, wc])
+    h.infer(1.0, model="c")
+    h.step()
+    journal.take()
+    ens_infer(h, 1.0)  # c computes: the cores are taken, a's worker wakes on its batch alone
+    h.compute(wa)
+    assert journal.take() == [("ring", "a"), ("ring", "b")]
+    h.compute(wb)
+    h.compute(wc)
+    h.out.take()
+    h.infer(2.0, model="a")
+    h.step()
+    journal.take()
+    ens_infer(h, 1.0)  # both queue behind a's direct batch, then run as one batch: traffic batches now
+    ens_infer(h, 2.0)
+    h.compute(wa)
+    assert journal.take() == [("ring", "a")]
+    assert h.compute(wa) == [2]
+    assert journal.take() == [("ring", "b")]
+    assert h.compute(wb) == [2]
