@@ -130,6 +130,8 @@ class IoThread(threading.Thread):
                         self.lane.send(out.frames, None)
                         continue
                     except OSError as exc:  # the pool behind it is gone and never saw this one
+                        # out of pending first: the lane's requests fail, this one goes by ZMQ below
+                        del pending[out.req_id]
                         self._lose_lane(poller, exc)
                     except _lane.LaneError:  # more parts than a lane frames: nothing went
                         pass

@@ -1,6 +1,7 @@
 """Shared fixtures: generated model repositories, one session pool, and leak checks on every test."""
 
 import os
+import random
 import socket
 import time
 
@@ -9,7 +10,7 @@ import pytest
 from gepool.ipc import naming
 from tests import repo as test_repo
 
-LEAK_GRACE_S = 10.0
+LEAK_GRACE_S = 30.0  # a process exit, then the unlink, on a loaded machine
 
 
 def _descendants(pid: int) -> list[int]:
@@ -67,11 +68,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on right now (a small race with other processes is accepted)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on right now, for a server another process binds later. It lies
+    below the kernel's ephemeral range, so no connection's local port (nor another bind to port 0) takes
+    it meanwhile, and it is never handed out twice in a session; a race with a process that binds that
+    very port on its own is accepted."""
+    high = _ephemeral_low()
+    low = max(1024, high - 16384)
+    while True:
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):

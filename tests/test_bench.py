@@ -110,14 +110,19 @@ def test_the_cli_refuses_options_it_would_ignore(argv, why, capsys):
     assert why in capsys.readouterr().err
 
 
+# A target every answered level meets, even where a loaded machine stalls requests: what
+# these tests check is the choice among the levels and settings, not this host's tail latency.
+EASY_P99_MS = 10_000.0
+
+
 def test_sweep_tries_the_grid_and_picks_a_setting_that_meets_the_target(model_repo):
     from gepool.bench import TIE_SHARE, format_sweep, sweep
 
-    result = sweep(model_repo, "tiny", [1, 4], 0.5, p99_target_ms=1000.0, delays_us=(0, 2000), counts=(1, 2))
+    result = sweep(model_repo, "tiny", [1, 4], 0.5, p99_target_ms=EASY_P99_MS, delays_us=(0, 2000), counts=(1, 2))
     assert [(t["max_queue_delay_us"], t["instances"]) for t in result["trials"]] == [(0, 1), (0, 2), (2000, 1),
                                                                                       (2000, 2)]
     best = result["best"]
-    assert best is not None and best["best_p99_ms"] <= 1000.0
+    assert best is not None and best["best_p99_ms"] <= EASY_P99_MS
     top = max(t["best_rps"] for t in result["trials"])
     ties = [t for t in result["trials"] if t["best_rps"] >= (1 - TIE_SHARE) * top]  # within 2% of the most
     assert best["best_rps"] >= (1 - TIE_SHARE) * top
@@ -130,7 +135,7 @@ def test_sweep_tries_the_grid_and_picks_a_setting_that_meets_the_target(model_re
 def test_sweep_measures_open_loop_rates_too(model_repo):
     from gepool.bench import format_sweep, sweep
 
-    result = sweep(model_repo, "tiny", None, 0.5, p99_target_ms=1000.0, delays_us=(0,), counts=(1,), rates=[50.0])
+    result = sweep(model_repo, "tiny", None, 0.5, p99_target_ms=EASY_P99_MS, delays_us=(0,), counts=(1,), rates=[50.0])
     (trial,) = result["trials"]
     assert [(lv["mode"], lv["level"]) for lv in trial["levels"]] == [("rate", 50.0)]
     assert trial["levels"][0]["ok"] > 0

@@ -233,7 +233,7 @@ def test_the_peer_of_a_closed_connection_is_not_root():
             assert peer._proc(*map(peer._ip, (conn.getpeername()[0],)), conn.getpeername()[1],
                               peer._ip(conn.getsockname()[0]), conn.getsockname()[1]) == os.geteuid()
             client.close()
-            assert wait_until(lambda: _unidentified(conn), 10)
+            assert wait_until(lambda: _unidentified(conn))
     with pytest.raises(peer.Unidentified, match="not on this host's loopback"):
         peer.peer_uid(("10.1.2.3", 5000), ("127.0.0.1", 8000))
 

@@ -245,6 +245,31 @@ def test_futures_go_over_the_io_threads_lane(pool, client):
         assert wait_until(lambda: plain.status()["lanes"] <= before)
 
 
+def test_a_request_whose_lane_send_fails_goes_by_zmq_and_the_io_thread_lives_on(pool, client):
+    """A lane that breaks under a send (here: its write side shut while the front is stopped, so nothing
+    reads the hang-up first) is dropped and the request that found it broken goes by ZMQ instead: the
+    pool never saw it. It used to fail that request with the lane's others, then send it anyway, and
+    the second answer to its finished future killed the I/O thread: no later future was ever answered."""
+    import signal
+
+    x = np.arange(16, dtype=np.float32)[None]
+    front = pool.process.pid
+    with Client(pool.endpoint) as c:
+        np.testing.assert_array_equal(c.infer_async("tiny", {"INPUT0": x}).result(60)["OUTPUT0"], 2 * x + 1)
+        io = c._io
+        assert io.lane is not None  # the I/O thread's lane is up
+        os.kill(front, signal.SIGSTOP)
+        try:
+            io.lane.sock.shutdown(socket.SHUT_WR)
+            fut = c.infer_async("tiny", {"INPUT0": x + 1})
+            assert wait_until(lambda: io.lane is None)  # the loop found it broken on its send
+        finally:
+            os.kill(front, signal.SIGCONT)
+        np.testing.assert_array_equal(fut.result(60)["OUTPUT0"], 2 * (x + 1) + 1)
+        np.testing.assert_array_equal(c.infer_async("tiny", {"INPUT0": x + 2}).result(60)["OUTPUT0"], 2 * (x + 2) + 1)
+        assert io.is_alive()
+
+
 def test_futures_from_many_threads_and_callbacks_share_the_io_threads_lane(pool, client):
     """Other threads send their requests straight onto the I/O thread's lane while the I/O thread sends
     the ones its callbacks start: 128 KiB requests take three records each, and a message whose
