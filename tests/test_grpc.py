@@ -396,6 +396,8 @@ def test_grpc_requests_count_in_the_same_metrics_series(gpool, triton):
 
 
 def test_health_is_not_serving_while_the_pool_drains(tmp_path):
+    """SIGTERM with a grace period longer than the test: NOT_SERVING while the pool still serves, then
+    SIGINT drains it at once and it exits cleanly."""
     repo = str(tmp_path)
     test_repo.make_models.make_tiny(repo)
     pool = Pool(repo, grpc_port=free_port(), exit_grace_s=30).start()
@@ -414,6 +416,8 @@ def test_health_is_not_serving_while_the_pool_drains(tmp_path):
                 assert not c.is_server_ready() and c.is_server_live()
             finally:
                 c.close()
+        pool.process.send_signal(signal.SIGINT)  # ends the grace: the drain starts now, not in 30 s
+        assert pool.process.wait(60) == 0
     finally:
         pool.stop()
 
