@@ -1,6 +1,7 @@
 """gepool's KServe v2 gRPC and HTTP endpoints against PyTriton's, with perf_analyzer (benchmarks/README.md).
 
     python benchmarks/grpc_bench.py [--seconds S] [--peer pytriton|none] [--triton-grpc HOST:PORT]
+        [--models tiny,mlp] [--levels 1,8,64] [--compare-io --rounds N]
 
 Runs ``perf_analyzer -i grpc`` (unary and ``--streaming``) and ``-i http`` against one pool at
 concurrency 1, 8 and 64 on tiny and mlp, and the same commands against PyTriton (Triton's own fronts,
@@ -9,6 +10,13 @@ with the same batching (max batch 32, preferred 8/16/32, 1 ms delay), so both co
 host. With ``--peer none``, or when PyTriton cannot start (the reason is printed), gepool's gRPC is
 compared with its own HTTP. ``--triton-grpc`` adds any running Triton serving models of the same
 names. perf_analyzer comes from the tritonclient 2.40.0 wheel (see .ci/run).
+
+Every gepool cell also gets the sidecar's CPU per request (utime+stime from /proc over the requests
+the pool counted in the same window) and its context switches per request (every thread's, from
+/proc/PID/task/*/status): a thread hand-off costs one of each, and on a busy host a wait for a core.
+``--compare-io`` alternates, round by round, two pools that differ only in grpcio's socket I/O: on
+grpcio's EventEngine threads (its default, "engine") or on the thread that polls the completion queue
+(GRPC_EXPERIMENTS turning the EventEngine listener and endpoints off, "poller").
 """
 
 import argparse
@@ -20,12 +28,55 @@ import sys
 import tempfile
 
 import peers
+from gateway_bench import cpu_seconds, processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 CONCURRENCY = (1, 8, 64)
 MODELS = ("tiny", "mlp")
 NAN = {"rps": float("nan"), "p50_us": float("nan"), "p99_us": float("nan")}
+# GRPC_EXPERIMENTS for socket I/O on the completion-queue thread (grpcio reads it when the sidecar imports it)
+POLLER_IO = "-event_engine_listener,-event_engine_for_all_other_endpoints"
+
+
+def context_switches(pid: int) -> int:
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
+        except OSError:
+            pass  # a thread that ended
+    return total
+
+
+class Sidecar:
+    """The pool's sidecar process and the pool's own count of successful requests per model."""
+
+    def __init__(self, pool, grpc_url: str) -> None:
+        self.pid = processes(pool.process.pid, None)["sidecar"]
+        self.url = grpc_url
+
+    def served(self, model: str) -> int:
+        import tritonclient.grpc as grpcclient
+
+        with grpcclient.InferenceServerClient(self.url) as client:
+            stats = client.get_inference_statistics(model, as_json=True)
+        return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+
+    def measure(self, model: str, run) -> dict | None:
+        """``run()``'s perf_analyzer row with the sidecar's CPU and context switches per request added."""
+        n0, cpu0, cs0 = self.served(model), cpu_seconds(self.pid), context_switches(self.pid)
+        row = run()
+        n = max(1, self.served(model) - n0)
+        if row is not None:
+            row["cpu_us"] = 1e6 * (cpu_seconds(self.pid) - cpu0) / n
+            row["cs"] = (context_switches(self.pid) - cs0) / n
+        return row
 
 
 def perf_analyzer(model: str, url: str, protocol: str, concurrency: int, seconds: float,
@@ -73,11 +124,14 @@ def check_answers(url: str, repo: str) -> None:
 
 
 def table(rows: list) -> None:
-    print(f"{'model':6s} {'conc':>4s} | " + " | ".join(f"{k:>14s} req/s p50 us p99 us" for k in rows[0][2]))
+    """req/s, p50 and p99 in us per endpoint; for gepool's, the sidecar's CPU us and context switches per
+    request."""
+    print(f"{'model':6s} {'conc':>4s} | " + " | ".join(f"{k:>14s} req/s p50 us p99 us cpu us  cs" for k in rows[0][2]))
     for model, conc, runs in rows:
         cells = [r or NAN for r in runs.values()]
-        print(f"{model:6s} {conc:4d} | " + " | ".join(f"{c['rps']:20.0f} {c['p50_us']:6.0f} {c['p99_us']:6.0f}"
-                                                      for c in cells))
+        print(f"{model:6s} {conc:4d} | " + " | ".join(
+            f"{c['rps']:20.0f} {c['p50_us']:6.0f} {c['p99_us']:6.0f} {c.get('cpu_us', float('nan')):6.0f} "
+            f"{c.get('cs', float('nan')):3.0f}" for c in cells))
 
 
 def ratios(rows: list, ours: str, theirs: str) -> None:
@@ -86,6 +140,51 @@ def ratios(rows: list, ours: str, theirs: str) -> None:
     for model, conc, runs in rows:
         a, b = runs.get(ours) or NAN, runs.get(theirs) or NAN
         print(f"{model:6s} {conc:4d}   {a['rps'] / b['rps']:5.2f}x   {a['p99_us'] / b['p99_us']:5.2f}x")
+
+
+def gepool_runs(pool, model: str, conc: int, pa, http: bool = True, tag: str = "gepool") -> dict:
+    """One level against one pool: gRPC unary and streaming, and HTTP, with the sidecar's figures."""
+    local = f"127.0.0.1:{pool.grpc_port}"
+    side = Sidecar(pool, local)
+    runs = {f"{tag}-grpc": side.measure(model, lambda: pa(model, local, "grpc", conc)),
+            f"{tag}-stream": side.measure(model, lambda: pa(model, local, "grpc", conc, streaming=True))}
+    if http:
+        runs[f"{tag}-http"] = side.measure(model, lambda: pa(model, f"127.0.0.1:{pool.http_port}", "http", conc))
+    return runs
+
+
+def compare_io(repo: str, args, pa) -> None:
+    """Rounds alternating a pool whose gRPC socket I/O runs on grpcio's EventEngine threads (its default)
+    with one whose I/O runs on the completion-queue thread, the same levels on each."""
+    from gepool import Pool
+
+    rows: dict[tuple, dict] = {}
+    for rnd in range(args.rounds):
+        for tag, experiments in (("engine", None), ("poller", POLLER_IO)):
+            saved = os.environ.get("GRPC_EXPERIMENTS")
+            if experiments is not None:
+                os.environ["GRPC_EXPERIMENTS"] = experiments  # the sidecar inherits it
+            try:
+                pool = Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads)
+                pool.start()
+            finally:
+                if experiments is not None:
+                    if saved is None:
+                        os.environ.pop("GRPC_EXPERIMENTS", None)
+                    else:
+                        os.environ["GRPC_EXPERIMENTS"] = saved
+            try:
+                for model in args.models:
+                    for conc in args.levels:
+                        runs = gepool_runs(pool, model, conc, pa, http=tag == "engine", tag=tag)
+                        rows.setdefault((model, conc), {}).update({f"{k}#{rnd}": v for k, v in runs.items()})
+            finally:
+                pool.stop()
+    print(f"\n{args.rounds} round(s) alternating; {args.threads} onnxruntime thread(s); window {args.seconds:g} s")
+    for rnd in range(args.rounds):
+        print(f"\nround {rnd}")
+        table([(m, c, {k.split("#")[0]: v for k, v in runs.items() if k.endswith(f"#{rnd}")})
+               for (m, c), runs in rows.items()])
 
 
 def main() -> None:
@@ -97,11 +196,27 @@ def main() -> None:
     parser.add_argument("--stability", type=float, default=10.0,
                         help="perf_analyzer's --stability-percentage (raise it on a busy host)")
     parser.add_argument("--triton-grpc", help="HOST:PORT of a Triton gRPC endpoint serving tiny and mlp")
+    parser.add_argument("--models", type=lambda t: t.split(","), default=list(MODELS))
+    parser.add_argument("--levels", type=lambda t: [int(c) for c in t.split(",")], default=list(CONCURRENCY))
+    parser.add_argument("--compare-io", action="store_true",
+                        help="gepool only: alternate gRPC socket I/O on grpcio's EventEngine threads (its "
+                             "default) and on the completion-queue thread, --rounds times")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
     from gepool import Pool
 
     repo = peers.matched_repo("gepool-grpc-bench-")
+
+    def pa(model: str, url: str, protocol: str, conc: int, **kw) -> dict | None:
+        return perf_analyzer(model, url, protocol, conc, args.seconds, stability=args.stability, **kw)
+
+    if args.compare_io:
+        try:
+            compare_io(repo, args, pa)
+        finally:
+            shutil.rmtree(repo, ignore_errors=True)
+        return
     peer = None
     if args.peer == "pytriton":
         try:
@@ -110,21 +225,14 @@ def main() -> None:
             print(f"PyTriton cannot run here, so gepool's gRPC is compared with its HTTP only: {exc}")
     http_port, grpc_port = peers.free_port(), peers.free_port()
     rows = []
-
-    def pa(model: str, url: str, protocol: str, conc: int, **kw) -> dict | None:
-        return perf_analyzer(model, url, protocol, conc, args.seconds, stability=args.stability, **kw)
-
     try:
-        with Pool(repo, http_port=http_port, grpc_port=grpc_port, cpu_threads=args.threads):
+        with Pool(repo, http_port=http_port, grpc_port=grpc_port, cpu_threads=args.threads) as pool:
             check_answers(f"127.0.0.1:{grpc_port}", repo)
             if peer is not None:
                 check_answers(f"127.0.0.1:{peer[1]}", repo)
-            for model in MODELS:
-                for conc in CONCURRENCY:
-                    local = f"127.0.0.1:{grpc_port}"
-                    runs = {"gepool-grpc": pa(model, local, "grpc", conc),
-                            "gepool-stream": pa(model, local, "grpc", conc, streaming=True),
-                            "gepool-http": pa(model, f"127.0.0.1:{http_port}", "http", conc)}
+            for model in args.models:
+                for conc in args.levels:
+                    runs = gepool_runs(pool, model, conc, pa)
                     if peer is not None:
                         runs["pytriton-grpc"] = pa(model, f"127.0.0.1:{peer[1]}", "grpc", conc)
                         runs["pytriton-http"] = pa(model, f"127.0.0.1:{peer[0]}", "http", conc)

@@ -7,6 +7,7 @@ import queue
 import signal
 import socket
 import subprocess
+import urllib.error
 import urllib.request
 from concurrent import futures
 
@@ -64,7 +65,8 @@ def gpool(tmp_path_factory):
     test_repo.make_models.make_mlp(repo, (64, 256, 10))
     test_repo.bytes_model(repo)
     make_mixed(repo)
-    with Pool(repo, grpc_port=free_port(), metrics_port=free_port(), http_max_body_bytes=MAX_BODY) as pool:
+    with Pool(repo, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(),
+              http_max_body_bytes=MAX_BODY) as pool:
         pool.repo = repo
         pool.url = f"127.0.0.1:{pool.grpc_port}"
         yield pool
@@ -395,7 +397,37 @@ def test_grpc_requests_count_in_the_same_metrics_series(gpool, triton):
     assert success() == before + 4
 
 
+def test_a_bad_request_parameter_gets_the_same_message_over_http_and_grpc(gpool, channel):
+    """400 over HTTP, INVALID_ARGUMENT over gRPC, one text; and the pool serves on."""
+    import json
+
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    for key, value in [("timeout", -5), ("priority", "high"), ("sequence_id", 3)]:
+        body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": x.ravel().tolist()}],
+                "parameters": {key: value}}
+        http = urllib.request.Request(f"http://127.0.0.1:{gpool.http_port}/v2/models/tiny/infer",
+                                      data=json.dumps(body).encode(), method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(http, timeout=30)
+        assert refused.value.code == 400
+        http_message = json.loads(refused.value.read())["error"]
+        req = service_pb2.ModelInferRequest(model_name="tiny", raw_input_contents=[x.tobytes()])
+        req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        if isinstance(value, str):
+            req.parameters[key].string_param = value
+        else:
+            req.parameters[key].int64_param = value
+        code, details = status_of(lambda req=req: stub.ModelInfer(req, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details == http_message and f"'{key}'" in details
+        del req.parameters[key]
+        out = np.frombuffer(stub.ModelInfer(req, timeout=30).raw_output_contents[0], np.float32)
+        np.testing.assert_allclose(out, direct(gpool.repo, "tiny", {"INPUT0": x})[0].ravel(), rtol=1e-6)
+
+
 def test_health_is_not_serving_while_the_pool_drains(tmp_path):
+    """SIGTERM with a grace period longer than the test: NOT_SERVING while the pool still serves, then
+    SIGINT drains it at once and it exits cleanly."""
     repo = str(tmp_path)
     test_repo.make_models.make_tiny(repo)
     pool = Pool(repo, grpc_port=free_port(), exit_grace_s=30).start()
@@ -414,6 +446,8 @@ def test_health_is_not_serving_while_the_pool_drains(tmp_path):
                 assert not c.is_server_ready() and c.is_server_live()
             finally:
                 c.close()
+        pool.process.send_signal(signal.SIGINT)  # ends the grace: the drain starts now, not in 30 s
+        assert pool.process.wait(60) == 0
     finally:
         pool.stop()
 

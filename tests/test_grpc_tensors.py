@@ -167,3 +167,75 @@ def test_response_reads_back_in_tritonclient():
         if c is call:
             np.testing.assert_array_equal(result.as_numpy("Y"), x)
     assert written == {"out": (0, 24, x.tobytes())}
+
+
+def _grpc_parameter(req: pb.ModelInferRequest, key: str, value) -> None:
+    """A JSON value as the InferParameter tritonclient.grpc would send for it."""
+    p = req.parameters[key]
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = value
+
+
+BAD_PARAMETERS = [("timeout", -5), ("timeout", 2.5), ("timeout", True), ("timeout", "soon"), ("priority", -2),
+                  ("priority", "high"), ("priority", 1.0), ("sequence_id", 3), ("sequence_start", True)]
+
+
+@pytest.mark.parametrize("key, value", BAD_PARAMETERS)
+def test_a_bad_request_parameter_reads_the_same_over_http_and_grpc(key, value):
+    """One rule and one message (gepool.common.request_parameters) for both surfaces' parsers."""
+    import json
+
+    from gepool.http import kserve
+
+    body = {"inputs": [{"name": "X", "shape": [4], "datatype": "FP32", "data": [0.0] * 4}], "parameters": {key: value}}
+    with pytest.raises(InvalidArgument) as over_http:
+        kserve.parse_request(json.dumps(body).encode(), None)
+    req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 16])
+    req.inputs.add(name="X", datatype="FP32", shape=[4])
+    _grpc_parameter(req, key, value)
+    with pytest.raises(InvalidArgument) as over_grpc:
+        tensors.parse(req, _no_shm, 1 << 20)
+    assert over_http.value.message == over_grpc.value.message
+    assert f"'{key}'" in over_http.value.message
+
+
+def test_each_surface_names_what_it_supports_and_refuses_the_others_parameter():
+    import json
+
+    from gepool.common import request_parameters
+    from gepool.http import kserve
+
+    def http(params: dict):
+        body = {"inputs": [{"name": "X", "shape": [4], "datatype": "FP32", "data": [0.0] * 4}], "parameters": params}
+        return kserve.parse_request(json.dumps(body).encode(), None)
+
+    def grpc(params: dict):
+        req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 16])
+        req.inputs.add(name="X", datatype="FP32", shape=[4])
+        for k, v in params.items():
+            _grpc_parameter(req, k, v)
+        return tensors.parse(req, _no_shm, 1 << 20)
+
+    with pytest.raises(InvalidArgument, match=r"'max_tokens' is not supported by gepool \(supported: "
+                                              r"binary_data_output, priority, timeout\)"):
+        http({"max_tokens": 3})
+    with pytest.raises(InvalidArgument, match=r"'max_tokens' is not supported by gepool \(supported: priority, "
+                                              r"timeout, triton_enable_empty_final_response\)"):
+        grpc({"max_tokens": 3})
+    with pytest.raises(InvalidArgument, match="'binary_data_output' is HTTP's, not supported over gRPC"):
+        grpc({"binary_data_output": True})
+    with pytest.raises(InvalidArgument, match="'triton_enable_empty_final_response' is gRPC's, not supported over"):
+        http({request_parameters.FINAL_FLAG: True})
+    with pytest.raises(InvalidArgument, match="'binary_data_output' must be a bool, got 'yes'"):
+        http({"binary_data_output": "yes"})  # was read as true
+    got = http({"timeout": 2500, "priority": 2, "binary_data_output": True})
+    assert (got.timeout_s, got.priority, got.binary_output) == (pytest.approx(0.0025), 2, True)
+    call = grpc({"timeout": 2500, "priority": 2, request_parameters.FINAL_FLAG: True})
+    assert (call.timeout_s, call.priority, call.mark_final) == (pytest.approx(0.0025), 2, True)
+    assert http({"timeout": 0}).timeout_s is None and grpc({"timeout": 0}).timeout_s is None

@@ -40,8 +40,9 @@ def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
                                                response_serializer=response_cls.SerializeToString)
 
 
-def inference_handler(service: InferenceService) -> grpc.GenericRpcHandler:
-    """Every RPC of the service, taking its request as bytes (see service.py for why)."""
+def inference_methods(service: InferenceService) -> dict[str, grpc.RpcMethodHandler]:
+    """Every RPC of the service by name, taking its request as bytes (see service.py for why). They are
+    registered methods: grpcio finds a call's handler without asking each generic handler in Python."""
     handlers = {}
     for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         response_cls = getattr(pb, m.output_type.name)
@@ -50,7 +51,7 @@ def inference_handler(service: InferenceService) -> grpc.GenericRpcHandler:
                 service.stream, request_deserializer=None, response_serializer=response_cls.SerializeToString)
         else:
             handlers[m.name] = _unary(getattr(service, m.name), getattr(pb, m.input_type.name), response_cls)
-    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+    return handlers
 
 
 class Health(health_pb2_grpc.HealthServicer):
@@ -106,7 +107,7 @@ async def start(gw, host: str, port: int) -> grpc.aio.Server:
         ("grpc.so_reuseport", 0),  # else a second server binds the same port and steals half the calls
     ])
     service = InferenceService(gw, host, port)
-    server.add_generic_rpc_handlers((inference_handler(service),))
+    server.add_registered_method_handlers(SERVICE, inference_methods(service))
     health_pb2_grpc.add_HealthServicer_to_server(Health(service), server)
     server.add_generic_rpc_handlers(Reflection([SERVICE, HEALTH_SERVICE]).handlers())
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gepool.common import request_parameters
 from gepool.common.errors import InvalidArgument
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.http import kserve
@@ -28,8 +29,6 @@ CONTENTS_FIELD = {
 }
 SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_DIMS = 32  # more dimensions than any model gepool serves
-MICROSECONDS = 1e-6
-FINAL_FLAG = "triton_enable_empty_final_response"
 
 
 @dataclass
@@ -117,42 +116,14 @@ def _typed(name: str, datatype: str, shape: list[int], contents: pb.InferTensorC
     return arr.astype(dtype).reshape(shape)
 
 
-def _check_parameters(request: pb.ModelInferRequest) -> tuple[float | None, bool, int]:
-    """The request's timeout in seconds (Triton's ``timeout`` parameter is in microseconds), whether to
-    mark its response final, and its priority (Triton's uint64: 0 the model's default level, 1 the
-    highest; the front runs a level past priority_levels at the default level, as Triton does),
-    refusing what gepool cannot do rather than ignoring it."""
-    timeout, final, priority = None, False, 0
-    for key, p in request.parameters.items():
-        value = param_value(p)
-        if key == FINAL_FLAG:  # perf_analyzer and streaming clients send it; every gepool model answers once
-            if not isinstance(value, bool):
-                raise InvalidArgument(f"parameter '{key}' must be a bool, got {value!r}")
-            final = value
-        elif key == "timeout":
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidArgument(f"parameter 'timeout' must be a non-negative integer of microseconds, "
-                                      f"got {value!r}")
-            timeout = value * MICROSECONDS if value else None
-        elif key == "priority":
-            if type(value) is not int or value < 0:  # tritonclient sends a uint64; an int64 may be negative
-                raise InvalidArgument(f"parameter 'priority' must be a non-negative integer, got {value!r}")
-            priority = value
-        elif key.startswith("sequence_"):
-            raise InvalidArgument(f"parameter '{key}': sequence batching is not supported by gepool")
-        else:
-            raise InvalidArgument(f"parameter '{key}' is not supported by gepool (supported: priority, timeout, "
-                                  f"{FINAL_FLAG})")
-    return timeout, final, priority
-
-
 def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | None, int], memoryview],
           max_input: int) -> InferCall:
     """A request -> the call to make; InvalidArgument names what is wrong. ``read_region(name, offset,
     size, limit)`` reads a system shared-memory input of at most ``limit`` bytes."""
     if not request.model_name:
         raise InvalidArgument("the request names no model (model_name is empty)")
-    timeout, final, priority = _check_parameters(request)
+    checked = request_parameters.check({k: param_value(p) for k, p in request.parameters.items()},
+                                       request_parameters.GRPC)
     raw = request.raw_input_contents
     raw_used = 0
     inputs: dict[str, np.ndarray] = {}
@@ -199,7 +170,8 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
             outputs.append(OutputRequest(o.name, region,
                                          _int_param(what, o.parameters, "shared_memory_byte_size", 0),
                                          _int_param(what, o.parameters, "shared_memory_offset", 0)))
-    return InferCall(request.model_name, version(request.model_version), inputs, outputs, timeout, final, priority)
+    return InferCall(request.model_name, version(request.model_version), inputs, outputs, checked.timeout_s,
+                     checked.final_response, checked.priority)
 
 
 def response(request: pb.ModelInferRequest, call: InferCall, served: str, outputs: dict[str, np.ndarray],

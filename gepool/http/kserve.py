@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
+from gepool.common import request_parameters
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.ipc import dtypes
 
@@ -235,7 +236,7 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
     if not isinstance(header.get("inputs"), list):
         raise InvalidArgument("the request JSON must be an object with an 'inputs' list")
     params = _params("the request", header)
-    _check_request_parameters(params)
+    checked = request_parameters.check(params, request_parameters.HTTP)
     if header.get("id") is not None and not isinstance(header["id"], str):
         raise InvalidArgument("'id' must be a string")
     limit = len(body) if max_input is None else max_input
@@ -276,7 +277,7 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
             raise InvalidArgument(f"input '{name}' has no data, binary_data_size or shared_memory_region")
     if pos != len(blob):
         raise InvalidArgument(f"{len(blob) - pos} bytes of binary data are not claimed by any input")
-    binary_output = bool(params.get("binary_data_output", False))
+    binary_output = checked.binary_data_output
     outputs = None
     if header.get("outputs") is not None:
         if not isinstance(header["outputs"], list):
@@ -292,23 +293,7 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
                 o["name"], bool(op.get("binary_data", binary_output)), region,
                 _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0),
                 _param_int(what, op, "classification", 0)))
-    timeout_us = _param_int("the request", params, "timeout", 0)
-    return InferRequest(inputs, outputs, binary_output, header.get("id"), params,
-                        _param_int("the request", params, "priority", 0), timeout_us / 1e6 if timeout_us else None)
-
-
-REQUEST_PARAMETERS = ("binary_data_output", "priority", "timeout")
-
-
-def _check_request_parameters(params: dict) -> None:
-    """Refuses a request parameter gepool would otherwise ignore, naming it."""
-    for key in params:
-        if key in REQUEST_PARAMETERS:
-            continue
-        if isinstance(key, str) and key.startswith("sequence_"):
-            raise InvalidArgument(f"parameter '{key}': sequence batching is not supported by gepool")
-        raise InvalidArgument(f"parameter '{str(key)[:100]}' is not supported by gepool (supported: "
-                              f"{', '.join(REQUEST_PARAMETERS)})")
+    return InferRequest(inputs, outputs, binary_output, header.get("id"), params, checked.priority, checked.timeout_s)
 
 
 def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],

@@ -1,0 +1,64 @@
+"""Triton's request-level inference parameters: which gepool honours on each surface, their rules and messages."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gepool.common.errors import InvalidArgument
+
+HTTP, GRPC = "HTTP", "gRPC"
+TIMEOUT, PRIORITY = "timeout", "priority"
+BINARY_DATA_OUTPUT = "binary_data_output"  # HTTP's: outputs as binary data (gRPC's are always raw)
+FINAL_FLAG = "triton_enable_empty_final_response"  # gRPC streaming clients and perf_analyzer send it
+SUPPORTED = {HTTP: (BINARY_DATA_OUTPUT, PRIORITY, TIMEOUT), GRPC: (PRIORITY, TIMEOUT, FINAL_FLAG)}
+MICROSECONDS = 1e-6
+MAX_KEY_SHOWN = 100  # characters of an unknown key a message repeats
+
+
+@dataclass(frozen=True)
+class RequestParameters:
+    timeout_s: float | None = None  # None: no timeout (Triton's 0)
+    priority: int = 0  # 0: the model's default level, 1 the highest
+    binary_data_output: bool = False
+    final_response: bool = False  # mark the (only) response as the final one
+
+
+def _non_negative_int(key: str, value: object, unit: str = "") -> int:
+    if type(value) is not int or value < 0:  # bool is an int subclass, and no count
+        raise InvalidArgument(f"parameter '{key}' must be a non-negative integer, got {value!r}{unit}")
+    return value
+
+
+def _bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"parameter '{key}' must be a bool, got {value!r}")
+    return value
+
+
+def check(params: Mapping[str, object], protocol: str) -> RequestParameters:
+    """A request's parameters (key -> its value as JSON or the InferParameter's oneof reads) over
+    ``protocol`` (HTTP or GRPC): what gepool does with them, or InvalidArgument naming the first it would
+    otherwise ignore. ``timeout`` is Triton's, in microseconds; ``priority`` is Triton's uint64 (a level
+    past the model's priority_levels runs at the default level, as Triton does)."""
+    supported = SUPPORTED[protocol]
+    timeout, priority, binary, final = None, 0, False, False
+    for key, value in params.items():
+        if key in supported:
+            if key == TIMEOUT:
+                micros = _non_negative_int(key, value, " (a timeout in microseconds)")
+                timeout = micros * MICROSECONDS if micros else None
+            elif key == PRIORITY:
+                priority = _non_negative_int(key, value)
+            elif key == BINARY_DATA_OUTPUT:
+                binary = _bool(key, value)
+            else:
+                final = _bool(key, value)
+        elif isinstance(key, str) and key.startswith("sequence_"):
+            raise InvalidArgument(f"parameter '{key[:MAX_KEY_SHOWN]}': sequence batching is not supported by gepool")
+        elif key in (BINARY_DATA_OUTPUT, FINAL_FLAG):
+            other = HTTP if protocol == GRPC else GRPC
+            raise InvalidArgument(f"parameter '{key}' is {other}'s, not supported over {protocol} (supported: "
+                                  f"{', '.join(supported)})")
+        else:
+            raise InvalidArgument(f"parameter '{str(key)[:MAX_KEY_SHOWN]}' is not supported by gepool (supported: "
+                                  f"{', '.join(supported)})")
+    return RequestParameters(timeout, priority, binary, final)
