@@ -161,11 +161,14 @@ class DynamicBatcher:
             return self._first().enqueued
         return self.last_arrival + quiet
 
-    def retry(self, items: list[tuple[Any, int, Hashable, float, int]]) -> None:
-        """Puts (item, rows, key, arrival, nbytes) back at the head of the queue, in order: requests whose
-        worker died get their one more try before anything that arrived after them."""
-        for item, rows, key, arrived, nbytes in reversed(items):
-            p = Pending(item, max(1, rows), key, arrived, level=self.queue.default_level, nbytes=nbytes)
+    def retry(self, items: list[tuple[Any, int, Hashable, float, int, int, float | None]]) -> None:
+        """Puts (item, rows, key, arrival, nbytes, priority, expires) back at the head of their priority
+        level, in order: requests whose worker died get their one more try before anything that arrived
+        after them. The queue policy is done with them (they were taken once); their client's deadline
+        (``expires``) still takes them out unrun."""
+        for item, rows, key, arrived, nbytes, priority, expires in reversed(items):
+            p = Pending(item, max(1, rows), key, arrived, level=self.queue.level_of(priority), nbytes=nbytes,
+                        expires=expires, due=expires)
             self.queue.appendleft(p)
             self.rows += p.rows
             self.budget.used += nbytes

@@ -260,7 +260,7 @@ class Dispatcher:
                 arena.direct = False  # its client may have truncated it under the worker: never again
             if can_retry and not req.retried:
                 req.retried = True
-                again.append((req, req.rows, req.key, req.arrived, req.nbytes))
+                again.append((req, req.rows, req.key, req.arrived, req.nbytes, req.priority, req.expires))
             else:
                 self.reply_error(model, req, err)
         model.batcher.retry(again)

@@ -55,6 +55,8 @@ class Request:
     origin: int = protocol.Origin.LIBRARY  # the surface it came by: the per-request metrics' protocol label
     chain: tuple[str, ...] = ()  # a BLS call: the models whose execute waits on it, outermost first
     deadline: float | None = None  # when nobody waits for it any more (its timeout or its client's deadline)
+    priority: int = 0  # as it asked: a retry goes back to its own level
+    expires: float | None = None  # its client's deadline alone: a retry still leaves the queue at it
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
@@ -183,7 +185,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify, origin=msg.origin, deadline=_deadline(msg, now))
+                   classify=classify, origin=msg.origin, deadline=_deadline(msg, now), priority=msg.priority,
+                   expires=now + msg.deadline_us / 1e6 if msg.deadline_us else None)
 
 
 def _deadline(msg: protocol.Infer, now: float) -> float | None:

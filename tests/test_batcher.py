@@ -240,6 +240,22 @@ def test_priority_levels_go_first_and_default_level_applies():
     assert [p.item for p in b.next_batch()] == ["high", "default", "bogus", "low"]
 
 
+def test_a_retry_keeps_its_priority_and_its_clients_deadline():
+    """A batch whose worker died goes back at the head of each request's own level, and a retried request
+    whose client stops waiting leaves the queue at that deadline, as its client's, without running."""
+    b, clock = make_q(Policy(default_timeout_us=1000), levels=3, default_level=2)
+    b.add("queued-default")
+    b.add("queued-high", priority=1)
+    b.retry([("low", 1, None, clock(), 0, 3, None), ("high", 1, None, clock(), 0, 1, clock() + 0.0005)])
+    assert [p.item for p in b.queue] == ["high", "queued-high", "queued-default", "low"]
+    clock.advance(600)
+    (gone,) = b.expire()
+    assert gone.item == "high" and gone.client_gone(clock())
+    clock.advance(500)  # the policy's timeout is the queued requests', not the retried ones'
+    assert sorted(p.item for p in b.expire()) == ["queued-default", "queued-high"]
+    assert [p.item for p in b.queue] == ["low"] and b.rows == 1
+
+
 def test_taken_requests_no_longer_time_out():
     b, clock = make_q(Policy(default_timeout_us=1000))
     for i in range(4):
