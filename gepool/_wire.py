@@ -90,12 +90,12 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
             if total or not out_bytes:
                 ranges.append((base, total))
             refs, pos = [], base
-            for name, arr in arrays.items():
+            for (name, arr), datatype in zip(arrays.items(), types):
                 where = placed[name]
                 if where is None:
                     np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
                     where, pos = pos, pos + layout.align(arr.nbytes)
-                refs.append([name, dtypes.from_numpy(arr.dtype), list(arr.shape), where])
+                refs.append([name, datatype, list(arr.shape), where])
             msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
                                  arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller)
             return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)

@@ -149,7 +149,7 @@ class Core:
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
             req.chain = chain
             if model.config.ensemble is not None:
-                self.ensembles.start(model, req, msg.priority, msg.timeout_us, msg.deadline_us)
+                self.ensembles.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
             if self.dispatch.cache is not None and model.config.response_cache \

@@ -38,9 +38,8 @@ class Run:
     """One ensemble request on its way through the steps."""
 
     model: Model  # the ensemble generation it was admitted to (it may be reloaded meanwhile)
-    req: Request
-    priority: int
-    deadline: float | None  # its timeout, over the whole pipeline
+    req: Request  # its priority and deadline (its timeout or its client's, whichever ends first) hold
+    # for the whole pipeline
     tensors: dict[str, Tensor]
     waiting: set[int]  # steps not started
     running: int = 0
@@ -115,15 +114,13 @@ class Ensembles:
         return max(ready, key=lambda m: m.version) if ready else None
 
     # -- requests ----------------------------------------------------------------------------
-    def start(self, model: Model, req: Request, priority: int, timeout_us: int, deadline_us: int = 0) -> None:
+    def start(self, model: Model, req: Request) -> None:
         """An admitted ensemble request: its first steps enter their queues now (raising, as admission
         does, when one cannot). Its timeout and its client's deadline, whichever ends first, bound the
         whole pipeline."""
         ens = model.config.ensemble
         tensors = {t.name: Tensor(t.datatype, req.shapes[i], req.inputs[i]) for i, t in enumerate(model.config.inputs)}
-        limits = [us for us in (timeout_us, deadline_us) if us]
-        deadline = req.arrived + min(limits) / 1e6 if limits else None
-        run = Run(model, req, priority, deadline, tensors, set(range(len(ens.steps))))
+        run = Run(model, req, tensors, set(range(len(ens.steps))))
         self._prewake_ready(run, ())
         try:
             self._advance(run)
@@ -159,8 +156,8 @@ class Ensembles:
         step = run.model.config.ensemble.steps[i]
         now = self.clock()
         timeout_us = 0
-        if run.deadline is not None:
-            left = run.deadline - now
+        if run.req.deadline is not None:
+            left = run.req.deadline - now
             if left <= 0:
                 raise errors.Timeout("Request timeout expired before this step could start")
             timeout_us = max(1, int(left * 1e6))
@@ -176,7 +173,7 @@ class Ensembles:
             refs.append([inp, t.datatype, list(t.shape), len(frames)])
             frames.append(t.buf)
         msg = protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
-                             outputs=None, timeout_us=timeout_us, priority=run.priority, arena=protocol.NO_ARENA,
+                             outputs=None, timeout_us=timeout_us, priority=run.req.priority, arena=protocol.NO_ARENA,
                              out_offset=0, out_size=0, deadline_us=timeout_us,
                              origin=run.req.origin)
         try:
@@ -186,7 +183,7 @@ class Ensembles:
             raise
         req.sink = StepSink(self, run, i, now)
         req.chain = run.req.chain
-        self.enqueue(group, model, req, run.priority, timeout_us, timeout_us)
+        self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float) -> None:
         run = sink.run
