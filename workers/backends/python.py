@@ -62,12 +62,7 @@ class PythonBackend(SyncBackend):
         return {name: np.asarray(value) for name, value in result.items()}
 
     def close(self) -> None:
-        fin = getattr(self.model, "finalize", None)
-        try:
-            if fin is not None:
-                self.runner.run(fin())
-        finally:
-            self.runner.close()
+        self.runner.finalize(self.model)
 
 
 def pool_handle():
@@ -92,6 +87,15 @@ class Coroutines:
 
             self.loop = asyncio.new_event_loop()
         return self.loop.run_until_complete(result)
+
+    def finalize(self, model) -> None:
+        """Runs the model's ``finalize`` (plain or async), if it has one, then closes the loop."""
+        fin = getattr(model, "finalize", None)
+        try:
+            if fin is not None:
+                self.run(fin())
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.loop is not None:

@@ -48,12 +48,7 @@ class TritonPythonBackend(SyncBackend):
             })
 
     def close(self) -> None:
-        fin = getattr(self.model, "finalize", None)
-        try:
-            if fin is not None:
-                self.runner.run(fin())
-        finally:
-            self.runner.close()
+        self.runner.finalize(self.model)
 
     def _check_auto_complete(self, model_cls: type) -> None:
         """Triton lets auto_complete_config fill in the config; gepool loads the config.pbtxt as written, so
