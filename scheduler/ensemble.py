@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gepool.common import errors
-from gepool.common.ensemble import LATEST, check_steps
+from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import Request, admit
@@ -62,6 +62,17 @@ class StepSink:
         self.ensembles.fail(self.run, self.index, err)
 
 
+def _abandoned(run: Run) -> bool:
+    """A sub-pipeline whose ensemble above has finished (failed by another of its steps): nobody waits."""
+    sink = run.req.sink
+    while isinstance(sink, StepSink):
+        if sink.run.finished:
+            run.finished = True
+            return True
+        sink = sink.run.req.sink
+    return False
+
+
 class Ensembles:
     """Runs the ensembles' requests, and keeps each ensemble's state that of its steps' models.
     ``respond`` answers a client from arrays (the dispatcher's), ``reply`` sends a client a message (the
@@ -76,13 +87,39 @@ class Ensembles:
 
     # -- state -------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Every ensemble generation's state, from what its steps would run now."""
+        """Every ensemble generation's state, from what its steps would run now; an ensemble step's state
+        is settled before that of any ensemble above it."""
+        settled: set[Model] = set()
         for group in self.control.groups.values():
             for model in (*group.serving.values(), *group.loading):
-                if model.config is not None and model.config.ensemble is not None and not model.source.error:
-                    model.state, model.reason = self._state(model)
+                self._settle(model, settled)
 
-    def _state(self, model: Model) -> tuple[str, str]:
+    def _settle(self, model: Model, settled: set[Model]) -> None:
+        if model in settled or model.config is None or model.config.ensemble is None or model.source.error:
+            return
+        settled.add(model)
+        model.state, model.reason = self._state(model, settled)
+
+    def _nested(self, name: str) -> list[str]:
+        """The ensembles that the steps of ensemble ``name`` name, in any generation loaded or loading."""
+        group = self.control.groups.get(name)
+        if group is None:
+            return []
+        out = []
+        for model in (*group.serving.values(), *group.loading):
+            if model.config is not None and model.config.ensemble is not None:
+                out += [s.model_name for s in model.config.ensemble.steps if self._is_ensemble(s.model_name)]
+        return out
+
+    def _is_ensemble(self, name: str) -> bool:
+        group = self.control.groups.get(name)
+        return group is not None and any(m.config is not None and m.config.ensemble is not None
+                                         for m in (*group.serving.values(), *group.loading))
+
+    def _state(self, model: Model, settled: set[Model]) -> tuple[str, str]:
+        problem = check_nesting(model.name, self._nested)
+        if problem:
+            return UNAVAILABLE, f"ensemble '{model.name}': {problem}"
         configs, loading = {}, []
         for i, step in enumerate(model.config.ensemble.steps):
             where = f"ensemble '{model.name}' {step.label(i)}"
@@ -90,6 +127,8 @@ class Ensembles:
             if group is None or group.unloading:
                 gone = step.model_name in self.control.unloaded or (group is not None and group.unloading)
                 return UNAVAILABLE, f"{where}: model '{step.model_name}' is {'unloaded' if gone else 'not loaded'}"
+            for inner in (*group.serving.values(), *group.loading):
+                self._settle(inner, settled)  # an ensemble as a step: in its own steps' state first
             target = self._target(group, step.model_version)
             if target is None:
                 if group.loading or any(m.state == LOADING for m in group.serving.values()):
@@ -178,37 +217,45 @@ class Ensembles:
                              origin=run.req.origin)
         try:
             req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
+            req.sink = StepSink(self, run, i, now)
+            req.chain = run.req.chain
+            if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
+                self.start(model, req)
+                group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
+                return
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
-        req.sink = StepSink(self, run, i, now)
-        req.chain = run.req.chain
         self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
 
-    def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float) -> None:
+    def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float,
+                  queue_s: float | None = None) -> None:
+        """Step ``sink.index`` ran: its outputs are rows ``row``.. of ``arrays``, views of its slot; or, for
+        a step that is an ensemble (``queue_s`` given: its steps' queue time, summed), the arrays that
+        sub-pipeline owns and is done with."""
         run = sink.run
         run.running -= 1
-        if run.finished:
+        if run.finished or _abandoned(run):
             return
         step = run.model.config.ensemble.steps[sink.index]
         self._prewake_ready(run, step.output_map.values())  # before the copies: the worker wakes meanwhile
         rows = run.req.rows
         batched = model.config.max_batch_size > 0
+        owned = queue_s is not None
         for t in model.config.outputs:
             name = step.output_map.get(t.name)
             if name is None:
                 continue
             piece = arrays[t.name][row:row + rows] if batched else arrays[t.name]
             if piece.dtype == object:
-                array = piece.copy()
+                array = piece if owned else piece.copy()
                 buf = memoryview(dtypes.serialize_bytes(array))
             else:
-                array = np.array(piece, copy=True, order="C")  # the one copy out of the slot
+                array = piece if owned else np.array(piece, copy=True, order="C")  # the one copy out of the slot
                 buf = memoryview(array).cast("B")
             run.tensors[name] = Tensor(t.datatype, array.shape, buf, array)
-        elapsed = self.clock() - sink.started
         run.compute_s += compute_s
-        run.queue_s += max(0.0, elapsed - compute_s)
+        run.queue_s += queue_s if owned else max(0.0, self.clock() - sink.started - compute_s)
         try:
             self._advance(run)
         except errors.GepoolError as exc:
@@ -225,12 +272,20 @@ class Ensembles:
     def _fail(self, run: Run, err: errors.GepoolError) -> None:
         run.finished = True
         run.model.stats.failed(failure_reason(err), run.req.origin)
+        if run.req.sink is not None:  # a sub-pipeline: the ensemble above names its step, and fails too
+            run.req.sink.failed(run.model, err)
+            return
         self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
 
     def _answer(self, run: Run) -> None:
         run.finished = True
         model, req = run.model, run.req
         arrays = {t.name: run.tensors[t.name].array for t in model.config.outputs}  # each produced by a step
+        if req.sink is not None:  # a sub-pipeline: its outputs are the step's above
+            model.stats.ensemble_answered(req.rows, self.clock() - req.arrived, run.queue_s, run.compute_s,
+                                          req.origin)
+            self.step_done(req.sink, model, arrays, 0, run.compute_s, run.queue_s)
+            return
         try:
             self.respond(model, req, arrays, 0)
         except Exception as exc:  # one bad answer must not take the front down

@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from gepool.common.config import parse_config
-from gepool.common.ensemble import check_steps
+from gepool.common.ensemble import MAX_NESTING, check_nesting, check_steps
 from gepool.common.errors import ConfigError
 from gepool.common.render import render
 
@@ -168,3 +168,46 @@ def test_a_step_without_model_version_runs_the_latest_and_a_number_pins_it(tmp_p
     with pytest.raises(ConfigError) as exc:
         parse(tmp_path, ensemble([PIPE[0], step("net", {"X": "mid"}, {"Y": "OUT"}, version=-2)]))
     assert exc.value.field == "model_version" and "step 2 ('net')" in str(exc.value)
+
+
+def test_a_step_that_is_an_ensemble_is_checked_as_any_step(tmp_path):
+    inner = model(tmp_path, "inner", ensemble().replace('"IN"', '"X"').replace('"OUT"', '"Y"'))
+    assert inner.ensemble is not None
+    cfg = parse(tmp_path, ensemble([step("inner", {"X": "IN"}, {"Y": "OUT"})]))
+    assert check_steps(cfg, {0: inner}) is None
+    wide = model(tmp_path, "wide", ensemble(mbs=4).replace('"IN"', '"X"').replace('"OUT"', '"Y"'))
+    problem = check_steps(cfg, {0: wide})
+    assert problem == ("ensemble 'ens' step 1 ('inner'): model 'wide' batches at most 4 rows, less than the "
+                       "ensemble's max_batch_size 8")
+    other = model(tmp_path, "other", ensemble(out_type="TYPE_INT32").replace('"IN"', '"X"').replace('"OUT"', '"Y"'))
+    problem = check_steps(cfg, {0: other})
+    assert "output 'OUT' is FP32, but tensor 'OUT' (output 'Y' of step 1 ('inner')) is INT32" in problem
+
+
+def nesting(graph: dict[str, list[str]], name: str) -> str | None:
+    return check_nesting(name, lambda e: graph.get(e, []))
+
+
+def test_nesting_cycles_name_every_ensemble_on_them():
+    graph = {"a": ["b"], "b": ["c", "d"], "c": ["a"], "d": []}
+    assert nesting(graph, "a") == "circular dependency between ensembles: a -> b -> c -> a"
+    assert nesting(graph, "c") == "circular dependency between ensembles: c -> a -> b -> c"
+    assert nesting({"x": ["a"], **graph}, "x") == "circular dependency between ensembles: a -> b -> c -> a"
+    assert nesting({"a": ["b"], "b": ["a"]}, "b") == "circular dependency between ensembles: b -> a -> b"
+    assert nesting(graph, "d") is None
+
+
+def test_a_diamond_of_ensembles_is_no_cycle():
+    graph = {"top": ["l", "r"], "l": ["bottom"], "r": ["bottom"], "bottom": []}
+    assert nesting(graph, "top") is None
+
+
+def test_nesting_deeper_than_the_limit_is_named_with_its_chain():
+    line = {f"e{i}": [f"e{i + 1}"] for i in range(1, MAX_NESTING + 1)}  # e1 -> ... -> e9
+    assert MAX_NESTING == 8
+    assert nesting(line, "e2") is None  # eight ensembles
+    chain = " -> ".join(f"e{i}" for i in range(1, MAX_NESTING + 2))
+    assert nesting(line, "e1") == f"ensembles nest 9 deep, past the limit of 8: {chain}"
+    # the deep chain found through a branch that was checked first on a shallower path
+    graph = {"top": ["e3", "e1"], **line}  # e3 .. e9 first: seven, with top eight
+    assert nesting(graph, "top") == f"ensembles nest 10 deep, past the limit of 8: top -> {chain}"

@@ -206,3 +206,161 @@ def test_no_step_worker_is_prewoken_while_another_computes_or_traffic_batches(tm
     assert h.compute(wa) == [2]
     assert journal.take() == [("ring", "b")]
     assert h.compute(wb) == [2]
+
+
+# -- nested ensembles: a step that is itself an ensemble ------------------------------------------
+
+def chain(repo, name: str, steps: list[tuple[str, str, str]], mbs: int = 8) -> None:
+    """An ensemble X -> Y through ``steps`` in a line, each (model, its input, its output)."""
+    os.makedirs(f"{repo}/{name}/1", exist_ok=True)
+    blocks = []
+    for i, (model, inp, out) in enumerate(steps):
+        src = "X" if i == 0 else f"t{i}"
+        dst = "Y" if i == len(steps) - 1 else f"t{i + 1}"
+        blocks.append(f'{{ model_name: "{model}" input_map {{ key: "{inp}" value: "{src}" }} '
+                      f'output_map {{ key: "{out}" value: "{dst}" }} }}')
+    write(f"{repo}/{name}/config.pbtxt", f"""
+        platform: "ensemble"
+        max_batch_size: {mbs}
+        input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        ensemble_scheduling {{ step [ {", ".join(blocks)} ] }}
+    """)
+
+
+def nested_repo(repo) -> None:
+    """outer = a, then inner; inner = b, then c: three doublings in all."""
+    for name in "abc":
+        echo_model(repo, name)
+    chain(repo, "inner", [("b", "INPUT", "OUTPUT"), ("c", "INPUT", "OUTPUT")])
+    chain(repo, "outer", [("a", "INPUT", "OUTPUT"), ("inner", "X", "Y")])
+
+
+def reasons(h) -> dict[str, tuple[str, str]]:
+    return {name: (g.default().state, g.default().reason) for name, g in h.core.control.groups.items()
+            if g.default() is not None}
+
+
+def test_an_inner_ensemble_runs_as_a_sub_pipeline_of_the_outer(tmp_path, harness):  # noqa: F811
+    nested_repo(tmp_path)
+    h = harness()
+    h.ready_all()
+    assert reasons(h)["outer"] == (ModelState.AVAILABLE, "") and reasons(h)["inner"] == (ModelState.AVAILABLE, "")
+    wa, wb, wc = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.5, model="outer")
+    assert h.compute(wa) == [1] and not h.out.take()
+    assert h.compute(wb) == [1] and not h.out.take()  # the inner ensemble's first step: nobody answered yet
+    assert h.compute(wc) == [1]
+    got = results(h.out.take())
+    np.testing.assert_array_equal(got[rid], np.full((1, 4), 12.0, np.float32))  # 1.5 * 2 ** 3
+    stats = {name: g.stats for name, g in h.core.control.groups.items()}
+    assert stats["outer"].requests == 1 and stats["inner"].requests == 1  # the inner counts its own request
+    assert stats["a"].requests == stats["b"].requests == stats["c"].requests == 1
+    assert stats["outer"].batches == stats["inner"].batches == 0
+    assert h.core.control.groups["inner"].version_requests == {1: 1}
+
+
+def test_the_outer_timeout_bounds_the_inner_ensembles_steps(tmp_path, harness):  # noqa: F811
+    nested_repo(tmp_path)
+    h = harness()
+    h.ready_all()
+    wa, wb, wc = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.0, model="outer", timeout_us=1_000_000)
+    h.clock.now += 0.6
+    h.compute(wa)
+    assert wb.bell.rung  # the inner ensemble started in time
+    h.clock.now += 0.6  # 1.2 s since the outer request came: past its whole timeout
+    h.compute(wb)
+    err = results(h.out.take())[rid]
+    assert err.code == errors.Timeout.code
+    assert err.message.startswith("ensemble 'outer' step 2 ('inner'): ensemble 'inner' step 2 ('c'): "), err.message
+    assert not wc.bell.rung and not len(wc.model.batcher)
+    assert h.core.control.groups["outer"].stats.failures == 1 and h.core.control.groups["inner"].stats.failures == 1
+
+
+def test_an_inner_ensembles_steps_carry_the_outer_requests_priority(tmp_path, harness):  # noqa: F811
+    write(f"{tmp_path}/p/1/model.py", MODEL_PY)
+    write(f"{tmp_path}/p/config.pbtxt", """
+        backend: "python"
+        max_batch_size: 1
+        input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        dynamic_batching { priority_levels: 2 default_priority_level: 2 }
+    """)
+    chain(tmp_path, "inner", [("p", "INPUT", "OUTPUT")], mbs=1)
+    chain(tmp_path, "outer", [("inner", "X", "Y")], mbs=1)
+    h = harness()
+    h.ready_all()
+    (w,) = h.out.spawned
+    h.infer(1.0, model="p")
+    h.infer(2.0, model="p")
+    h.step()
+    assert len(w.bell.rung) == 2
+    h.infer(3.0, model="p")  # the default level, first in line
+    ens_infer(h, 7.0, model="outer", priority=1)  # level 1, two ensembles down: goes first
+    h.step()
+    h.compute(w)
+    first, second = w.bell.rung
+    assert (first_input(w, first[0]), first_input(w, second[0])) == (7.0, 3.0)
+
+
+def test_unloading_a_model_deep_inside_makes_every_ensemble_above_it_unavailable(tmp_path, harness):  # noqa: F811
+    nested_repo(tmp_path)
+    h = harness(model_control_mode="explicit", load_models=("a", "b", "c", "inner", "outer"))
+    h.ready_all()
+    assert reasons(h)["outer"][0] == ModelState.AVAILABLE
+    h.send(protocol.Query(1, "unload", {"model": "c"}))
+    h.tick()
+    state, reason = reasons(h)["inner"]
+    assert state == ModelState.UNAVAILABLE and reason == "ensemble 'inner' step 2 ('c'): model 'c' is unloaded"
+    state, reason = reasons(h)["outer"]
+    assert state == ModelState.UNAVAILABLE and "ensemble 'outer' step 2 ('inner')" in reason \
+        and "ensemble 'inner' step 2 ('c'): model 'c' is unloaded" in reason, reason
+    h.out.take()
+    rid = ens_infer(h, 1.0, model="outer")
+    err = results(h.out.take())[rid]
+    assert err.code == errors.ModelNotReady.code and "model 'c' is unloaded" in err.message
+    h.send(protocol.Query(2, "load", {"model": "c"}))
+    h.tick()
+    assert reasons(h)["outer"][0] == ModelState.LOADING  # c's new worker is starting: so is everything above it
+    h.ready_all()
+    assert reasons(h)["outer"] == (ModelState.AVAILABLE, "") and reasons(h)["inner"] == (ModelState.AVAILABLE, "")
+    rid = ens_infer(h, 1.0, model="outer")
+    for name in "abc":  # the generation serving now (c's old one drains)
+        h.compute(h.core.control.groups[name].default().workers[0])
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 8.0, np.float32))
+
+
+def test_a_nesting_cycle_makes_each_ensemble_on_it_unavailable_naming_the_cycle(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    chain(tmp_path, "e1", [("a", "INPUT", "OUTPUT"), ("e2", "X", "Y")])
+    chain(tmp_path, "e2", [("e3", "X", "Y")])
+    chain(tmp_path, "e3", [("e1", "X", "Y")])
+    chain(tmp_path, "above", [("e2", "X", "Y")])  # not on the cycle, but stands on it
+    h = harness()
+    h.ready_all()
+    got = reasons(h)
+    assert got["e1"] == (ModelState.UNAVAILABLE, "ensemble 'e1': circular dependency between ensembles: "
+                                                 "e1 -> e2 -> e3 -> e1")
+    assert got["e2"][1] == "ensemble 'e2': circular dependency between ensembles: e2 -> e3 -> e1 -> e2"
+    assert got["e3"][1] == "ensemble 'e3': circular dependency between ensembles: e3 -> e1 -> e2 -> e3"
+    assert got["above"][0] == ModelState.UNAVAILABLE and "e2 -> e3 -> e1 -> e2" in got["above"][1]
+    assert got["a"][0] == ModelState.AVAILABLE
+    rid = ens_infer(h, 1.0, model="e1")
+    assert "circular dependency between ensembles" in results(h.out.take())[rid].message
+
+
+def test_ensembles_nest_at_most_eight_deep(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    for depth in range(1, 10):  # e9 runs a; e8 runs e9; ... e1 runs e2: e1 heads a chain of nine
+        chain(tmp_path, f"e{depth}", [("a", "INPUT", "OUTPUT") if depth == 9 else (f"e{depth + 1}", "X", "Y")])
+    h = harness()
+    h.ready_all()
+    got = reasons(h)
+    assert got["e1"] == (ModelState.UNAVAILABLE, "ensemble 'e1': ensembles nest 9 deep, past the limit of 8: "
+                                                 "e1 -> e2 -> e3 -> e4 -> e5 -> e6 -> e7 -> e8 -> e9")
+    assert all(got[f"e{d}"] == (ModelState.AVAILABLE, "") for d in range(2, 10))
+    (w,) = h.out.spawned
+    rid = ens_infer(h, 1.0, model="e2")  # eight deep: served
+    h.compute(w)
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 2.0, np.float32))

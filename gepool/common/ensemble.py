@@ -1,11 +1,12 @@
 """Triton's ensemble_scheduling: the steps as typed objects, and the checks on the graph they form."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gepool.common.errors import ConfigError
 
 LATEST = -1  # a step's model_version: the latest ready version
+MAX_NESTING = 8  # ensembles in one chain of steps that are ensembles, the outermost included
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,38 @@ def _order(name: str, steps: tuple[Step, ...], producer: dict[str, int], fail: F
     return tuple(done)
 
 
+def check_nesting(name: str, nested: Callable[[str], Iterable[str]]) -> str | None:
+    """What is wrong with the ensembles under ensemble ``name`` (``nested(e)``: the ensembles ensemble
+    ``e``'s steps name), or None: a circular dependency, or a chain deeper than MAX_NESTING, each with every
+    ensemble on it named."""
+    path = [name]
+    deepest: dict[str, tuple[str, ...]] = {}  # a checked ensemble -> its deepest chain (nothing below loops)
+
+    def visit(e: str) -> str | tuple[str, ...]:
+        chain: tuple[str, ...] = ()
+        for child in dict.fromkeys(nested(e)):
+            if child in path:
+                loop = " -> ".join([*path[path.index(child):], child])
+                return f"circular dependency between ensembles: {loop}"
+            if child not in deepest:
+                path.append(child)
+                below = visit(child)
+                path.pop()
+                if isinstance(below, str):
+                    return below
+                deepest[child] = below
+            if len(deepest[child]) > len(chain):
+                chain = deepest[child]
+            if len(path) + len(deepest[child]) > MAX_NESTING:
+                names = " -> ".join([*path, *deepest[child]])
+                return (f"ensembles nest {len(path) + len(deepest[child])} deep, past the limit of "
+                        f"{MAX_NESTING}: {names}")
+        return (e, *chain)
+
+    found = visit(name)
+    return found if isinstance(found, str) else None
+
+
 def _dims_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
 
@@ -113,8 +146,6 @@ def check_steps(config, steps: Mapping[int, object]) -> str | None:
     for i, step in enumerate(ens.steps):
         cfg = steps[i]
         where = f"ensemble '{name}' {step.label(i)}"
-        if cfg.ensemble is not None:
-            return f"{where}: a step that is itself an ensemble is not supported by gepool yet"
         if (config.max_batch_size > 0) != (cfg.max_batch_size > 0):
             return (f"{where}: the ensemble's max_batch_size is {config.max_batch_size} and model "
                     f"'{cfg.name}''s is {cfg.max_batch_size}: both must batch, or neither")
