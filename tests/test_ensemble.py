@@ -82,6 +82,39 @@ def step(model: str, inputs: dict, outputs: dict) -> str:
 
 Y = '{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }'
 B = '{ name: "B" data_type: TYPE_INT32 dims: [ 1 ] }'
+IMAGE = '{ name: "IMAGE" data_type: TYPE_FP32 dims: [ 1024 ] }'
+TOPK = (f'{{ name: "CLASSES" data_type: TYPE_INT64 dims: [ {TOP_K} ] }}, '
+        f'{{ name: "SCORES" data_type: TYPE_FP32 dims: [ {TOP_K} ] }}')
+TOPK_MAP = {"CLASSES": "CLASSES", "SCORES": "SCORES"}
+
+
+def nest(repo: str, name: str, steps: list[str], inputs: str, outputs: str, mbs: int = 32) -> None:
+    os.makedirs(f"{repo}/{name}/1", exist_ok=True)
+    write(f"{repo}/{name}/config.pbtxt", f"""
+        platform: "ensemble"
+        max_batch_size: {mbs}
+        input [ {inputs} ]
+        output [ {outputs} ]
+        ensemble_scheduling {{ step [ {", ".join(steps)} ] }}
+    """)
+
+
+def nested_ensembles(repo: str) -> None:
+    """classify's three models, nested: deep = [nested]; nested = [prenet, topk]; prenet = [preprocess, mlp];
+    and nests of batch8 and chain, a cycle, and a chain of nine ensembles over plus."""
+    nest(repo, "prenet", [step("preprocess", {"RAW": "IMAGE"}, {"NORMED": "normed"}),
+                          step("mlp", {"INPUT": "normed"}, {"LOGITS": "LOGITS"})],
+         IMAGE, '{ name: "LOGITS" data_type: TYPE_FP32 dims: [ 1000 ] }')
+    nest(repo, "nested", [step("prenet", {"IMAGE": "IMAGE"}, {"LOGITS": "logits"}),
+                          step("topk", {"LOGITS": "logits"}, TOPK_MAP)], IMAGE, TOPK)
+    nest(repo, "deep", [step("nested", {"IMAGE": "IMAGE"}, TOPK_MAP)], IMAGE, TOPK)
+    ensemble(repo, "batch8in", step("batch8", {"X": "X"}, {"Y": "Y", "B": "B"}), f"{Y}, {B}")
+    ensemble(repo, "chained", step("chain", {"X": "X"}, {"Y": "Y", "B": "B"}), f"{Y}, {B}")
+    ensemble(repo, "cyc_a", step("cyc_b", {"X": "X"}, {"Y": "Y"}), Y)
+    ensemble(repo, "cyc_b", step("cyc_a", {"X": "X"}, {"Y": "Y"}), Y)
+    ensemble(repo, "d9", step("plus", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
+    for d in range(1, 9):
+        ensemble(repo, f"d{d}", step(f"d{d + 1}", {"X": "X"}, {"Y": "Y"}), Y)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +149,7 @@ def repo(tmp_path_factory):
     ensemble(repo, "bad_type", step("plus", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y, in_type="TYPE_INT32")
     ensemble(repo, "missing", step("nosuch", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
     ensemble(repo, "cyclic", step("plus", {"INPUT": "X", "Z": "Y"}, {"OUTPUT": "Y"}), Y)
+    nested_ensembles(repo)
     return repo
 
 
@@ -342,6 +376,13 @@ def test_an_ensemble_follows_its_steps_through_unload_load_and_reload(tmp_path):
         assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
 
 
+def test_a_timeout_applies_to_the_whole_pipeline_nested_ones_included(pool):
+    with pool.client() as c, pytest.raises((errors.Timeout, errors.PoolUnavailable)) as exc:
+        c.infer("batch8in", {"X": np.zeros((1, 4), np.float32)}, timeout=0.5)  # rec, two ensembles down
+    assert "ensemble 'batch8in' step 1 ('batch8'): ensemble 'batch8' step 1 ('rec')" in str(exc.value) \
+        or isinstance(exc.value, errors.PoolUnavailable)
+
+
 def test_a_timeout_applies_to_the_whole_pipeline(pool):
     with pool.client() as c, pytest.raises((errors.Timeout, errors.PoolUnavailable)) as exc:
         c.infer("batch8", {"X": np.zeros((1, 4), np.float32)}, timeout=0.5)  # rec waits 10 s for 7 more
@@ -353,3 +394,135 @@ def test_requests_after_the_timeout_test_still_batch(pool):
         futs = [c.infer_async("batch8", {"X": np.full((1, 4), i, np.float32)}, timeout=60) for i in range(8)]
         outs = [f.result(timeout=60) for f in futs]
     assert all(o["B"].tolist() == [[8]] for o in outs)
+
+
+# -- nested ensembles ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("name", ["nested", "deep"])
+def test_a_nested_ensemble_equals_its_models_run_one_after_another(client, name, rows):
+    x = np.random.default_rng(100 + rows).random((rows, 1024), dtype=np.float32) * 255
+    got = client.infer(name, {"IMAGE": x})
+    want = by_hand(client, x)
+    assert got["CLASSES"].shape == (rows, TOP_K)
+    np.testing.assert_array_equal(got["CLASSES"], want["CLASSES"])
+    np.testing.assert_array_equal(got["SCORES"], want["SCORES"])
+
+
+def test_an_inner_ensembles_steps_batch_with_direct_requests(pool):
+    with pool.client() as c:
+        futs = [c.infer_async("batch8in", {"X": np.full((1, 4), i, np.float32)}, timeout=60) if i % 2 else
+                c.infer_async("rec", {"INPUT": np.full((1, 4), i, np.float32)}, timeout=60) for i in range(8)]
+        outs = [f.result(timeout=60) for f in futs]
+    assert [o["B" if i % 2 else "BATCH"].tolist() for i, o in enumerate(outs)] == [[[8]]] * 8
+    for i in range(1, 8, 2):
+        np.testing.assert_array_equal(outs[i]["Y"], np.full((1, 4), i, np.float32))
+
+
+def test_a_failing_inner_step_names_the_outer_step_and_the_inner_one(client):
+    with pytest.raises(errors.ModelError) as exc:
+        client.infer("chained", {"X": np.full((1, 4), -8, np.float32)})
+    assert exc.value.message.startswith("ensemble 'chained' step 1 ('chain'): ensemble 'chain' step 2 ('failer'): "
+                                        "model 'failer' failed:"), exc.value.message
+    assert "asked to fail" in str(exc.value)
+    out = client.infer("chained", {"X": np.full((2, 4), 1, np.float32)})
+    np.testing.assert_array_equal(out["Y"], np.full((2, 4), 2, np.float32))
+
+
+def test_nesting_cycles_and_depth_are_named(client):
+    rows = {r["name"]: r for r in client.query("index")["models"]}
+    assert rows["cyc_a"]["state"] == "UNAVAILABLE"
+    assert rows["cyc_a"]["reason"] == "ensemble 'cyc_a': circular dependency between ensembles: cyc_a -> cyc_b -> cyc_a"
+    assert rows["cyc_b"]["reason"] == "ensemble 'cyc_b': circular dependency between ensembles: cyc_b -> cyc_a -> cyc_b"
+    assert rows["d1"]["state"] == "UNAVAILABLE" and rows["d1"]["reason"] == (
+        "ensemble 'd1': ensembles nest 9 deep, past the limit of 8: " + " -> ".join(f"d{d}" for d in range(1, 10)))
+    assert all(rows[f"d{d}"]["state"] == "READY" for d in range(2, 10))
+    assert rows["nested"]["state"] == rows["deep"]["state"] == "READY"
+    with pytest.raises(errors.ModelNotReady, match="circular dependency between ensembles"):
+        client.infer("cyc_a", {"X": np.zeros((1, 4), np.float32)})
+    out = client.infer("d2", {"X": np.zeros((1, 4), np.float32)})  # eight deep: served
+    assert out["Y"].tolist() == [[1.0] * 4]
+
+
+def test_each_ensemble_of_a_nest_counts_its_requests_and_its_steps_compute(client):
+    before = client.stats()
+    client.infer("deep", {"IMAGE": np.ones((2, 1024), np.float32)})
+    after = client.stats()
+    for name in ("deep", "nested", "prenet", "preprocess", "mlp", "topk"):
+        assert after[name]["requests"] == before[name]["requests"] + 1, name
+    for name in ("deep", "nested", "prenet"):
+        assert after[name]["batches"] == before[name]["batches"] == 0
+        grew = after[name]["histograms"]["compute"]["sum"] - before[name]["histograms"]["compute"]["sum"]
+        assert grew > 0, name
+    # the outer's compute is its steps' summed: the inner ensemble's, and topk's own
+    inner = after["prenet"]["histograms"]["compute"]["sum"] - before["prenet"]["histograms"]["compute"]["sum"]
+    outer = after["nested"]["histograms"]["compute"]["sum"] - before["nested"]["histograms"]["compute"]["sum"]
+    assert outer > inner
+
+
+def test_tritonclient_http_infers_a_nested_ensemble_and_reads_its_config_and_stats(pool, client):
+    httpclient = pytest.importorskip("tritonclient.http")
+    x = np.random.default_rng(13).random((3, 1024), dtype=np.float32)
+    tc = httpclient.InferenceServerClient(f"127.0.0.1:{pool.http_port}")
+    try:
+        assert tc.is_model_ready("deep") and tc.is_model_ready("prenet") and not tc.is_model_ready("cyc_a")
+        inp = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        res = tc.infer("deep", [inp])
+        want = by_hand(client, x)
+        np.testing.assert_array_equal(res.as_numpy("CLASSES"), want["CLASSES"])
+        np.testing.assert_array_equal(res.as_numpy("SCORES"), want["SCORES"])
+        cfg = tc.get_model_config("nested")
+        assert cfg["platform"] == "ensemble" and cfg["backend"] == ""
+        assert [(s["model_name"], s["model_version"], s["input_map"], s["output_map"])
+                for s in cfg["ensemble_scheduling"]["step"]] == [
+            ("prenet", -1, {"IMAGE": "IMAGE"}, {"LOGITS": "logits"}), ("topk", -1, {"LOGITS": "logits"}, TOPK_MAP)]
+        for name in ("deep", "nested", "prenet"):
+            stats = tc.get_inference_statistics(name)["model_stats"][0]
+            assert stats["name"] == name and int(stats["execution_count"]) == 0
+            assert int(stats["inference_stats"]["success"]["count"]) >= 1 and int(stats["inference_count"]) >= 3
+            assert int(stats["inference_stats"]["compute_infer"]["ns"]) > 0
+    finally:
+        tc.close()
+
+
+def test_a_model_deep_in_a_nest_unloads_and_reloads_under_every_ensemble_above_it(tmp_path):
+    repo = str(tmp_path)
+    simple(repo, "add", ADD_PY)
+    ensemble(repo, "pipe", step("add", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
+    ensemble(repo, "outer", step("pipe", {"X": "X"}, {"Y": "Y"}), Y)
+    with Pool(repo, model_control_mode="explicit", load_models=("add", "pipe", "outer")) as p, p.client() as c:
+        x = np.zeros((1, 4), np.float32)
+        assert c.infer("outer", {"X": x})["Y"].tolist() == [[1.0] * 4]
+        c.unload("add")
+        rows = {r["name"]: r for r in c.query("index")["models"]}
+        for name in ("pipe", "outer"):
+            assert rows[name]["state"] == "UNAVAILABLE"
+            assert "ensemble 'pipe' step 1 ('add'): model 'add' is unloaded" in rows[name]["reason"]
+        assert rows["outer"]["reason"].startswith("ensemble 'outer' step 1 ('pipe')")
+        with pytest.raises(errors.ModelNotReady, match="unloaded"):
+            c.infer("outer", {"X": x})
+        c.load("add", timeout=120)
+        assert c.infer("outer", {"X": x})["Y"].tolist() == [[1.0] * 4]
+        stop, seen, failures = threading.Event(), set(), []
+
+        def load() -> None:
+            with Client(p.endpoint, timeout=60) as lc:
+                while not stop.is_set():
+                    try:
+                        seen.add(float(lc.infer("outer", {"X": x})["Y"][0, 0]))
+                    except errors.GepoolError as exc:
+                        failures.append(str(exc))
+
+        threads = [threading.Thread(target=load) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            write(f"{repo}/add/2/model.py", ADD_PY)
+            c.load("add", timeout=120)
+            wait_until(lambda: 2.0 in seen, timeout=60)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
