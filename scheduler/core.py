@@ -57,7 +57,7 @@ class Core:
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
         self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock,
-                                   self._prewake_step)
+                                   self._prewake_step, self.dispatch.schedule)
         self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:
@@ -242,6 +242,8 @@ class Core:
                 self.dispatch.complete(w.model, w, slot, seq)
             except Exception:  # a bug here must not take every model down; the log keeps the traceback
                 log.exception("internal error completing slot %d of worker %d", slot, w.id)
+            finally:  # ensemble steps' outputs still view that slot: before any batch can refill it
+                self.ensembles.hand_over()
 
     def on_worker_exit(self, w: Worker, code: int | None) -> None:
         """Its process is reaped (the loop fed what its doorbell still held first)."""

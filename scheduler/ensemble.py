@@ -2,9 +2,10 @@
 
 An ensemble request is admitted against the ensemble's config, then each step whose input tensors all
 exist becomes an internal request of its model (admitted like a client's, so it batches with direct
-requests and with other ensembles' steps). When a step's batch completes, its outputs are copied once
-out of the slot into buffers the run owns; the next step's batch copies them into its own slot (the copy
-batching needs), and the ensemble's outputs are answered from them. Nothing passes through a socket.
+requests and with other ensembles' steps). When a step's batch completes, the next step's batch copies
+its outputs from its slot into its own when it goes out at once (the copy batching needs); what has to
+wait is first copied out of the slot into buffers the run owns (``handoff``). The ensemble's outputs are
+answered from the last step's slot, or from those buffers. Nothing passes through a socket.
 """
 
 from __future__ import annotations
@@ -13,24 +14,16 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from gepool.common import errors
 from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
+from gepool.scheduler import handoff
+from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import Request, admit
 from gepool.scheduler.stats import failure_reason
 
 log = logging.getLogger("gepool.ensemble")
-
-
-@dataclass(slots=True)
-class Tensor:
-    datatype: str
-    shape: tuple[int, ...]
-    buf: memoryview  # its bytes as a step's input (BYTES: serialized); keeps its owner alive
-    array: np.ndarray | None = None  # a step's output, copied out of its slot
 
 
 @dataclass(eq=False)
@@ -78,12 +71,18 @@ class Ensembles:
     ``respond`` answers a client from arrays (the dispatcher's), ``reply`` sends a client a message (the
     outbox's), ``enqueue`` puts a step request in its model's queue and marks it to be scheduled (raising
     as admission does when it cannot), ``prewake(model name)`` wakes the idle worker of a step about to
-    be queued, when traffic is sequential (the core's rule for a client's request)."""
+    be queued, when traffic is sequential (the core's rule for a client's request), ``dispatch(model)``
+    hands out the batches a model's queue can send now (the dispatcher's)."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
-                 clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False) -> None:
+                 clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False,
+                 dispatch: Callable[[Model], None] = lambda model: None) -> None:
         self.control, self.arenas, self.clock = control, arenas, clock
         self.respond, self.reply, self.enqueue, self.prewake = respond, reply, enqueue, prewake
+        self.dispatch = dispatch
+        self.copies = Copies()
+        self._links: list[Link] | None = None  # step requests submitted while a completion is handled
+        self._pending: list[tuple[Run, Model, list[Link]]] = []  # runs holding views of the completed slot
 
     # -- state -------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -227,6 +226,10 @@ class Ensembles:
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
         self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
+        if self._links is not None:
+            self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
+                                                 for k, t in enumerate(model.config.inputs)
+                                                 if run.tensors[step.input_map[t.name]].view]))
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float,
                   queue_s: float | None = None) -> None:
@@ -237,11 +240,13 @@ class Ensembles:
         run.running -= 1
         if run.finished or _abandoned(run):
             return
-        step = run.model.config.ensemble.steps[sink.index]
+        steps = run.model.config.ensemble.steps
+        step = steps[sink.index]
         self._prewake_ready(run, step.output_map.values())  # before the copies: the worker wakes meanwhile
         rows = run.req.rows
         batched = model.config.max_batch_size > 0
         owned = queue_s is not None
+        fresh = []  # views of the step's slot: valid until this returns
         for t in model.config.outputs:
             name = step.output_map.get(t.name)
             if name is None:
@@ -249,17 +254,67 @@ class Ensembles:
             piece = arrays[t.name][row:row + rows] if batched else arrays[t.name]
             if piece.dtype == object:
                 array = piece if owned else piece.copy()
-                buf = memoryview(dtypes.serialize_bytes(array))
+                run.tensors[name] = Tensor(t.datatype, array.shape, memoryview(dtypes.serialize_bytes(array)), array)
             else:
-                array = piece if owned else np.array(piece, copy=True, order="C")  # the one copy out of the slot
-                buf = memoryview(array).cast("B")
-            run.tensors[name] = Tensor(t.datatype, array.shape, buf, array)
+                tensor = Tensor(t.datatype, piece.shape, memoryview(piece).cast("B") if piece.flags.c_contiguous
+                                else handoff.EMPTY, piece, view=not owned)
+                if not piece.flags.c_contiguous:
+                    handoff.own(tensor, self.copies)
+                run.tensors[name] = tensor
+                fresh.append(tensor)
         run.compute_s += compute_s
         run.queue_s += queue_s if owned else max(0.0, self.clock() - sink.started - compute_s)
+        for i in run.waiting:  # an ensemble as a step keeps what it is given: it gets the run's copies
+            if self._is_ensemble(steps[i].model_name):
+                for name in steps[i].input_map.values():
+                    if name in run.tensors:
+                        handoff.own(run.tensors[name], self.copies)
+        outer, self._links = self._links, []
         try:
             self._advance(run)
         except errors.GepoolError as exc:
             self._fail(run, exc)
+        finally:
+            links, self._links = self._links, outer
+            if any(t.view for t in fresh):
+                self._pending.append((run, model, links))
+
+    def hand_over(self) -> None:
+        """After a completion's requests were all answered, before anything can refill its slot: the step
+        requests submitted then that read the slot's views go out now if their model's queue holds nothing
+        else (the batch copies them slot to slot) and are rebound to their own slot's copy, or are rebound
+        to the run's copies to wait; the views still needed later are copied out, the others dropped."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            links = [link for _, _, ls in pending for link in ls]
+            producers = {id(producer) for _, producer, _ in pending}
+            for model in {id(link.model): link.model for link in links if link.inputs}.values():
+                ours = sum(1 for link in links if link.model is model)
+                if id(model) not in producers and len(model.batcher) == ours:  # nothing queued before them
+                    self.dispatch(model)
+            for link in links:
+                if link.inputs:
+                    placed = handoff.in_flight(link.model, link.req)
+                    if placed is not None:
+                        handoff.rebind_to_slot(link, placed, self.copies)
+                    else:
+                        handoff.rebind_to_own(link, self.copies)
+        except Exception:  # a bug here must not leave a view of a slot about to be refilled
+            log.exception("internal error handing ensemble tensors over")
+            for link in links:
+                handoff.rebind_to_own(link, self.copies)
+        for run, _, _ in pending:
+            steps = run.model.config.ensemble.steps
+            needed = set() if run.finished else {name for i in run.waiting for name in steps[i].input_map.values()}
+            if not run.finished:
+                needed |= {t.name for t in run.model.config.outputs}
+            for name, t in run.tensors.items():
+                if name in needed:
+                    handoff.own(t, self.copies)
+                else:
+                    handoff.drop(t)
 
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
@@ -280,8 +335,14 @@ class Ensembles:
     def _answer(self, run: Run) -> None:
         run.finished = True
         model, req = run.model, run.req
-        arrays = {t.name: run.tensors[t.name].array for t in model.config.outputs}  # each produced by a step
-        if req.sink is not None:  # a sub-pipeline: its outputs are the step's above
+        outs = [run.tensors[t.name] for t in model.config.outputs]  # each produced by a step
+        if req.sink is not None:  # a sub-pipeline: its outputs become the step's above, kept past this call
+            for t in outs:
+                handoff.own(t, self.copies)
+        else:  # answered (copied into the reply or the client's arena) before the slot is released
+            self.copies.answered_bytes += sum(t.array.nbytes for t in outs if t.view)
+        arrays = {t.name: tensor.array for t, tensor in zip(model.config.outputs, outs, strict=True)}
+        if req.sink is not None:
             model.stats.ensemble_answered(req.rows, self.clock() - req.arrived, run.queue_s, run.compute_s,
                                           req.origin)
             self.step_done(req.sink, model, arrays, 0, run.compute_s, run.queue_s)

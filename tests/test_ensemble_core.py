@@ -364,3 +364,89 @@ def test_ensembles_nest_at_most_eight_deep(tmp_path, harness):  # noqa: F811
     rid = ens_infer(h, 1.0, model="e2")  # eight deep: served
     h.compute(w)
     np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 2.0, np.float32))
+
+
+# -- copies per hop: a step's outputs go from its slot to the next step's slot ---------------------
+
+def copies(h) -> tuple[int, int, int]:
+    c = h.core.ensembles.copies
+    return c.out_bytes, c.handed_bytes, c.answered_bytes
+
+
+def test_a_steps_outputs_reach_the_next_steps_slot_in_one_copy(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.5)
+    h.compute(wa)
+    assert len(wb.bell.rung) == 1
+    assert copies(h) == (0, 16, 0)  # 16 bytes went slot to slot: only the batch's copy
+    h.compute(wb)
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 6.0, np.float32))
+    assert copies(h) == (0, 16, 16)  # and the answer went from b's slot into the reply
+
+
+def test_a_retried_step_reads_its_inputs_from_the_dead_workers_slot(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=2)
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    (wa,) = [w for w in h.out.spawned if w.model.name == "a"]
+    h.infer(9.0, model="a")  # keeps a busy: the two ensemble requests' first steps batch behind it
+    h.step()
+    rids = [ens_infer(h, 1.0), ens_infer(h, 3.0)]
+    h.compute(wa)  # the direct request; then both step 1 requests, as one batch
+    h.out.take()
+    assert h.compute(wa) == [2]
+    (dying,) = [w for w in h.out.spawned if w.model.name == "b" and w.bell.rung]
+    assert dying.bell.rung and copies(h) == (0, 32, 0)  # both rows of a's slot went straight into b's, as one batch
+    h.infer(100.0, model="a")  # a's slot is refilled and rewritten: the step outputs it held are gone
+    h.step()
+    h.compute(wa)
+    h.out.take()
+    dying.bell.rung = []
+    h.exit(dying, -9)  # its ring is closed and unlinked
+    h.step()
+    (other,) = [w for w in h.out.spawned if w.model.name == "b" and w is not dying]
+    assert h.compute(other) == [2]
+    got = results(h.out.take())
+    np.testing.assert_array_equal(got[rids[0]], np.full((1, 4), 4.0, np.float32))
+    np.testing.assert_array_equal(got[rids[1]], np.full((1, 4), 12.0, np.float32))
+    assert copies(h)[0] == 0
+
+
+def test_a_step_that_has_to_wait_gets_the_runs_own_copy(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    h.infer(5.0, model="b")  # b computes: the step request queues
+    h.step()
+    rid = ens_infer(h, 1.5)
+    h.compute(wa)
+    assert len(wb.bell.rung) == 1 and copies(h) == (16, 0, 0)  # copied out of a's slot to wait
+    h.infer(100.0, model="a")  # a's slot is refilled meanwhile
+    h.step()
+    h.compute(wa)
+    h.compute(wb)  # the direct request, then the step
+    h.compute(wb)
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 6.0, np.float32))
+
+
+def test_a_step_reading_from_the_same_model_waits_on_a_copy(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    pipe(tmp_path, "pipe", ["a", "a"])  # its next batch could take the very slot the outputs are in
+    h = harness()
+    h.ready_all()
+    (wa,) = h.out.spawned
+    rid = ens_infer(h, 1.5)
+    h.compute(wa)
+    assert copies(h) == (16, 0, 0)
+    h.compute(wa)
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 6.0, np.float32))

@@ -1,0 +1,94 @@
+"""An ensemble step's outputs handed from its slot into the next step's slot, or copied out to wait.
+
+When a step's batch completes, each of its outputs that a later step reads starts as a view of the
+step's slot: valid only until the completion that carries it has been handled, since the slot is then
+released and refilled. Before that happens, each step request that reads a view is either already in
+its own model's slot (its batch went out in the same completion: the batch's copy was the only one)
+and is rebound to its copy there, or it waits in a queue and is rebound to a copy the run owns; a view
+still needed by a step that has not started, or by the ensemble's answer, is copied out likewise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from gepool.scheduler.models import Model
+    from gepool.scheduler.requests import Request
+
+EMPTY = memoryview(b"")
+
+
+@dataclass(slots=True)
+class Tensor:
+    datatype: str
+    shape: tuple[int, ...]
+    buf: memoryview  # its bytes as a step's input (BYTES: serialized); keeps its owner alive
+    array: np.ndarray | None = None  # a step's output
+    view: bool = False  # buf and array are views of the slot of the step that produced it
+
+
+@dataclass(slots=True)
+class Copies:
+    """Where the bytes of ensemble steps' outputs went, counted in the front (a test reads them)."""
+
+    out_bytes: int = 0  # copied out of a step's slot into buffers a run owns (the second copy of a hop)
+    handed_bytes: int = 0  # read by the next step's batch straight from the producing slot (its one copy)
+    answered_bytes: int = 0  # answered to the client straight from the last step's slot
+
+
+@dataclass(slots=True)
+class Link:
+    """A step request submitted in a completion: its input ``k`` (config order) reads ``tensor``."""
+
+    req: Request
+    model: Model
+    inputs: list[tuple[int, Tensor]]
+
+
+def own(t: Tensor, copies: Copies) -> None:
+    """A view of a slot becomes the run's own copy (the run may keep it past the completion)."""
+    if t.view:
+        t.array = np.array(t.array, copy=True, order="C")
+        t.buf = memoryview(t.array).cast("B")
+        t.view = False
+        copies.out_bytes += t.array.nbytes
+
+
+def drop(t: Tensor) -> None:
+    """A view nobody reads any more: let the slot go."""
+    if t.view:
+        t.buf, t.array, t.view = EMPTY, None, False
+
+
+def in_flight(model: Model, req: Request):
+    """(slot, batch, place in it) of the batch ``req`` was dispatched in, or None while it is queued."""
+    for w in model.workers:
+        for index, batch in w.inflight.items():
+            for k, r in enumerate(batch.requests):
+                if r is req:
+                    return w.ring.slots[index], batch, k
+    return None
+
+
+def rebind_to_slot(link: Link, placed, copies: Copies) -> None:
+    """A dispatched step request's view inputs become views of its own slot, where the batch copied them:
+    a retry (its worker died) copies them from there, and that mapping outlives the worker's ring while
+    these views live; the slot is not refilled while the batch is in flight."""
+    slot, batch, k = placed
+    _, _, descs = slot.read()
+    for i, _t in link.inputs:
+        pos = descs[i].offset + sum(len(r.inputs[i]) for r in batch.requests[:k])  # the batch's layout
+        n = len(link.req.inputs[i])
+        link.req.inputs[i] = slot.data[pos:pos + n]
+        copies.handed_bytes += n
+
+
+def rebind_to_own(link: Link, copies: Copies) -> None:
+    """A queued step request's view inputs become the run's own copies."""
+    for i, t in link.inputs:
+        own(t, copies)
+        link.req.inputs[i] = t.buf
