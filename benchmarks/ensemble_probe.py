@@ -1,17 +1,21 @@
 """Where a lone ensemble request's time goes: per-step queue and compute from the pool's stats, ensemble vs chain.
 
-    python benchmarks/ensemble_probe.py --seconds 2 --rounds 3 [--baseline main] [--mlp-threads 1]
+    python benchmarks/ensemble_probe.py --seconds 2 --rounds 3 [--baseline main] [--mlp-threads 1] \
+        [--queue-delay-us 0] [--rows 1]
 
 Each round runs the ensemble, then the client's chain of the same three calls, one request at a time,
 for ``--seconds`` each. ``--baseline REV`` also starts a pool from that git revision of this repository
 (exported to a temporary folder) and alternates the two pools round by round, in turn first, so that a
 change is measured before and after under the same load; the chain, which no ensemble change should
-touch, is the control. The last lines are the medians over the rounds.
+touch, is the control. The last lines are the medians over the rounds. ``--queue-delay-us N`` sets the
+three steps' max_queue_delay_microseconds (0: a lone step request goes out the moment it is queued, so
+its input is handed from the previous step's slot straight into its own); ``--rows`` the rows per request.
 """
 
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -63,6 +67,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of ensemble then chain, alternating")
     parser.add_argument("--baseline", metavar="REV", help="also measure a pool from this git revision, alternating")
     parser.add_argument("--mlp-threads", type=int, help="intra_op_thread_count of mlp (default: the pool's sizing)")
+    parser.add_argument("--queue-delay-us", type=int, help="the steps' max_queue_delay_microseconds "
+                                                            "(default: the example's, 500/5000/500)")
+    parser.add_argument("--rows", type=int, default=1, help="rows per request (default 1; at most 32)")
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="gepool-ens-probe-")
@@ -70,13 +77,22 @@ def main() -> int:
     if args.mlp_threads:
         with open(os.path.join(repo, "mlp", "config.pbtxt"), "a") as f:
             f.write(f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{args.mlp_threads}" }} }}\n')
+    if args.queue_delay_us is not None:
+        for step in STEPS:
+            path = os.path.join(repo, step, "config.pbtxt")
+            with open(path) as f:
+                text = f.read()
+            text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {args.queue_delay_us}",
+                          text)
+            with open(path, "w") as f:
+                f.write(text)
     sites = {"this": None}
     if args.baseline:
         sites = {args.baseline: export(args.baseline, os.path.join(work, "baseline")), "this": None}
     os.chdir(work)  # a front started here imports gepool from its PYTHONPATH or the installed one, not a checkout
     print("pool/mode          us/req   per step: queue us per request, compute us per batch")
     results: dict[str, list[dict]] = {}
-    x = np.random.default_rng(0).random((1, 1024), dtype=np.float32)
+    x = np.random.default_rng(0).random((args.rows, 1024), dtype=np.float32)
     with contextlib.ExitStack() as stack:
         pools = {name: stack.enter_context(pool_of(repo, site)) for name, site in sites.items()}
         clients = {name: LibraryCalls(pool.endpoint) for name, pool in pools.items()}
