@@ -72,7 +72,8 @@ class Ensembles:
     outbox's), ``enqueue`` puts a step request in its model's queue and marks it to be scheduled (raising
     as admission does when it cannot), ``prewake(model name)`` wakes the idle worker of a step about to
     be queued, when traffic is sequential (the core's rule for a client's request), ``dispatch(model)``
-    hands out the batches a model's queue can send now (the dispatcher's)."""
+    hands out the batches a model's queue can send now (the dispatcher's). ``hand_over()`` must follow each
+    completion the dispatcher handles, before any other batch is dispatched (the core's on_completions)."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
                  clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False,
@@ -246,7 +247,7 @@ class Ensembles:
         rows = run.req.rows
         batched = model.config.max_batch_size > 0
         owned = queue_s is not None
-        fresh = []  # views of the step's slot: valid until this returns
+        fresh = []  # views of the step's slot: valid until hand_over, which follows this completion
         for t in model.config.outputs:
             name = step.output_map.get(t.name)
             if name is None:
@@ -287,8 +288,8 @@ class Ensembles:
         pending, self._pending = self._pending, []
         if not pending:
             return
+        links = [link for _, _, ls in pending for link in ls]
         try:
-            links = [link for _, _, ls in pending for link in ls]
             producers = {id(producer) for _, producer, _ in pending}
             for model in {id(link.model): link.model for link in links if link.inputs}.values():
                 ours = sum(1 for link in links if link.model is model)
@@ -307,8 +308,9 @@ class Ensembles:
                 handoff.rebind_to_own(link, self.copies)
         for run, _, _ in pending:
             steps = run.model.config.ensemble.steps
-            needed = set() if run.finished else {name for i in run.waiting for name in steps[i].input_map.values()}
-            if not run.finished:
+            needed = set()
+            if not run.finished:  # the steps still to start, and the answer
+                needed = {name for i in run.waiting for name in steps[i].input_map.values()}
                 needed |= {t.name for t in run.model.config.outputs}
             for name, t in run.tensors.items():
                 if name in needed:
