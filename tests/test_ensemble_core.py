@@ -450,3 +450,34 @@ def test_a_step_reading_from_the_same_model_waits_on_a_copy(tmp_path, harness): 
     assert copies(h) == (16, 0, 0)
     h.compute(wa)
     np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 6.0, np.float32))
+
+
+def test_a_tensor_both_handed_on_and_answered_is_copied_out_once_for_the_answer(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    os.makedirs(f"{tmp_path}/pipe/1", exist_ok=True)
+    write(f"{tmp_path}/pipe/config.pbtxt", """
+        platform: "ensemble"
+        max_batch_size: 8
+        input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "T" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        ensemble_scheduling { step [
+          { model_name: "a" input_map { key: "INPUT" value: "X" } output_map { key: "OUTPUT" value: "T" } },
+          { model_name: "b" input_map { key: "INPUT" value: "T" } output_map { key: "OUTPUT" value: "Y" } } ] }
+    """)
+    h = harness()
+    h.ready_all()
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.5)
+    h.compute(wa)
+    assert copies(h) == (16, 16, 0)  # T went to b's slot, and into the run's buffers for the answer
+    h.infer(100.0, model="a")  # a's slot is rewritten before the answer
+    h.step()
+    h.compute(wa)
+    h.out.take()
+    h.compute(wb)
+    (_, msg, frames), = h.out.take()
+    assert msg.req_id == rid and [o[0] for o in msg.outputs] == ["Y", "T"]
+    assert np.frombuffer(frames[0], np.float32).tolist() == [6.0] * 4
+    assert np.frombuffer(frames[1], np.float32).tolist() == [3.0] * 4
+    assert copies(h) == (16, 16, 16)
