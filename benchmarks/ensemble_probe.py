@@ -40,16 +40,26 @@ def snapshot(client) -> dict:
             for m in STEPS}
 
 
+COPIES = ("out_bytes", "handed_bytes", "answered_bytes")
+
+
+def copies(client) -> dict:
+    """The front's count of ensemble step outputs' bytes by where they went (empty from a pool without it)."""
+    return client.status().get("ensemble_copies") or {}
+
+
 def measure(calls: LibraryCalls, mode: str, x: np.ndarray, seconds: float) -> dict:
     call = getattr(calls, mode)
     for _ in range(20):
         call(x)
     before, n, started = snapshot(calls.client), 0, time.perf_counter()
+    copied = copies(calls.client)
     while time.perf_counter() - started < seconds:
         call(x)
         n += 1
     out = {"us": (time.perf_counter() - started) / n * 1e6}
-    after = snapshot(calls.client)
+    after, now = snapshot(calls.client), copies(calls.client)
+    out["copies"] = {k: (now[k] - copied[k]) / n for k in COPIES if k in now}
     for m in STEPS:
         reqs, batches = after[m][0] - before[m][0], after[m][1] - before[m][1]
         out[m] = ((after[m][2] - before[m][2]) / max(reqs, 1), (after[m][3] - before[m][3]) / max(batches, 1))
@@ -58,7 +68,9 @@ def measure(calls: LibraryCalls, mode: str, x: np.ndarray, seconds: float) -> di
 
 def line(label: str, r: dict) -> str:
     parts = [f"{m} q {r[m][0]:6.0f} c {r[m][1]:6.0f}" for m in STEPS]
-    return f"{label:18s} {r['us']:8.0f}   " + "   ".join(parts)
+    moved = r.get("copies") or {}
+    tail = "   bytes/req " + " ".join(f"{k.split('_')[0]} {moved[k]:.0f}" for k in COPIES) if moved else ""
+    return f"{label:18s} {r['us']:8.0f}   " + "   ".join(parts) + tail
 
 
 def main() -> int:
@@ -90,7 +102,8 @@ def main() -> int:
     if args.baseline:
         sites = {args.baseline: export(args.baseline, os.path.join(work, "baseline")), "this": None}
     os.chdir(work)  # a front started here imports gepool from its PYTHONPATH or the installed one, not a checkout
-    print("pool/mode          us/req   per step: queue us per request, compute us per batch")
+    print("pool/mode          us/req   per step: queue us per request, compute us per batch; bytes of step "
+          "outputs per request copied out of a slot, handed slot to slot, answered from a slot")
     results: dict[str, list[dict]] = {}
     x = np.random.default_rng(0).random((args.rows, 1024), dtype=np.float32)
     with contextlib.ExitStack() as stack:
@@ -109,6 +122,8 @@ def main() -> int:
         med = {"us": statistics.median(r["us"] for r in rs)}
         for m in STEPS:
             med[m] = tuple(statistics.median(r[m][k] for r in rs) for k in (0, 1))
+        if rs[0].get("copies"):
+            med["copies"] = {k: statistics.median(r["copies"][k] for r in rs) for k in COPIES}
         print(line(label, med))
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -163,7 +163,8 @@ class ModelMetadata:
 
 def pool_status(core: Core, pid: int) -> dict:
     cache = core.dispatch.cache
-    return {**_pool_status(core, pid), "cache": cache.as_dict() if cache is not None else None}
+    return {**_pool_status(core, pid), "cache": cache.as_dict() if cache is not None else None,
+            "ensemble_copies": asdict(core.ensembles.copies)}
 
 
 def _pool_status(core: Core, pid: int) -> dict:

@@ -526,3 +526,13 @@ def test_a_model_deep_in_a_nest_unloads_and_reloads_under_every_ensemble_above_i
             for t in threads:
                 t.join(60)
         assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
+
+
+def test_the_pool_counts_where_the_bytes_of_each_hop_went(client):
+    before = client.status()["ensemble_copies"]
+    client.infer("classify", {"IMAGE": np.ones((2, 1024), np.float32)})
+    after = client.status()["ensemble_copies"]
+    moved = {k: after[k] - before[k] for k in after}
+    # each hop's tensor once: handed slot to slot, or copied out to wait (normed: 2 x 1024, logits: 2 x 1000 FP32)
+    assert moved["out_bytes"] + moved["handed_bytes"] == 2 * 1024 * 4 + 2 * 1000 * 4
+    assert moved["answered_bytes"] == 2 * TOP_K * (8 + 4)  # CLASSES and SCORES, from topk's slot
