@@ -49,15 +49,14 @@ class Call:
         self.gone: str | None = None
 
     def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None:
+        self.calls.forget(self)
         if self.gone is None:
-            self.calls.forget(self)
             self.calls.respond(model, self.req, arrays, row)
         else:  # its answer is thrown away: nobody waits for it
             self.calls.send_error(self.req, self.calls.canceled(self))
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
-        if self.gone is None:
-            self.calls.forget(self)
+        self.calls.forget(self)
         self.calls.send_error(self.req, err if self.gone is None else self.calls.canceled(self))
 
 
@@ -73,6 +72,7 @@ class Calls:
         self.workers, self.respond, self.reply, self.fail = workers, respond, reply, fail
         # worker id -> (slot, seq) of its batch -> that batch's calls (a dict: ordered, O(1) removal)
         self.by_worker: dict[int, dict[tuple[int, int], dict[Call, None]]] = {}
+        self.orphans: set[Call] = set()  # running when their batch went: a retry must not run them again
 
     # -- the books -------------------------------------------------------------------------
     def enter(self, req: Request, model: Model, caller: list) -> Call | None:
@@ -100,6 +100,9 @@ class Calls:
 
     def forget(self, call: Call) -> None:
         """Out of the books: answered, or never queued after all."""
+        if call.gone is not None:
+            self.orphans.discard(call)
+            return
         batches = self.by_worker.get(call.worker.id)
         calls = batches.get(call.batch) if batches is not None else None
         if calls is None or call not in calls:
@@ -120,11 +123,22 @@ class Calls:
         for key in [k for k in batches if not self._running(w, k)]:
             for call in batches.pop(key):
                 call.gone = why
-                if call.model.batcher.withdraw(call.req):
-                    call.model.stats.failed(CANCELED, call.req.origin)
-                    self.send_error(call.req, self.canceled(call))
+                if not self._withdraw(call):
+                    self.orphans.add(call)
         if not batches:
             del self.by_worker[w.id]
+
+    def requeued(self) -> None:
+        """After a callee's worker died: an orphan its recovery put back in a queue leaves it unrun."""
+        for call in [c for c in self.orphans if self._withdraw(c)]:
+            self.orphans.discard(call)
+
+    def _withdraw(self, call: Call) -> bool:
+        if not call.model.batcher.withdraw(call.req):
+            return False
+        call.model.stats.failed(CANCELED, call.req.origin)
+        self.send_error(call.req, self.canceled(call))
+        return True
 
     def recheck(self) -> None:
         """After a worker stopped for good: a queued call that can now never run fails, the newest first and

@@ -261,6 +261,8 @@ class Core:
         self.recovery.on_exit(w, code, self.clock(), self.stopping)
         if self.calls.by_worker:
             self.calls.sweep(w, w.reason or "its worker exited")
+        if self.calls.orphans:
+            self.calls.requeued()
         self._refresh(w.model)
 
     def _refresh(self, model: Model) -> None:

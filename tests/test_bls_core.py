@@ -156,6 +156,28 @@ def test_a_dead_callers_queued_calls_leave_unrun_and_its_running_calls_answer_is
     assert not wb1.bell.rung and not wb2.bell.rung and not h.core.calls.by_worker
 
 
+def test_a_running_call_of_a_gone_caller_is_not_run_again_when_its_own_worker_dies(tmp_path, front):
+    """The front's usual recovery would run the call once more on the callee's other worker: nobody waits for
+    it, so it leaves the queue unrun instead."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=2)
+    h = front()
+    h.ready_all()
+    (wa,), (wb1, wb2) = _workers(h, "a"), _workers(h, "b")
+    hold, _ = _running(h, wb1, 2.0)
+    r1, from_a = _running(h, wa, 1.0)
+    running = _call(h, "b", from_a)
+    assert len(wb2.inflight) == 1
+    h.exit(wa, -9)
+    assert list(results(h.out.take())) == [r1]
+    h.exit(wb2, -9)  # its batch would be retried on wb1, behind hold
+    (reply,) = results(h.out.take()).values()
+    assert reply.req_id == running and "canceled" in reply.message
+    assert len(_model(h, "b").batcher) == 0 and _model(h, "b").stats.failure_reasons["CANCELED"] == 1
+    assert h.compute(wb1) == [1] and list(results(h.out.take())) == [hold] and not wb1.bell.rung
+    assert not h.core.calls.orphans and not h.core.calls.by_worker
+
+
 def test_the_queued_calls_of_a_batch_that_finished_leave_unrun(tmp_path, front):
     echo_model(tmp_path, "a")
     echo_model(tmp_path, "b")
