@@ -48,6 +48,44 @@ class Model:
         return {"OUTPUT": x.copy()}
 '''
 
+# MUTUAL_PY's client request as Triton writes BLS (pb_utils.InferenceRequest(...).exec()): a failed call comes
+# back as an error response, passed on as this request's own, its Triton code named.
+TRITON_MUTUAL_PY = '''
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.callee, self.go, self.timeout_us = p["callee"], p["go"], int(float(p["timeout_s"]) * 1e6)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            if x[0, 0] != 1:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", x.copy())]))
+                continue
+            deadline = time.monotonic() + 120
+            while os.path.exists(self.go) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            call = pb_utils.InferenceRequest(model_name=self.callee, requested_output_names=["OUTPUT"],
+                                             inputs=[pb_utils.Tensor("INPUT", -x)], timeout=self.timeout_us)
+            response = call.exec()
+            if response.has_error():
+                err = response.error()
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"Triton code {err.code()}: {err.message()}")))
+                continue
+            out = pb_utils.get_output_tensor_by_name(response, "OUTPUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out)]))
+        return responses
+'''
+
 # Three calls to "sink" at once. A positive first element: fire and forget (its batch ends with them queued,
 # once a last call on the same socket, so after them, is answered); negative: it waits for all three.
 SPRAY_PY = '''
@@ -88,7 +126,7 @@ def _model(repo: str, name: str, py: str, params: dict, count: int = 1) -> None:
 @pytest.fixture(scope="module")
 def gates(tmp_path_factory):
     d = tmp_path_factory.mktemp("gates")
-    return {k: str(d / k) for k in ("go1", "go2", "hold", "sink")}
+    return {k: str(d / k) for k in ("go1", "go2", "go3", "hold", "sink")}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +135,8 @@ def deadlock_pool(tmp_path_factory, gates):
     t = str(CALL_TIMEOUT_S)
     _model(repo, "ma", MUTUAL_PY, {"callee": "mb", "go": gates["go1"], "timeout_s": t})
     _model(repo, "mb", MUTUAL_PY, {"callee": "ma", "go": gates["go1"], "timeout_s": t})
+    _model(repo, "ta", TRITON_MUTUAL_PY, {"callee": "tb", "go": gates["go3"], "timeout_s": t})
+    _model(repo, "tb", TRITON_MUTUAL_PY, {"callee": "ta", "go": gates["go3"], "timeout_s": t})
     _model(repo, "pa", MUTUAL_PY, {"callee": "pb", "go": gates["go2"], "timeout_s": t})
     _model(repo, "pb", MUTUAL_PY, {"callee": "pa", "go": gates["go2"], "hold": gates["hold"], "timeout_s": t}, count=2)
     _model(repo, "spray", SPRAY_PY, {})
@@ -126,23 +166,26 @@ def _ungate(path: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_models_calling_each_other_from_two_requests_are_refused_at_once_not_left_to_time_out(deadlock_pool,
-                                                                                                    gates):
-    """ma's only worker runs request 1, mb's only worker request 2; then each calls the other. Whichever call
+@pytest.mark.parametrize("a, b, gate, code", [("ma", "mb", "go1", "[UNAVAILABLE]"),
+                                              ("ta", "tb", "go3", "Triton code 4:")])  # TritonError.UNAVAILABLE
+def test_two_models_calling_each_other_from_two_requests_are_refused_at_once_not_left_to_time_out(
+        deadlock_pool, gates, a, b, gate, code):
+    """a's only worker runs request 1, b's only worker request 2; then each calls the other. Whichever call
     comes second would wait forever (each worker waits on the other's call): it is refused at once, naming the
-    cycle, and the other request is served once the refused one's batch is over."""
+    cycle, and the other request is served once the refused one's batch is over. The same for Triton's
+    python models (their error response carries the refusal)."""
     c = deadlock_pool.client(timeout=CALL_TIMEOUT_S)
-    go = gates["go1"]
+    go = gates[gate]
     _gate(go)
     try:
-        fa = c.infer_async("ma", {"INPUT": _x(1)})
-        fb = c.infer_async("mb", {"INPUT": _x(1)})
-        assert wait_until(lambda: _busy(c, "ma", 1) and _busy(c, "mb", 1))
+        fa = c.infer_async(a, {"INPUT": _x(1)})
+        fb = c.infer_async(b, {"INPUT": _x(1)})
+        assert wait_until(lambda: _busy(c, a, 1) and _busy(c, b, 1))
     finally:
         _ungate(go)
     released = time.monotonic()
     results = {}
-    for name, fut in (("ma", fa), ("mb", fb)):
+    for name, fut in ((a, fa), (b, fb)):
         try:
             results[name] = fut.result(timeout=REFUSED_WITHIN_S + 30)
         except errors.GepoolError as exc:
@@ -151,19 +194,19 @@ def test_two_models_calling_each_other_from_two_requests_are_refused_at_once_not
     refused = [n for n, r in results.items() if isinstance(r, errors.GepoolError)]
     assert len(refused) == 1, results
     (loser,) = refused
-    winner = "mb" if loser == "ma" else "ma"
+    winner = b if loser == a else a
     err = results[loser]
     assert isinstance(err, errors.ModelError), err
     callee = winner
     # refused by the wait-for check (UNAVAILABLE), not timed out ("no answer"): the cycle, models and workers
-    assert "[UNAVAILABLE]" in err.message and "no answer" not in err.message, err.message
+    assert code in err.message and "no answer" not in err.message, err.message
     assert f"model '{callee}' cannot take this BLS call" in err.message, err.message
     w = r"\(worker \d+\)"
     assert re.search(rf"{loser} {w} -> {callee} {w} -> {loser} {w}", err.message), err.message
     np.testing.assert_array_equal(results[winner]["OUTPUT"], -_x(1))
     assert c.stats()[callee]["failure_reasons"]["REJECTED"] >= 1
     # both serve again
-    for name in ("ma", "mb"):
+    for name in (a, b):
         np.testing.assert_array_equal(c.infer(name, {"INPUT": _x(3)})["OUTPUT"], _x(3))
 
 
