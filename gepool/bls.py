@@ -75,7 +75,9 @@ class PoolHandle:
         views); raises a GepoolError naming what failed. ``version`` None or -1: the default version.
         ``timeout`` (s) is the call's, as a client's: without one the callee's queue policy applies, and
         the front gives the call no more time than the requests that made it have left; either way the
-        call waits for its answer at most ``timeout`` or the handle's (BLS_TIMEOUT_S)."""
+        call waits for its answer at most ``timeout`` or the handle's (BLS_TIMEOUT_S). A call that could
+        never run (every worker of ``model`` waits, through BLS calls, on this batch) raises Unavailable at
+        once, naming the cycle; a call still queued when its batch ends never runs."""
         client = self._connect()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:

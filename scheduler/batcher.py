@@ -189,6 +189,15 @@ class DynamicBatcher:
         self.rows -= rows
         self.budget.used -= nbytes
 
+    def withdraw(self, item: Any) -> bool:
+        """Takes ``item``'s request out of the queue unrun (nobody waits for it any more); False if it is
+        not queued (running, or answered)."""
+        p = self.queue.remove(item)
+        if p is None:
+            return False
+        self._left([p])
+        return True
+
     def timeout_deadline(self) -> float | None:
         return self.queue.next_deadline()
 

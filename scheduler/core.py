@@ -11,6 +11,7 @@ from gepool.ipc import naming, protocol
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Worker, Workers
 from gepool.scheduler.cache import ResponseCache
+from gepool.scheduler.calls import Calls
 from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.ensemble import Ensembles
@@ -47,6 +48,7 @@ class Core:
         if opts.cache_size > 0:
             self.dispatch.cache = ResponseCache(opts.cache_size)
         self.recovery = Recovery(self.workers, self.dispatch, out, opts.model_load_timeout_s)
+        self.calls = Calls(self.workers, self.dispatch.respond, out.reply, self.dispatch.reply_error)
         self.peers = Peers()  # the loop fills in what its channels know (lanes, their pids)
         self.stopping = False
         self.drain_deadline: float | None = None
@@ -155,7 +157,14 @@ class Core:
             if self.dispatch.cache is not None and model.config.response_cache \
                     and self.dispatch.answer_cached(model, req):
                 return  # answered from the cache: no worker runs it
-            self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
+            # a BLS call is booked under the batch that waits on it, or refused if it could never run
+            call = None if msg.caller is None else self.calls.enter(req, model, msg.caller)
+            try:
+                self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
+            except errors.GepoolError:
+                if call is not None:
+                    self.calls.forget(call)
+                raise
         except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
             model.stats.failed(failure_reason(exc), origin_of(msg))
             raise
@@ -223,6 +232,8 @@ class Core:
                 self.out.kill(w)
                 return
             w.ready(msg, self.clock())
+            if self.calls.by_worker:
+                self.calls.sweep(w, "its warmup ended")
             w.model.worker_info(msg.info)
             self._refresh(w.model)
             log.info("worker %d (%s v%s) ready", w.id, w.model.name, w.model.version)
@@ -244,14 +255,22 @@ class Core:
                 log.exception("internal error completing slot %d of worker %d", slot, w.id)
             finally:  # ensemble steps' outputs still view that slot: before any batch can refill it
                 self.ensembles.hand_over()
+        if self.calls.by_worker:
+            self.calls.sweep(w, "it finished")
 
     def on_worker_exit(self, w: Worker, code: int | None) -> None:
         """Its process is reaped (the loop fed what its doorbell still held first)."""
         self.recovery.on_exit(w, code, self.clock(), self.stopping)
+        if self.calls.by_worker:
+            self.calls.sweep(w, w.reason or "its worker exited")
+        if self.calls.orphans:
+            self.calls.requeued()
         self._refresh(w.model)
 
     def _refresh(self, model: Model) -> None:
         model.refresh_state()
+        if self.calls.by_worker:  # a worker that stopped for good may leave a queued call nothing can ever run
+            self.calls.recheck()
         self.control.on_refresh(model)
         self.ensembles.refresh()
         if model.state == ModelState.UNAVAILABLE and len(model.batcher):

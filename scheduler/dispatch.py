@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gepool.common import errors
+from gepool.common.config import BACKEND_PYTHON
 from gepool.ipc import dtypes, layout, protocol
 from gepool.ipc.ring import MAX_REQUESTS, TensorDesc
 from gepool.scheduler.arena_io import ArenaSpan, truncated
@@ -51,6 +52,10 @@ class Dispatcher:
             pending = model.batcher.next_batch(idle=idle)
             if pending is None:
                 return
+            if not idle and model.config.backend == BACKEND_PYTHON:
+                pending = self._hold_calls(model, pending)
+                if not pending:
+                    return
             room = worker.slot_bytes - (len(model.config.inputs) + len(model.config.outputs)) * layout.ALIGN
             most = MAX_REQUESTS if worker.info.get("per_request") else len(pending)
             used = 0
@@ -62,6 +67,17 @@ class Dispatcher:
                     break
                 used += p.item.nbytes
             self._run(model, worker, [p.item for p in pending])
+
+    @staticmethod
+    def _hold_calls(model: Model, pending: list) -> list:
+        """A batch for a busy python worker, cut before its first BLS call (which goes back to the queue):
+        in that worker's ring a call would wait on the batch running there, which may come to wait on the
+        call itself. A call waits for a worker free to run it."""
+        for i, p in enumerate(pending):
+            if p.item.chain:
+                model.batcher.push_front(pending[i:])
+                return pending[:i]
+        return pending
 
     def _run(self, model: Model, w: Worker, reqs: list[Request]) -> None:
         reqs = self._intact(model, reqs)

@@ -80,6 +80,17 @@ class PolicyQueues:
                 return p
         raise IndexError("pop from empty queues")
 
+    def remove(self, item: Any) -> Any | None:
+        """Takes the request holding ``item`` out of its queue unrun; None when none is queued."""
+        for q in itertools.chain(self.live, self.delayed):
+            for i, p in enumerate(q):
+                if p.item is item:
+                    del q[i]
+                    self.size -= 1
+                    p.deadline = None  # its entry in the deadline heap is skipped from now on
+                    return p
+        return None
+
     def appendleft(self, pending: Any) -> None:
         """Back at the head of its level (a request that could not be placed, or a retry)."""
         self.live[pending.level - 1].appendleft(pending)

@@ -1,0 +1,279 @@
+"""The front's BLS books in-process (tests/test_core.py's harness: a real core, real rings, the workers played):
+the wait-for check, where a call may wait, and the calls a gone batch leaves behind."""
+
+import numpy as np
+import pytest
+
+from gepool.common import errors
+from gepool.ipc import protocol
+from gepool.scheduler.states import WorkerState
+from tests.test_core import Harness, echo_model, results
+
+ONE = "preferred_batch_size: [ 1 ]"  # a one-row batch is full: the front hands it even to a busy worker's ring
+
+
+@pytest.fixture
+def front(tmp_path):
+    """Makes the core over tmp_path's repository (write the models first); closed after the test."""
+    made = []
+
+    def make() -> Harness:
+        made.append(Harness(tmp_path))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def _workers(h, name: str) -> list:
+    return [w for w in h.out.spawned if w.model.name == name]
+
+
+def _model(h, name: str):
+    return h.core.control.group(name).default()
+
+
+def _running(h, w, value: float, name: str | None = None) -> tuple[int, list[int]]:
+    """A client's request that ``w`` runs now: (its req_id, the caller field its batch's calls carry)."""
+    req = h.infer(value, name or w.model.name)
+    h.step()
+    (slot, seq) = w.bell.rung[-1]
+    return req, [w.id, slot, seq]
+
+
+def _call(h, model: str, caller: list, value: float = -1.0) -> int:
+    req = h.infer(value, model, caller=caller)
+    h.step()
+    return req
+
+
+def _errors(replies) -> dict:
+    return {k: v for k, v in results(replies).items() if isinstance(v, protocol.Error)}
+
+
+def test_two_batches_calling_each_others_model_the_second_call_is_refused_naming_the_cycle(tmp_path, front):
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    h.ready_all()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    r1, from_a = _running(h, wa, 1.0)
+    r2, from_b = _running(h, wb, 1.0)
+    ab = _call(h, "b", from_a)  # b's worker runs a batch that calls nothing (yet): it waits in b's queue
+    assert h.out.take() == [] and len(_model(h, "b").batcher) == 1
+    ba = _call(h, "a", from_b)  # a's worker waits on ab, which waits on b's worker, which would wait on this
+    err = results(h.out.take())[ba]
+    assert err.code == errors.Unavailable.code
+    assert (f"model 'a' cannot take this BLS call: every worker that could run it waits, through BLS calls, on "
+            f"the batch that made it (b (worker {wb.id}) -> a (worker {wa.id}) -> b (worker {wb.id}))") in err.message
+    assert len(_model(h, "a").batcher) == 0 and _model(h, "a").stats.failure_reasons["REJECTED"] == 1
+    # b's batch fails (its model raised the error): its worker takes ab, a's batch gets its answer, r1 is served
+    h.compute(wb)
+    h.compute(wb)
+    got = results(h.out.take())
+    assert set(got) == {r2, ab} and isinstance(got[ab], np.ndarray)
+    h.compute(wa)
+    assert isinstance(results(h.out.take())[r1], np.ndarray)
+    assert not h.core.calls.by_worker
+
+
+def test_with_a_second_instance_that_will_be_free_both_calls_queue_and_are_served(tmp_path, front):
+    """b's second worker runs a batch that calls nothing: the calls are not refused, and each waits in its
+    callee's queue for a free worker, never in the ring of a busy one (there it would wait on that worker's
+    batch, which may wait on the call). A client's request still goes into a busy worker's ring."""
+    echo_model(tmp_path, "a", extra_db=ONE)
+    echo_model(tmp_path, "b", count=2, extra_db=ONE)
+    h = front()
+    h.ready_all()
+    (wa,), (wb1, wb2) = _workers(h, "a"), _workers(h, "b")
+    r2, from_b = _running(h, wb1, 1.0)
+    hold, _ = _running(h, wb2, 2.0)
+    r1, from_a = _running(h, wa, 1.0)
+    other = h.infer(3.0, "a")
+    h.step()
+    assert len(wa.inflight) == 2  # a client's request: copied in behind the running batch as before
+    ba = _call(h, "a", from_b)
+    ab = _call(h, "b", from_a)  # wb1 waits on ba, which waits on wa, which waits on this; but wb2 will be free
+    assert h.out.take() == []
+    assert len(_model(h, "a").batcher) == 1 and len(_model(h, "b").batcher) == 1
+    assert [len(w.inflight) for w in (wa, wb1, wb2)] == [2, 1, 1]
+    assert h.compute(wb2) == [1] and h.compute(wb2) == [1]  # hold, then ab on the worker it freed
+    got = results(h.out.take())
+    assert set(got) == {hold, ab} and isinstance(got[ab], np.ndarray)
+    h.compute(wa)  # r1 and other
+    h.compute(wa)  # then ba
+    h.compute(wb1)
+    got = results(h.out.take())
+    assert set(got) == {r1, other, ba, r2} and all(isinstance(v, np.ndarray) for v in got.values())
+
+
+def test_a_call_whose_callee_waits_on_a_free_model_is_served(tmp_path, front):
+    """a -> b while b's batch waits on c, whose worker calls nothing: a chain that resolves on its own."""
+    for name in ("a", "b", "c"):
+        echo_model(tmp_path, name)
+    h = front()
+    h.ready_all()
+    (wa,), (wb,), (wc,) = _workers(h, "a"), _workers(h, "b"), _workers(h, "c")
+    _, from_a = _running(h, wa, 1.0)
+    _, from_b = _running(h, wb, 1.0)
+    _running(h, wc, 1.0)
+    bc = _call(h, "c", from_b)
+    ab = _call(h, "b", from_a)
+    assert h.out.take() == [] and len(_model(h, "b").batcher) == 1 and len(_model(h, "c").batcher) == 1
+    h.compute(wc)
+    h.compute(wc)
+    assert bc in results(h.out.take())
+    h.compute(wb)
+    h.compute(wb)
+    assert ab in results(h.out.take())
+
+
+def test_a_dead_callers_queued_calls_leave_unrun_and_its_running_calls_answer_is_thrown_away(tmp_path, front):
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=2)
+    h = front()
+    h.ready_all()
+    (wa,), (wb1, wb2) = _workers(h, "a"), _workers(h, "b")
+    hold, _ = _running(h, wb1, 2.0)
+    r1, from_a = _running(h, wa, 1.0)
+    running = _call(h, "b", from_a)  # on wb2, idle
+    queued = [_call(h, "b", from_a) for _ in range(2)]  # both b workers busy: queued
+    assert len(wb2.inflight) == 1 and len(_model(h, "b").batcher) == 2
+    b = _model(h, "b")
+    h.exit(wa, -9)
+    got = results(h.out.take())
+    assert set(got) == {r1, *queued}
+    assert got[r1].code == errors.WorkerDied.code
+    for q in queued:
+        assert got[q].code == errors.Unavailable.code
+        assert f"canceled: the batch of model 'a' that made it is gone (worker {wa.id} died" in got[q].message
+    assert len(b.batcher) == 0 and b.stats.failure_reasons["CANCELED"] == 2
+    assert h.compute(wb2) == [1]  # the running call finishes; its answer is replaced by the cancellation
+    (reply,) = results(h.out.take()).values()
+    assert reply.req_id == running and reply.code == errors.Unavailable.code and "canceled" in reply.message
+    assert h.compute(wb1) == [1] and list(results(h.out.take())) == [hold]
+    assert not wb1.bell.rung and not wb2.bell.rung and not h.core.calls.by_worker
+
+
+def test_a_running_call_of_a_gone_caller_is_not_run_again_when_its_own_worker_dies(tmp_path, front):
+    """The front's usual recovery would run the call once more on the callee's other worker: nobody waits for
+    it, so it leaves the queue unrun instead."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=2)
+    h = front()
+    h.ready_all()
+    (wa,), (wb1, wb2) = _workers(h, "a"), _workers(h, "b")
+    hold, _ = _running(h, wb1, 2.0)
+    r1, from_a = _running(h, wa, 1.0)
+    running = _call(h, "b", from_a)
+    assert len(wb2.inflight) == 1
+    h.exit(wa, -9)
+    assert list(results(h.out.take())) == [r1]
+    h.exit(wb2, -9)  # its batch would be retried on wb1, behind hold
+    (reply,) = results(h.out.take()).values()
+    assert reply.req_id == running and "canceled" in reply.message
+    assert len(_model(h, "b").batcher) == 0 and _model(h, "b").stats.failure_reasons["CANCELED"] == 1
+    assert h.compute(wb1) == [1] and list(results(h.out.take())) == [hold] and not wb1.bell.rung
+    assert not h.core.calls.orphans and not h.core.calls.by_worker
+
+
+def test_the_queued_calls_of_a_batch_that_finished_leave_unrun(tmp_path, front):
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    h.ready_all()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    hold, _ = _running(h, wb, 2.0)
+    r1, from_a = _running(h, wa, 1.0)
+    calls = [_call(h, "b", from_a) for _ in range(3)]
+    h.compute(wa)  # it returned without waiting for them
+    got = results(h.out.take())
+    assert isinstance(got.pop(r1), np.ndarray) and set(got) == set(calls)
+    assert all("canceled" in e.message and "(it finished)" in e.message for e in got.values())
+    assert h.compute(wb) == [1] and list(results(h.out.take())) == [hold]
+    assert not wb.bell.rung and _model(h, "b").stats.failure_reasons["CANCELED"] == 3
+
+
+def test_a_queued_call_left_with_no_worker_that_could_run_it_fails_when_that_worker_fails_for_good(tmp_path, front):
+    """b's second worker is restarting, so a's call waits for it; its load then fails: nothing can ever run the
+    call, which is failed at once; the call it waited against is then served."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=2)
+    h = front()
+    h.ready_all()
+    (wa,), (wb1, wb2) = _workers(h, "a"), _workers(h, "b")
+    h.exit(wb2, -9)
+    r2, from_b = _running(h, wb1, 1.0)
+    r1, from_a = _running(h, wa, 1.0)
+    ba = _call(h, "a", from_b)
+    ab = _call(h, "b", from_a)  # wb2 restarts: it will be free
+    assert h.out.take() == []
+    h.tick(5.0)
+    assert wb2.state == WorkerState.STARTING
+    h.core.on_worker_message(protocol.WorkerFailed(wb2.id, "weights missing"))
+    err = results(h.out.take())[ab]
+    assert err.code == errors.Unavailable.code and "model 'b' can no longer run this BLS call" in err.message
+    assert f"a (worker {wa.id}) -> b (worker {wb1.id}) -> a (worker {wa.id})" in err.message
+    h.compute(wa)  # a's batch fails with that error; then it runs ba
+    h.compute(wa)
+    h.compute(wb1)
+    got = results(h.out.take())
+    assert set(got) == {r1, ba, r2} and isinstance(got[ba], np.ndarray)
+
+
+def test_a_warming_up_worker_waits_on_its_warmups_calls_and_they_end_with_the_warmup(tmp_path, front):
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    h.ready(wb)
+    h.tick()
+    r2, from_b = _running(h, wb, 1.0)
+    warm = _call(h, "b", [wa.id, -1, 0])  # a's warmup calls b: queued behind r2
+    ba = _call(h, "a", from_b)  # a is still LOADING: refused as not ready, as any request
+    assert results(h.out.take())[ba].code == errors.ModelNotReady.code
+    h.ready(wa)  # the warmup is over: its call leaves b's queue unrun
+    got = results(h.out.take())
+    assert list(got) == [warm] and "(its warmup ended)" in got[warm].message
+    assert len(_model(h, "b").batcher) == 0
+
+
+@pytest.mark.parametrize("callee_count", [1, 2])
+def test_calls_of_many_threads_of_one_batch_wait_together(tmp_path, front, callee_count):
+    """One batch with several calls in flight at once (threads, or an async execute): it waits on all of
+    them. b's batch calls a while a's batch has three calls queued at b."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=callee_count)
+    h = front()
+    h.ready_all()
+    (wa,), wbs = _workers(h, "a"), _workers(h, "b")
+    r2, from_b = _running(h, wbs[0], 1.0)
+    holds = [_running(h, w, 2.0)[0] for w in wbs[1:]]
+    _, from_a = _running(h, wa, 1.0)
+    calls = [_call(h, "b", from_a) for _ in range(3)]
+    ba = _call(h, "a", from_b)
+    got = _errors(h.out.take())
+    if callee_count == 1:
+        assert list(got) == [ba] and "cannot take this BLS call" in got[ba].message
+    else:
+        assert got == {} and len(holds) == 1 and len(_model(h, "a").batcher) == 1
+        assert len(_model(h, "b").batcher) == len(calls)
+
+
+def test_a_withdrawn_request_leaves_its_queue_its_rows_its_bytes_and_its_deadline():
+    from gepool.scheduler.batcher import DynamicBatcher, QueueBudget
+    from gepool.scheduler.queues import DELAY, Policy, PolicyQueues
+
+    budget = QueueBudget(1 << 20)
+    levels = PolicyQueues(2, 1, Policy(default_timeout_us=1000, timeout_action=DELAY))
+    b = DynamicBatcher(16, (8,), 0, clock=lambda: 0.0, queues=levels, budget=budget)
+    a, x, y = object(), object(), object()
+    assert b.add(a, 2, nbytes=10, priority=1) and b.add(x, 3, nbytes=20, priority=2, deadline_us=500)
+    assert b.add(y, 1, nbytes=40, priority=2, deadline_us=2000)
+    assert b.timeout_deadline() == 0.0005
+    assert b.withdraw(x) and not b.withdraw(x) and not b.withdraw(object())
+    assert [p.item for p in b.queue] == [a, y] and len(b) == 2 and b.rows == 3 and budget.used == 50
+    assert b.timeout_deadline() == 0.001  # x's deadline no longer counts
+    assert b.withdraw(a) and b.withdraw(y) and len(b) == 0 and b.rows == 0 and budget.used == 0
+    assert b.timeout_deadline() is None
