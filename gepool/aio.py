@@ -121,12 +121,13 @@ class AsyncClient(ClientCore):
         entry = (out, fut, deadline, True)
         self._inflight[req_id] = entry
         try:
-            if not await self._send_lane(frames, req_id, entry):
+            if (self._lane is not None and self._queue_one(frames, req_id)) or await self._send_lane(
+                    frames, req_id, entry):
+                wake = deadline
+            else:
                 self._inflight[req_id] = entry[:3] + (False,)
                 await self._sock.send_multipart(frames, copy=False)
                 wake = now + WATCH_S if deadline is None or deadline > now + WATCH_S else deadline
-            else:
-                wake = deadline
             if wake is not None and (self._timer_at is None or wake < self._timer_at):
                 self._arm(wake, now)
             return await fut
@@ -167,11 +168,7 @@ class AsyncClient(ClientCore):
                     await self._connect_lane()
             if self._lane is None:
                 return False
-        one = _lane.record(frames)
-        if one is not None:
-            self._outq.append((frames, req_id, one, None))
-            if self._flush_at is None and self._draining is None:
-                self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        if self._queue_one(frames, req_id):
             return True
         try:
             records = _lane.records(frames)
@@ -184,6 +181,16 @@ class AsyncClient(ClientCore):
             self._flush()
         if self._draining is not None:
             await asyncio.wait([self._draining])  # not cancelled with this request: it owns the queue
+        return True
+
+    def _queue_one(self, frames: list, req_id: int) -> bool:
+        """Queues a message that fits one record for the flush, scheduling it; False for a longer one."""
+        one = _lane.record(frames)
+        if one is None:
+            return False
+        self._outq.append((frames, req_id, one, None))
+        if self._flush_at is None and self._draining is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
         return True
 
     def _flush(self) -> None:

@@ -102,12 +102,20 @@ def _flat(part) -> memoryview:
 
 def record(parts: list) -> tuple[list, int] | None:
     """The message as one record (its buffers, and its length) when it fits in one, else None."""
-    if len(parts) > MAX_PARTS:
+    count = len(parts)
+    if count > MAX_PARTS:
         return None
-    views = [_flat(p) for p in parts]
-    header = struct.pack(f"<I{len(views)}Q", len(views), *[v.nbytes for v in views])
-    size = 1 + len(header) + sum(v.nbytes for v in views)
-    return ([_LAST, header, *views], size) if size <= RECORD_MAX else None
+    buffers, sizes, size = [_LAST, b""], [], 0
+    for part in parts:
+        if type(part) is not bytes:
+            part = _flat(part)
+        buffers.append(part)
+        n = len(part)  # a flat view's len is its bytes
+        sizes.append(n)
+        size += n
+    buffers[1] = _sizes(count).pack(count, *sizes)
+    size += 1 + 4 + 8 * count
+    return (buffers, size) if size <= RECORD_MAX else None
 
 
 def records(parts: list) -> list[list]:
@@ -278,41 +286,53 @@ class Receiver:
 
 
 def _unbatch(record: memoryview) -> list[list[memoryview]]:
-    """A BATCH record's messages, every length checked against the record before any part is cut."""
-    n = record.nbytes
-    if n < _BATCH_HEAD.size:
+    """A BATCH record's messages; each message's lengths are checked against the record before its parts
+    are cut, and nothing is returned unless all of them agree."""
+    if record.nbytes < _BATCH_HEAD.size:
         raise LaneError("a record too short for a batch header")
     _, count = _BATCH_HEAD.unpack_from(record)
     if not 0 < count <= MAX_BATCH:
         raise LaneError(f"a batch of {count} messages (at most {MAX_BATCH})")
-    body = memoryview(bytes(record[_BATCH_HEAD.size:]))  # one copy for all its messages' parts
-    end = body.nbytes
-    cuts, at, unpack = [], 0, _COUNT.unpack_from
+    body = bytes(record[_BATCH_HEAD.size:])  # one copy for all its messages' parts
+    view = memoryview(body)
+    end, at, unpack, messages = len(body), 0, _COUNT.unpack_from, []
     for _ in range(count):
         if at + 4 > end:
             raise LaneError(f"a batch declares {count} messages and carries fewer")
         (size,) = unpack(body, at)
         at += 4
-        if at + size > end:
+        stop = at + size
+        if stop > end:
             raise LaneError(f"a batched message of {size} bytes runs past its batch")
-        inner = body[at:at + size]
-        if size and inner[0] != 0:
-            raise LaneError(f"a batched message with flags {inner[0]:#x} (batches do not nest or span records)")
-        sizes, head = _header(inner)
-        if head + sum(sizes) != size:
-            raise LaneError(f"a batched message declares {head + sum(sizes)} bytes and carries {size}")
-        cuts.append((at + head, sizes))
-        at += size
+        if size < 1 + _COUNT.size:
+            raise LaneError("a batched message too short for a message header")
+        if body[at]:
+            raise LaneError(f"a batched message with flags {body[at]:#x} (batches do not nest or span records)")
+        (n,) = unpack(body, at + 1)
+        head = at + 1 + 4 + 8 * n
+        if n > MAX_PARTS or head > stop:
+            raise LaneError(f"a batched message header of {n} parts")
+        sizes = _sizes(n).unpack_from(body, at + 1)
+        if head + sum(sizes) - sizes[0] != stop:
+            raise LaneError(f"a batched message declares {head - at + sum(sizes) - sizes[0]} bytes and "
+                            f"carries {size}")
+        parts = []
+        for k in sizes[1:]:
+            parts.append(view[head:head + k])
+            head += k
+        messages.append(parts)
+        at = stop
     if at != end:
         raise LaneError(f"a batch carries {end - at} bytes after its last message")
-    messages = []
-    for at, sizes in cuts:
-        parts = []
-        for size in sizes:
-            parts.append(body[at:at + size])
-            at += size
-        messages.append(parts)
     return messages
+
+
+def _sizes(count: int) -> struct.Struct:
+    """A message header's struct: ``<I`` count, then ``count`` ``<Q`` lengths."""
+    return _SIZES[count] if count < len(_SIZES) else struct.Struct(f"<I{count}Q")
+
+
+_SIZES = [struct.Struct(f"<I{n}Q") for n in range(16)]
 
 
 def _header(record: memoryview) -> tuple[tuple, int]:
