@@ -272,6 +272,43 @@ def test_asyncio_sends_queued_when_the_lane_dies_go_by_zmq(pool):
         np.testing.assert_array_equal(out["OUTPUT0"], 2 * (x + i) + 1)
 
 
+def test_the_io_threads_callbacks_send_what_a_batch_of_replies_started_together(pool):
+    """Closed loops on one sync client's futures: each answer's callback (on the I/O thread) sends the
+    next request. The replies of a pass arrive in one record, every callback runs, and the requests they
+    queued go out sharing records; every chain still gets its own answers."""
+    from gepool import Client
+
+    xs = [np.full((1, 16), i, np.float32) for i in range(48)]
+    got: dict[int, list] = {i: [] for i in range(len(xs))}
+    done = threading.Event()
+    left = [len(xs)]
+    lock = threading.Lock()
+
+    with Client(pool.endpoint) as c:
+        c.infer("tiny", {"INPUT0": xs[0]})
+
+        def step(fut, i: int, k: int) -> None:
+            got[i].append(fut.result()["OUTPUT0"])
+            if k:
+                c.infer_async("tiny", {"INPUT0": xs[i] + k}).add_done_callback(lambda f: step(f, i, k - 1))
+                return
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+        for i, x in enumerate(xs):
+            c.infer_async("tiny", {"INPUT0": x}).add_done_callback(lambda f, i=i: step(f, i, 10))
+        assert done.wait(120)
+        batched = c._io.batched
+    for i, x in enumerate(xs):
+        want = [2 * x + 1] + [2 * (x + k) + 1 for k in range(10, 0, -1)]
+        assert len(got[i]) == len(want)
+        for a, b in zip(got[i], want):
+            np.testing.assert_array_equal(a, b)
+    assert batched > 0
+
+
 WIDE = 8192  # floats per row: 32 KiB, so 3 rows need several lane records
 
 
