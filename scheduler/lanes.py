@@ -7,8 +7,8 @@ Replies made in one pass of the front's loop wait in their lane's batch (copied,
 into a slot) until the loop calls ``flush()`` before it waits again: a lane's replies of one pass go as
 one BATCH record (or as few as hold them) instead of one record each. The front never blocks on a
 client: a record that finds the client's socket buffer full waits in that lane's queue until the
-socket drains. A client that breaks
-the framing loses its lane; one that closed it loses the replies still due, as with ZMQ.
+socket drains. A client that breaks the framing loses its lane; one that closed it loses the replies
+still due, as with ZMQ.
 """
 
 import collections
@@ -195,8 +195,7 @@ class Lanes:
             if not conn.batch:
                 self.pending.append(conn)
             elif conn.batched + 4 + size > lane.BATCH_ROOM or len(conn.batch) == lane.MAX_BATCH:
-                self._send_batch(conn)
-                self.pending.append(conn)
+                self._send_batch(conn)  # full: it goes now (the lane stays pending for what follows)
             conn.batch.append((buffers, size))
             conn.batched += 4 + size
             return
