@@ -1,7 +1,6 @@
 """The asyncio client: ``await client.infer(...)``, many requests in flight on one socket."""
 
 import asyncio
-import contextlib
 import socket
 import time
 
@@ -19,9 +18,11 @@ from gepool.ipc.sockets import make_socket
 class AsyncClient(ClientCore):
     """Use ``async with AsyncClient(endpoint) as c:`` or ``await AsyncClient.connect(...)``.
 
-    On an ipc endpoint it talks over a lane (see ``Client``) unless ``lane=False``. One timer, not one
-    per request, fires at the earliest deadline (and, while a request went over ZMQ, looks whether the
-    pool's socket file is still there)."""
+    On an ipc endpoint it talks over a lane (see ``Client``) unless ``lane=False``. Requests made in
+    one pass of the event loop go out together, as one lane record where they fit one, when the loop
+    runs the flush they scheduled (no timer: nothing waits for a later request); the pool's replies
+    come back batched the same way. One timer, not one per request, fires at the earliest deadline
+    (and, while a request went over ZMQ, looks whether the pool's socket file is still there)."""
 
     def __init__(self, endpoint: str | None = None, *, shared_memory: bool = False,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, timeout: float | None = DEFAULT_TIMEOUT_S,
@@ -34,8 +35,15 @@ class AsyncClient(ClientCore):
         self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.endpoint, curve_client=self._curve)
         self._lane: socket.socket | None = None
         self._lane_rx: _lane.Receiver | None = None
-        self._lane_lock = asyncio.Lock()
-        self._lane_users = 0  # sends and connections holding or waiting for _lane_lock
+        self._lane_lock = asyncio.Lock()  # one connection attempt at a time
+        # messages for the lane, in order: (frames, req_id, its one record or None, its records or None)
+        self._outq: list[tuple] = []
+        self._flush_at: asyncio.Handle | None = None  # the flush the queue's first message scheduled
+        self._draining: asyncio.Task | None = None  # sending what found the socket full; the lane is busy
+        self._sending: tuple[list, list] | None = None  # the queue and records a drain sends
+        self._sent = 0  # of those records
+        # records and messages sent and read over the lane (what coalescing saves: records per message)
+        self.lane_counts = {"records_sent": 0, "messages_sent": 0, "records_read": 0, "messages_read": 0}
         self._inflight = Inflight()  # req_id -> (out or None, future of (msg, frames), deadline, sent over the lane)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -110,14 +118,16 @@ class AsyncClient(ClientCore):
         wait = self.timeout if timeout is None else timeout
         now = time.monotonic()
         deadline = None if wait is None else now + wait
-        entry = (out, fut, deadline, False)
+        entry = (out, fut, deadline, True)
         self._inflight[req_id] = entry
         try:
-            if not await self._send_lane(frames, req_id, entry):
+            if (self._lane is not None and self._queue_one(frames, req_id)) or await self._send_lane(
+                    frames, req_id, entry):
+                wake = deadline
+            else:
+                self._inflight[req_id] = entry[:3] + (False,)
                 await self._sock.send_multipart(frames, copy=False)
                 wake = now + WATCH_S if deadline is None or deadline > now + WATCH_S else deadline
-            else:
-                wake = deadline
             if wake is not None and (self._timer_at is None or wake < self._timer_at):
                 self._arm(wake, now)
             return await fut
@@ -146,76 +156,105 @@ class AsyncClient(ClientCore):
             self._arm(wake, now)
 
     async def _send_lane(self, frames: list, req_id: int, entry: tuple) -> bool:
-        """False: no lane, or it died before the pool read this request (then ZMQ carries it).
-        A lock keeps one message's records together. A send goes without it while nobody holds or waits
-        for it; one whose record finds the socket full then takes it (at once: nobody else could have)
-        and waits under it, and the sends that come meanwhile queue for it."""
+        """False: no lane (ZMQ carries this one). True: the lane has it, and sends it or, if the lane dies
+        first, hands it to ZMQ. A message that fits one record joins the queue that the flush it (or the
+        one before it) scheduled sends; a longer one goes now, behind the queue, and its sender waits
+        while the socket is full. The frames are read when sent, not before (as ZMQ's copy=False)."""
         if self._lane is None:
             if not self._dialer.due():
                 return False
-            async with self._locked_lane():  # one connection attempt at a time
+            async with self._lane_lock:
                 if self._lane is None and self._dialer.due():
                     await self._connect_lane()
+            if self._lane is None:
+                return False
+        if self._queue_one(frames, req_id):
+            return True
         try:
             records = _lane.records(frames)
         except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
             return False
-        if self._lane_users:  # another message may be part sent: this one's records go after all of its
-            async with self._locked_lane():
-                return await self._send_records(self._lane, records, 0, req_id, entry)
+        self._outq.append((frames, req_id, None, records))
+        if self._draining is None:
+            if self._flush_at is not None:
+                self._flush_at.cancel()
+            self._flush()
+        if self._draining is not None:
+            await asyncio.wait([self._draining])  # not cancelled with this request: it owns the queue
+        return True
+
+    def _queue_one(self, frames: list, req_id: int) -> bool:
+        """Queues a message that fits one record for the flush, scheduling it; False for a longer one."""
+        one = _lane.record(frames)
+        if one is None:
+            return False
+        self._outq.append((frames, req_id, one, None))
+        if self._flush_at is None and self._draining is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        return True
+
+    def _flush(self) -> None:
+        """Sends the queue; what finds the socket full is left to a drain task (the lane is busy until it
+        ends, and what is queued meanwhile goes when it does, together)."""
+        self._flush_at = None
+        queue, self._outq = self._outq, []
         sock = self._lane
         if sock is None:
-            return False
+            self._by_zmq(queue)
+            return
+        records = _framed(queue)
         sent = 0
         try:
             for record in records:
                 sock.sendmsg(record)
                 sent += 1
         except BlockingIOError:
-            async with self._locked_lane():
-                return await self._send_records(sock, records, sent, req_id, entry)
+            self._sending, self._sent = (queue, records), sent
+            self._draining = asyncio.get_running_loop().create_task(self._drain(sock))
+            return
         except OSError as exc:
+            self._sending, self._sent = (queue, records), sent
             self._lose_lane(exc)
-            return False
-        if req_id in self._inflight:  # a reply may have come already, and taken the entry
-            self._inflight[req_id] = entry[:3] + (True,)
-        return True
+            return
+        counts = self.lane_counts
+        counts["records_sent"] += sent
+        counts["messages_sent"] += len(queue)
 
-    @contextlib.asynccontextmanager
-    async def _locked_lane(self):
-        """The lane's lock, counted while held or waited for (the unlocked sends look at the count)."""
-        self._lane_users += 1
-        try:
-            async with self._lane_lock:
-                yield
-        finally:
-            self._lane_users -= 1
-
-    async def _send_records(self, sock: socket.socket | None, records: list, sent: int, req_id: int,
-                            entry: tuple) -> bool:
-        """The records of a message from ``sent`` on, under the lane lock, waiting where the socket is full."""
-        if sock is None or sock is not self._lane:  # lost (or replaced) while this send waited for the lock
-            if sent:
-                self._lose_lane(ConnectionAbortedError("the lane was lost mid-message"))
-            return False
+    async def _drain(self, sock: socket.socket) -> None:
+        """The records of ``_sending`` from ``_sent`` on, waiting for room, then what queued meanwhile; ends
+        when the queue is empty or the lane is lost (``_lose_lane`` cancels it and takes what is left)."""
         loop = asyncio.get_running_loop()
         try:
-            for record in records[sent:]:
-                try:
-                    sock.sendmsg(record)
-                except BlockingIOError:
-                    await loop.sock_sendall(sock, b"".join(record))
-                sent += 1
+            while self._sending is not None:
+                queue, records = self._sending
+                for record in records[self._sent:]:
+                    try:
+                        sock.sendmsg(record)
+                    except BlockingIOError:
+                        await loop.sock_sendall(sock, b"".join(record))
+                    self._sent += 1
+                self.lane_counts["records_sent"] += len(records)
+                self.lane_counts["messages_sent"] += len(queue)
+                queue, self._outq = self._outq, []
+                self._sending, self._sent = ((queue, _framed(queue)) if queue else None), 0
         except OSError as exc:
             self._lose_lane(exc)
-            return False
-        except asyncio.CancelledError:  # mid-message, the rest would never follow: close the lane
-            if sent:
-                self._lose_lane(ConnectionAbortedError("a send was cancelled mid-message"))
-            raise
-        if req_id in self._inflight:
-            self._inflight[req_id] = entry[:3] + (True,)
-        return True
+        finally:
+            self._draining = self._sending = None
+            if self._outq and self._flush_at is None and not self._closed:
+                self._flush_at = loop.call_soon(self._flush)
+
+    def _by_zmq(self, queue: list) -> None:
+        if not queue:
+            return
+        now = time.monotonic()
+        for frames, req_id, _, _ in queue:
+            entry = self._inflight.get(req_id)
+            if entry is not None:
+                self._inflight[req_id] = entry[:3] + (False,)
+            self._sock.send_multipart(frames, copy=False).add_done_callback(_quiet)
+        if self._timer_at is None or now + WATCH_S < self._timer_at:
+            self._arm(now + WATCH_S, now)
 
     async def _connect_lane(self) -> None:
         """Waits for the front's ACCEPTED without blocking the loop (the front may be busy, or be the
@@ -236,22 +275,37 @@ class AsyncClient(ClientCore):
         loop.add_reader(sock.fileno(), self._read_lane)
 
     def _read_lane(self) -> None:
+        counts = self.lane_counts
         while self._lane is not None:
             try:
-                parts = self._lane_rx.recv(self._lane)
+                messages = self._lane_rx.take(self._lane)
             except (BlockingIOError, InterruptedError):
                 return
             except (EOFError, OSError, _lane.LaneError) as exc:
                 self._lose_lane(exc)
                 return
-            if parts is not None:
-                self._deliver(parts)
+            if messages is not None:
+                counts["records_read"] += 1
+                counts["messages_read"] += len(messages)
+                for parts in messages:
+                    self._deliver(parts)
 
     def _lose_lane(self, exc: BaseException) -> None:
-        """What went over the lane will hear nothing more: it fails now, not at its timeout."""
+        """What went over the lane will hear nothing more: it fails now, not at its timeout. What the lane
+        had not sent yet (queued, or behind a full socket) goes by ZMQ."""
         sock, self._lane = self._lane, None
         if sock is None:
             return
+        unsent = []
+        if self._sending is not None:
+            queue, records = self._sending
+            unsent = queue[sum(_lane.completes(r) for r in records[:self._sent]):]
+            self._sending = None
+        if self._draining is not None and self._draining is not asyncio.current_task():
+            self._draining.cancel()
+        unsent += self._outq
+        self._outq = []
+        self._by_zmq(unsent)
         self._dialer.failed()
         asyncio.get_running_loop().remove_reader(sock.fileno())
         sock.close()
@@ -292,6 +346,12 @@ class AsyncClient(ClientCore):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = self._timer_at = None
+            if self._flush_at is not None:
+                self._flush_at.cancel()
+                self._flush_at = None
+            if self._draining is not None:
+                self._draining.cancel()
+                await asyncio.wait([self._draining])
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
@@ -309,3 +369,25 @@ class AsyncClient(ClientCore):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _framed(queue: list) -> list[list]:
+    """The queue's records in order: each run of one-record messages batched, longer messages as they are."""
+    out, run = [], []
+    for _, _, one, records in queue:
+        if one is not None:
+            run.append(one)
+            continue
+        if run:
+            out += _lane.batched(run)
+            run = []
+        out += records
+    if run:
+        out += _lane.batched(run)
+    return out
+
+
+def _quiet(fut: asyncio.Future) -> None:
+    """A fire-and-forget ZMQ send's outcome, taken (the request's own deadline says if it was lost)."""
+    if not fut.cancelled():
+        fut.exception()

@@ -24,7 +24,8 @@ class IoThread(threading.Thread):
     """Owns one ZMQ socket and, beside an ipc endpoint, a lane (preferred while it works). Another
     thread's request goes straight onto the lane when nothing waits to go before it: waking this
     thread through the pipe to send it cost a second wake-up per request (an open-loop sender paid
-    two per arrival). Otherwise callers hand it requests through a deque and a wake-up pipe.
+    two per arrival). Otherwise callers hand it requests through a deque and a wake-up pipe, and what
+    waits there goes out as few lane records as hold it (a BATCH record, ipc/lane.py).
     ``send_lock`` keeps one message's records together on the lane and orders the two paths."""
 
     def __init__(self, core: "Client") -> None:
@@ -40,6 +41,7 @@ class IoThread(threading.Thread):
         self.ended = False  # the loop has failed what it held: nothing may be added to pending now
         self.wait_until: float | None = None  # the earliest deadline (or endpoint look) the loop's poll wakes for
         self.wakes = 0  # pipe writes for requests: what straight sends save
+        self.batched = 0  # requests that shared a lane record with others
 
     def submit(self, out: _wire.Outgoing, fut, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -123,6 +125,8 @@ class IoThread(threading.Thread):
                 self._connect_lane(poller)
             pending, outbox = self.pending, self.outbox
             while outbox:
+                if self.lane is not None and len(outbox) > 1 and self._send_run(sock, poller):
+                    continue
                 out, fut, deadline = outbox.popleft()
                 if self.lane is not None:
                     pending[out.req_id] = (out, fut, deadline, True)
@@ -137,6 +141,32 @@ class IoThread(threading.Thread):
                         pass
                 pending[out.req_id] = (out, fut, deadline, False)
                 zmqio.send_parts(sock, out.frames)  # the next poll's wait includes a look at the endpoint
+
+    def _send_run(self, sock: zmq.Socket, poller: zmq.Poller) -> bool:
+        """The outbox's leading requests that fit one record each, as few lane records as hold them (False:
+        the first needs more). Those a lost lane did not send go by ZMQ. Called holding ``send_lock``."""
+        outbox, pending, run = self.outbox, self.pending, []
+        while outbox and (one := _lane.record(outbox[0][0].frames)) is not None:
+            out, fut, deadline = outbox.popleft()
+            pending[out.req_id] = (out, fut, deadline, True)
+            run.append((out, one))
+        if not run:
+            return False
+        lane_sock, sent = self.lane.sock, 0
+        try:
+            lane_sock.settimeout(None)
+            for record in _lane.batched([one for _, one in run]):
+                lane_sock.sendmsg(record)
+                n = _lane.completes(record)
+                sent += n
+                self.batched += n if n > 1 else 0
+        except OSError as exc:
+            unsent = [pending.pop(out.req_id) for out, _ in run[sent:]]
+            self._lose_lane(poller, exc)
+            for out, fut, deadline, _ in unsent:
+                pending[out.req_id] = (out, fut, deadline, False)
+                zmqio.send_parts(sock, out.frames)
+        return True
 
     def _connect_lane(self, poller: zmq.Poller) -> None:
         self.lane = self.core._dialer.connect()
@@ -156,19 +186,21 @@ class IoThread(threading.Thread):
             fut.set_exception(self.core._hung_up(f"request {req_id}", exc))
 
     # Each reply's callbacks may send the next requests (a closed loop): they go out before the next
-    # reply is read, so the front gets the first of them while it is still sending the rest.
+    # record is read, so the front gets the first of them while it is still sending the rest; a batch's
+    # replies are all delivered first, and what their callbacks sent goes out together.
     def _receive_lane(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
         while self.lane is not None:
             try:
-                parts = self.lane.receiver.recv(self.lane.sock, socket.MSG_DONTWAIT)
+                messages = self.lane.receiver.take(self.lane.sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except (EOFError, OSError, _lane.LaneError) as exc:
                 with self.send_lock:
                     self._lose_lane(poller, exc)
                 return
-            if parts is not None:
-                self._deliver(parts)
+            if messages is not None:
+                for parts in messages:
+                    self._deliver(parts)
                 self._flush(sock, poller)
 
     def _receive(self, sock: zmq.Socket, poller: zmq.Poller) -> None:

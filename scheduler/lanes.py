@@ -3,9 +3,12 @@ endpoint, and one connection per client thread, all behind one epoll whose descr
 front's poll like any socket. A lane's messages go through the same handler as the ZMQ socket's;
 its identity is minted here, and replies to it go back over the lane.
 
-The front never blocks on a client: a reply that finds the client's socket buffer full waits in that
-lane's queue (copied, since it may point into a slot) until the socket drains. A client that breaks
-the framing loses its lane; one that closed it loses the replies still due, as with ZMQ.
+Replies made in one pass of the front's loop wait in their lane's batch (copied, since they may point
+into a slot) until the loop calls ``flush()`` before it waits again: a lane's replies of one pass go as
+one BATCH record (or as few as hold them) instead of one record each. The front never blocks on a
+client: a record that finds the client's socket buffer full waits in that lane's queue until the
+socket drains. A client that breaks the framing loses its lane; one that closed it loses the replies
+still due, as with ZMQ.
 """
 
 import collections
@@ -46,6 +49,8 @@ class Lane:
     queue: collections.deque = field(default_factory=collections.deque)
     queued: int = 0
     uid: int = -1  # the client's user, from the kernel too
+    batch: list = field(default_factory=list)  # this pass's one-record replies: (buffers, length)
+    batched: int = 0  # their bytes as batched (each with its length)
 
 
 class Lanes:
@@ -71,6 +76,7 @@ class Lanes:
         self.resume_at: float | None = None  # accepting paused until then
         self._scratch = bytearray(lane.RECORD_MAX)  # every lane's: one thread reads them, one record at a time
         self.limit: Callable[[], int] = lambda: lane.MAX_MESSAGE_BYTES  # the front sets its own
+        self.pending: list[Lane] = []  # lanes with a batch to flush
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -93,7 +99,7 @@ class Lanes:
             if conn is None:
                 continue
             if events & select.EPOLLOUT:
-                self._flush(conn)
+                self._drain(conn)
             if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and conn.sock.fileno() >= 0:
                 budget -= self._read(conn, budget)
             if budget <= 0:
@@ -140,10 +146,12 @@ class Lanes:
             self.epoll.register(self.listener.fileno(), select.EPOLLIN)
 
     def _read(self, conn: Lane, budget: int) -> int:
+        """Messages until the socket is empty or ``budget`` is spent (a batch counts whole)."""
         handled = 0
+        take, sock, identity, on_message = conn.receiver.take, conn.sock, conn.identity, self.on_message
         while handled < budget:
             try:
-                parts = conn.receiver.recv(conn.sock)
+                messages = take(sock)
             except (BlockingIOError, InterruptedError):
                 break
             except (EOFError, ConnectionError):
@@ -151,15 +159,16 @@ class Lanes:
                 break
             except lane.Oversized as exc:  # its records are dropped as they come; the client hears why now
                 log.warning("refusing a lane message: %s", exc)
-                self.send(conn.identity, [_too_large(exc)])
+                self.send(identity, [_too_large(exc)])
                 continue
             except (lane.LaneError, MemoryError, OSError) as exc:
                 log.warning("closing a lane: %s", exc)
                 self._drop(conn)
                 break
-            if parts is not None:
-                handled += 1
-                self.on_message(conn.identity, parts)
+            if messages is not None:
+                handled += len(messages)
+                for parts in messages:
+                    on_message(identity, parts)
         return handled
 
     def peer(self, identity: bytes) -> tuple[int, int] | None:
@@ -172,16 +181,47 @@ class Lanes:
         return len(identity) == _ID.size and identity[0] == MARK and _ID.unpack(identity)[1] <= self._minted
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
-        """Sends now, or queues a copy (whatever ``copy`` says: the copy is taken only when queued); a
-        closed lane's replies are dropped (its client is gone)."""
+        """A reply that fits one record joins its lane's batch (its parts copied when ``copy`` says they
+        point into a slot), sent by ``flush()``; a longer one goes now, after the batch, or queues a copy.
+        A closed lane's replies are dropped (its client is gone)."""
         conn = self.by_identity.get(identity)
         if conn is None:
+            return
+        one = lane.record(parts)
+        if one is not None:
+            buffers, size = one
+            if copy:
+                buffers = [b"".join(buffers)]
+            if not conn.batch:
+                self.pending.append(conn)
+            elif conn.batched + 4 + size > lane.BATCH_ROOM or len(conn.batch) == lane.MAX_BATCH:
+                self._send_batch(conn)  # full: it goes now (the lane stays pending for what follows)
+            conn.batch.append((buffers, size))
+            conn.batched += 4 + size
             return
         try:
             records = lane.records(parts)
         except lane.LaneError as exc:  # the client hears why instead of waiting out its timeout
             log.error("cannot send a reply over a lane: %s", exc)
             records = lane.records([_unframeable(parts[0], exc)])
+        if conn.batch:
+            self._send_batch(conn)
+        self._transmit(conn, records)
+
+    def flush(self) -> None:
+        """Sends every lane's batch: the front's loop calls it once a pass, before it waits."""
+        pending, self.pending = self.pending, []
+        for conn in pending:
+            if conn.batch:
+                self._send_batch(conn)
+
+    def _send_batch(self, conn: Lane) -> None:
+        batch, conn.batch, conn.batched = conn.batch, [], 0
+        if conn.sock.fileno() >= 0:
+            self._transmit(conn, lane.batched(batch))
+
+    def _transmit(self, conn: Lane, records: list[list]) -> None:
+        """Records now, in order; from the first the socket has no room for, a copy in the lane's queue."""
         if not conn.queue:
             sendmsg = conn.sock.sendmsg
             for i, record in enumerate(records):
@@ -204,7 +244,7 @@ class Lanes:
             log.warning("a lane's client has not read %d bytes of replies; closing it", conn.queued)
             self._drop(conn)
 
-    def _flush(self, conn: Lane) -> None:
+    def _drain(self, conn: Lane) -> None:
         while conn.queue:
             try:
                 conn.sock.send(conn.queue[0], socket.MSG_NOSIGNAL)
@@ -228,8 +268,10 @@ class Lanes:
             pass
         conn.sock.close()
         conn.queue.clear()
+        conn.batch.clear()
 
     def close(self) -> None:
+        self.flush()  # what the last pass answered (a stopping front answers every request in flight)
         for conn in list(self.by_fd.values()):
             self._drop(conn)
         self.epoll.close()

@@ -126,6 +126,8 @@ class Loop:
         if self._tick(time.monotonic()):  # once before any event: with no worker to wait for, ready now
             return
         while True:
+            if lanes is not None:
+                lanes.flush()  # the replies this pass made, one record per lane, before any wait
             events = self._wait(next_tick if dirty_since_tick else None)
             tick = not events
             for sock, _ in events:

@@ -128,6 +128,7 @@ def test_a_reply_a_lane_cannot_frame_comes_back_as_an_error(tmp_path):
         assert isinstance(msg, protocol.Error) and msg.req_id == 42 and msg.code == "INTERNAL"
         assert f"at most {lane.MAX_PARTS} parts" in msg.message
         lanes.send(identity, [reply])  # the lane still works
+        lanes.flush()  # (the front's loop calls it once a pass)
         assert isinstance(_wire.decode(conn.recv(time.monotonic() + 30))[0], protocol.Result)
         conn.close()
     finally:
