@@ -41,19 +41,26 @@ NAN = {"rps": float("nan"), "p50_us": float("nan"), "p99_us": float("nan")}
 POLLER_IO = "-event_engine_listener,-event_engine_for_all_other_endpoints"
 
 
-def context_switches(pid: int) -> int:
-    total = 0
+def switches_by_thread(pid: int) -> dict[str, int]:
+    """"tid name" -> the thread's voluntary + nonvoluntary context switches so far, for every thread of pid."""
+    out = {}
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0
+        return out
     for tid in tasks:
         try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/status") as f:
-                total += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
+                out[f"{tid} {name}"] = sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
         except OSError:
             pass  # a thread that ended
-    return total
+    return out
+
+
+def context_switches(pid: int) -> int:
+    return sum(switches_by_thread(pid).values())
 
 
 class Sidecar:
@@ -72,12 +79,15 @@ class Sidecar:
 
     def measure(self, model: str, run) -> dict | None:
         """``run()``'s perf_analyzer row with the sidecar's CPU and context switches per request added."""
-        n0, cpu0, cs0 = self.served(model), cpu_seconds(self.pid), context_switches(self.pid)
+        n0, cpu0, cs0 = self.served(model), cpu_seconds(self.pid), switches_by_thread(self.pid)
         row = run()
         n = max(1, self.served(model) - n0)
         if row is not None:
+            cs = switches_by_thread(self.pid)
             row["cpu_us"] = 1e6 * (cpu_seconds(self.pid) - cpu0) / n
-            row["cs"] = (context_switches(self.pid) - cs0) / n
+            per = {t: (c - cs0.get(t, 0)) / n for t, c in cs.items()}
+            row["cs"] = sum(per.values())
+            row["cs_threads"] = sorted(((v, t) for t, v in per.items() if v >= 0.5), reverse=True)
         return row
 
 
@@ -224,6 +234,11 @@ def compare_sync(repo: str, args, pa) -> None:
         print(f"\nround {rnd}")
         table([(m, c, {k: runs[k] for k in ("aio-grpc", "sync-grpc", "http")})
                for (m, c, r), runs in rows.items() if r == rnd])
+    print("\ncontext switches per request by thread (tid name: count; threads under 0.5 left out)")
+    for (m, c, r), runs in rows.items():
+        for tag, row in runs.items():
+            if row is not None:
+                print(f"{m:6s} {c:4d} #{r} {tag:9s} " + ", ".join(f"{t}: {v:.1f}" for v, t in row["cs_threads"]))
 
 
 def main() -> None:
