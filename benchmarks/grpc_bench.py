@@ -1,7 +1,7 @@
 """gepool's KServe v2 gRPC and HTTP endpoints against PyTriton's, with perf_analyzer (benchmarks/README.md).
 
     python benchmarks/grpc_bench.py [--seconds S] [--peer pytriton|none] [--triton-grpc HOST:PORT]
-        [--models tiny,mlp] [--levels 1,8,64] [--compare-io --rounds N]
+        [--models tiny,mlp] [--levels 1,8,64] [--compare-io | --compare-sync [--sync-threads N]] [--rounds N]
 
 Runs ``perf_analyzer -i grpc`` (unary and ``--streaming``) and ``-i http`` against one pool at
 concurrency 1, 8 and 64 on tiny and mlp, and the same commands against PyTriton (Triton's own fronts,
@@ -16,7 +16,9 @@ the pool counted in the same window) and its context switches per request (every
 /proc/PID/task/*/status): a thread hand-off costs one of each, and on a busy host a wait for a core.
 ``--compare-io`` alternates, round by round, two pools that differ only in grpcio's socket I/O: on
 grpcio's EventEngine threads (its default, "engine") or on the thread that polls the completion queue
-(GRPC_EXPERIMENTS turning the EventEngine listener and endpoints off, "poller").
+(GRPC_EXPERIMENTS turning the EventEngine listener and endpoints off, "poller"). ``--compare-sync``
+alternates, on one pool, gRPC unary through its grpc.aio sidecar, through a sync ``grpc.server`` whose
+handler threads call the front with the sync client (grpc_sync_proto.py, a process of its own) and HTTP.
 """
 
 import argparse
@@ -39,26 +41,33 @@ NAN = {"rps": float("nan"), "p50_us": float("nan"), "p99_us": float("nan")}
 POLLER_IO = "-event_engine_listener,-event_engine_for_all_other_endpoints"
 
 
-def context_switches(pid: int) -> int:
-    total = 0
+def switches_by_thread(pid: int) -> dict[str, int]:
+    """"tid name" -> the thread's voluntary + nonvoluntary context switches so far, for every thread of pid."""
+    out = {}
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0
+        return out
     for tid in tasks:
         try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/status") as f:
-                total += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
+                out[f"{tid} {name}"] = sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
         except OSError:
             pass  # a thread that ended
-    return total
+    return out
+
+
+def context_switches(pid: int) -> int:
+    return sum(switches_by_thread(pid).values())
 
 
 class Sidecar:
     """The pool's sidecar process and the pool's own count of successful requests per model."""
 
-    def __init__(self, pool, grpc_url: str) -> None:
-        self.pid = processes(pool.process.pid, None)["sidecar"]
+    def __init__(self, pool, grpc_url: str, pid: int | None = None) -> None:
+        self.pid = pid or processes(pool.process.pid, None)["sidecar"]
         self.url = grpc_url
 
     def served(self, model: str) -> int:
@@ -70,12 +79,15 @@ class Sidecar:
 
     def measure(self, model: str, run) -> dict | None:
         """``run()``'s perf_analyzer row with the sidecar's CPU and context switches per request added."""
-        n0, cpu0, cs0 = self.served(model), cpu_seconds(self.pid), context_switches(self.pid)
+        n0, cpu0, cs0 = self.served(model), cpu_seconds(self.pid), switches_by_thread(self.pid)
         row = run()
         n = max(1, self.served(model) - n0)
         if row is not None:
+            cs = switches_by_thread(self.pid)
             row["cpu_us"] = 1e6 * (cpu_seconds(self.pid) - cpu0) / n
-            row["cs"] = (context_switches(self.pid) - cs0) / n
+            per = {t: (c - cs0.get(t, 0)) / n for t, c in cs.items()}
+            row["cs"] = sum(per.values())
+            row["cs_threads"] = sorted(((v, t) for t, v in per.items() if v >= 0.5), reverse=True)
         return row
 
 
@@ -187,6 +199,48 @@ def compare_io(repo: str, args, pa) -> None:
                for (m, c), runs in rows.items()])
 
 
+def compare_sync(repo: str, args, pa) -> None:
+    """Rounds alternating, on one pool, gRPC unary through the pool's grpc.aio sidecar, through
+    grpc_sync_proto.py's sync grpc.server (a process of its own on the same pool), and HTTP."""
+    from gepool import Pool
+
+    rows: dict[tuple, dict] = {}
+    with Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads) as pool:
+        port = peers.free_port()
+        proto = subprocess.Popen([sys.executable, os.path.join(HERE, "grpc_sync_proto.py"), "--endpoint",
+                                  pool.endpoint, "--port", str(port), "--threads", str(args.sync_threads)],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            if proto.stdout.readline().strip() != "ready":
+                raise SystemExit("grpc_sync_proto.py did not start (its error is above)")
+            check_answers(f"127.0.0.1:{port}", repo)
+            aio = Sidecar(pool, f"127.0.0.1:{pool.grpc_port}")
+            sync = Sidecar(pool, aio.url, pid=proto.pid)
+            cells = [("aio-grpc", aio, f"127.0.0.1:{pool.grpc_port}", "grpc"),
+                     ("sync-grpc", sync, f"127.0.0.1:{port}", "grpc"),
+                     ("http", aio, f"127.0.0.1:{pool.http_port}", "http")]
+            for rnd in range(args.rounds):
+                for model in args.models:
+                    for conc in args.levels:
+                        runs = rows.setdefault((model, conc, rnd), {})
+                        for tag, side, url, protocol in (cells if rnd % 2 == 0 else cells[::-1]):
+                            runs[tag] = side.measure(model, lambda m=model, u=url, p=protocol, c=conc: pa(m, u, p, c))
+        finally:
+            proto.terminate()
+            proto.wait(30)
+    print(f"\n{args.rounds} round(s) alternating the order; {args.threads} onnxruntime thread(s); "
+          f"{args.sync_threads} sync handler threads; window {args.seconds:g} s")
+    for rnd in range(args.rounds):
+        print(f"\nround {rnd}")
+        table([(m, c, {k: runs[k] for k in ("aio-grpc", "sync-grpc", "http")})
+               for (m, c, r), runs in rows.items() if r == rnd])
+    print("\ncontext switches per request by thread (tid name: count; threads under 0.5 left out)")
+    for (m, c, r), runs in rows.items():
+        for tag, row in runs.items():
+            if row is not None:
+                print(f"{m:6s} {c:4d} #{r} {tag:9s} " + ", ".join(f"{t}: {v:.1f}" for v, t in row["cs_threads"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="perf_analyzer's measurement window")
@@ -201,6 +255,10 @@ def main() -> None:
     parser.add_argument("--compare-io", action="store_true",
                         help="gepool only: alternate gRPC socket I/O on grpcio's EventEngine threads (its "
                              "default) and on the completion-queue thread, --rounds times")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="gepool only: alternate gRPC unary through the grpc.aio sidecar, through a sync "
+                             "grpc.server (grpc_sync_proto.py) and HTTP, --rounds times")
+    parser.add_argument("--sync-threads", type=int, default=8, help="--compare-sync: the sync server's threads")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
@@ -211,9 +269,9 @@ def main() -> None:
     def pa(model: str, url: str, protocol: str, conc: int, **kw) -> dict | None:
         return perf_analyzer(model, url, protocol, conc, args.seconds, stability=args.stability, **kw)
 
-    if args.compare_io:
+    if args.compare_io or args.compare_sync:
         try:
-            compare_io(repo, args, pa)
+            (compare_io if args.compare_io else compare_sync)(repo, args, pa)
         finally:
             shutil.rmtree(repo, ignore_errors=True)
         return
