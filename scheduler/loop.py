@@ -1,4 +1,4 @@
-"""The front's loop: the poller, the wait strategy, signals and the stop sequence, around the core."""
+"""The front's loop: the wait (an epoll, wait.py), signals and the stop sequence, around the core."""
 
 import logging
 import os
