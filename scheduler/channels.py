@@ -18,10 +18,8 @@ OnMessage = Callable[[bytes, list[memoryview]], None]
 
 
 class Channel(Protocol):
-    pollable: "zmq.Socket | int"  # what the loop's zmq.Poller waits on
-
     def fileno(self) -> int:
-        """A descriptor that turns readable when there is something to receive (for select())."""
+        """A descriptor that turns readable when there is something to receive."""
 
     def receive(self, budget: int) -> None:
         """Hands at most ``budget`` waiting messages to the channel's handler."""
@@ -36,11 +34,13 @@ class Channel(Protocol):
 
 
 class ZmqChannel:
-    """The ROUTER socket on the pool's endpoint (any client, any host the endpoint admits)."""
+    """A ROUTER socket: the one on the pool's endpoint (any client, any host the endpoint admits), or the
+    workers' (their identities, their messages)."""
 
     def __init__(self, sock: zmq.Socket, on_message: OnMessage) -> None:
         self.sock, self.on_message = sock, on_message
-        self.pollable = sock
+        # messages may be waiting that ZMQ_FD will not signal: the front's wait reads ZMQ_EVENTS first
+        self.stale = True
 
     def fileno(self) -> int:
         return self.sock.FD
@@ -53,23 +53,21 @@ class ZmqChannel:
             frames = recv(sock, zmqio.NOBLOCK)
             if len(frames) >= 2:
                 self.on_message(frames[0].bytes, [f.buffer for f in frames[1:]])
+        self.stale = True  # stopped at its budget: what is left will not signal
 
     def owns(self, identity: bytes) -> bool:
         return True
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
         zmqio.send_parts(self.sock, [identity, *parts], copy)
+        self.stale = True  # a send processes the socket's commands, perhaps the one announcing a message
 
     def close(self) -> None:
         self.sock.close(0)
 
 
 class LaneChannel(Lanes):
-    """Same-host clients' SEQPACKET lanes (see lanes.py): one descriptor in the poller for all."""
-
-    @property
-    def pollable(self) -> int:
-        return self.fileno()
+    """Same-host clients' SEQPACKET lanes (see lanes.py): one descriptor in the front's wait for all."""
 
     receive = Lanes.pump  # not a wrapper: one call fewer per wake on the hot path
 

@@ -1,8 +1,7 @@
-"""The front's loop: the poller, the wait strategy, signals and the stop sequence, around the core."""
+"""The front's loop: the wait (an epoll, wait.py), signals and the stop sequence, around the core."""
 
 import logging
 import os
-import select
 import signal
 import time
 from collections.abc import Callable
@@ -12,7 +11,7 @@ import zmq
 from gepool.common import errors
 from gepool.common.config import ModelConfig
 from gepool.common.logsettings import LogSettings
-from gepool.ipc import protocol, zmqio
+from gepool.ipc import protocol
 from gepool.ipc.sockets import make_socket, runtime_dir
 from gepool.scheduler.books import Worker
 from gepool.scheduler.channels import Channels, ZmqChannel, open_lanes
@@ -20,18 +19,18 @@ from gepool.scheduler.core import MESSAGE_HEADROOM, Core
 from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.status import Peers
 from gepool.scheduler.supervisor import StartWorker, Supervisor
+from gepool.scheduler.wait import Waiter
 
 log = logging.getLogger("gepool.front")
 
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
 TICK_S = 0.01  # housekeeping cadence while requests and completions keep the loop busy
-FD_SETSIZE = 1024  # select()'s limit on Linux
 
 
 class Loop:
-    """One zmq.Poller over the channels, the workers' socket, sentinels and doorbells, and signals. Every
-    blocking wait is that one poll, its timeout the core's nearest deadline. Signal handlers only write
-    to a wake-up pipe. The loop feeds the core its events, performs the core's actions (it is the
+    """One wait (``wait.py``: an epoll) over the channels, the workers' socket, sentinels and doorbells,
+    and signals. Every blocking wait is that one, until the core's nearest deadline. Signal handlers only
+    write to a wake-up pipe. The loop feeds the core its events, performs the core's actions (it is the
     core's outbox), and runs the sequence running -> draining -> stopping."""
 
     def __init__(self, options: FrontOptions, start_worker: StartWorker,
@@ -49,9 +48,10 @@ class Loop:
         # opened by run(), closed by _shutdown() (None: not opened)
         self.channels: Channels | None = None
         self.workers: zmq.Socket | None = None
+        self.worker_channel: ZmqChannel | None = None  # the workers' socket, read and written as a channel
         self.core: Core | None = None
         self.auth = None
-        self.poller = zmq.Poller()
+        self.waiter = Waiter()
         self.log_changed: LogSettings | None = None  # log settings changed at run time (None: as started)
         self.reply: Callable[..., None]  # the outbox's reply: the channels' own, bound once they are open
 
@@ -93,6 +93,7 @@ class Loop:
             raise
         self.channels = Channels(zmq_channel, lanes)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
+        self.worker_channel = ZmqChannel(self.workers, self._on_worker_message)
         self.reply = self.channels.reply  # the outbox's reply, one call on the hot path
         self.core = Core(self.opts, self)
         if lanes is not None:
@@ -101,10 +102,11 @@ class Loop:
             lanes.limit = self.core.message_limit
         for ch in self.channels.all:
             ch.on_message = self.core.on_message
-            self.poller.register(ch.pollable, zmq.POLLIN)
-        self.poller.register(self.workers, zmq.POLLIN)
-        self.poller.register(wake_r, zmq.POLLIN)
-        self._fds = [ch.fileno() for ch in self.channels.all] + [self.workers.FD, wake_r]
+        self.clients_fd = self.waiter.add_zmq(zmq_channel)
+        if lanes is not None:
+            self.waiter.add(lanes.fileno())
+        self.workers_fd = self.waiter.add_zmq(self.worker_channel)
+        self.waiter.add(wake_r)
 
     def _curve(self) -> tuple[bytes, bytes] | None:
         if not self.opts.curve_secret_key:
@@ -120,7 +122,7 @@ class Loop:
         after any other event, when the poll times out, and at least every TICK_S while hot events keep
         coming."""
         core, zmq_channel, lanes = self.core, self.channels.zmq, self.channels.lanes
-        clients, lanes_fd = zmq_channel.pollable, lanes.pollable if lanes is not None else -1
+        clients, lanes_fd = self.clients_fd, lanes.fileno() if lanes is not None else -1
         by_bell, dirty, schedule = self.by_bell, core.dirty, core.schedule
         next_tick, dirty_since_tick = 0.0, False
         if self._tick(time.monotonic()):  # once before any event: with no worker to wait for, ready now
@@ -130,13 +132,13 @@ class Loop:
                 lanes.flush()  # the replies this pass made, one record per lane, before any wait
             events = self._wait(next_tick if dirty_since_tick else None)
             tick = not events
-            for sock, _ in events:
-                if sock is clients:
-                    zmq_channel.receive(MAX_MESSAGES_PER_WAKE)
-                elif sock == lanes_fd:
+            for fd, _ in events:
+                if fd == lanes_fd:
                     lanes.receive(MAX_MESSAGES_PER_WAKE)
-                elif sock in by_bell:
-                    w = by_bell[sock]
+                elif fd == clients:
+                    zmq_channel.receive(MAX_MESSAGES_PER_WAKE)
+                elif fd in by_bell:
+                    w = by_bell[fd]
                     records = w.bell.completions()
                     if records is None:  # the worker closed its end: it is exiting, and its sentinel will say so
                         self._forget_bell(w)
@@ -144,12 +146,12 @@ class Loop:
                         core.on_completions(w, records)
                 else:
                     tick = True
-                    if sock is self.workers:
-                        self._on_workers()
-                    elif sock == wake_r:
+                    if fd == self.workers_fd:
+                        self.worker_channel.receive(MAX_MESSAGES_PER_WAKE)
+                    elif fd == wake_r:
                         self._on_signals(_read_all(wake_r))
-                    elif sock in self.by_sentinel:
-                        self._on_exit(sock, self.by_sentinel.pop(sock))
+                    elif fd in self.by_sentinel:
+                        self._on_exit(fd, self.by_sentinel.pop(fd))
             now = time.monotonic()
             if tick or now >= next_tick:
                 next_tick, dirty_since_tick = now + TICK_S, False
@@ -169,14 +171,17 @@ class Loop:
     def _wait(self, next_tick: float | None) -> list:
         """The next events, polled for while one is expected within microseconds (``polling.py`` says
         when), slept for otherwise."""
-        core, lanes = self.core, self.channels.lanes
+        core, lanes, waiter = self.core, self.channels.lanes, self.waiter
+        events = waiter.stale()
+        if events:
+            return events
         at = core.next_deadline(next_tick, lanes.resume_at if lanes is not None else None)
         now = time.monotonic()
         sequential = core.polling.enabled and core.dispatch.last_batch_requests <= 1  # the last batch: one request
         until, window = core.polling.until(now, sequential, core.workers.busy() if sequential else 0)
         if until > now and (at is None or at > now):
             until = until if at is None else min(until, at)
-            poll = self.poller.poll
+            poll = waiter.ready
             while time.monotonic() < until:
                 events = poll(0)
                 if events:
@@ -184,50 +189,24 @@ class Loop:
                 os.sched_yield()  # sharing a CPU with the worker or client it waits for, let it run
             if window:
                 core.polling.missed()
-            now = time.monotonic()
-        if at is None:
-            return self.poller.poll(-1)
-        remaining = at - now
-        if remaining <= 0:  # overdue: the tick after this poll handles it (at most a 1 ms poll, as ever)
-            return self.poller.poll(max(0, int(remaining * 1000) + 1))
-        if remaining < 1e-3:
-            return self._wait_until(at)
-        return self.poller.poll(int(remaining * 1000))  # whole ms, rounded down: the rest in _wait_until
-
-    def _wait_until(self, at: float) -> list:
-        """Events before ``at``, sleeping in select(), whose timeout has microseconds. zmq_poll counts whole
-        milliseconds, so a deadline under a millisecond away (a max_queue_delay_microseconds of 200, say)
-        would fire up to a millisecond late. The ZMQ sockets' FDs only say "look"; poll(0) says what
-        is there. select() cannot take a descriptor past FD_SETSIZE (a worker restarted while a
-        thousand lanes are open may get one): such a descriptor waits out the rest of the sub-ms wait."""
-        fds = [fd for fd in (*self._fds, *self.by_sentinel, *self.by_bell) if fd < FD_SETSIZE]
-        while True:
-            events = self.poller.poll(0)
-            remaining = at - time.monotonic()
-            if events or remaining <= 0:
-                return events
-            select.select(fds, [], [], remaining)
+        return waiter.sleep(at)
 
     # -- events from workers ---------------------------------------------------------------
-    def _on_workers(self) -> None:
-        for _ in range(MAX_MESSAGES_PER_WAKE):
-            if not zmqio.readable(self.workers):
-                return
-            frames = zmqio.recv_parts(self.workers, zmqio.NOBLOCK)
-            try:
-                msg = protocol.decode(frames[1].buffer)
-            except (protocol.ProtocolError, IndexError) as exc:
-                log.error("bad message from a worker: %s", exc)
-                continue
-            try:
-                w = self.core.workers.get(getattr(msg, "worker", None))
-                if w is not None and isinstance(msg, protocol.WorkerReady):
-                    self.supervisor.mapped(w)
-                    if self.log_changed is not None:  # spawned before the change reached it, perhaps
-                        self._send_logging(w, self.log_changed)
-                self.core.on_worker_message(msg)
-            except Exception:  # a bug here must not take every model down; the log keeps the traceback
-                log.exception("internal error handling %s from a worker", type(msg).__name__)
+    def _on_worker_message(self, identity: bytes, parts: list) -> None:
+        try:
+            msg = protocol.decode(parts[0])
+        except protocol.ProtocolError as exc:
+            log.error("bad message from a worker: %s", exc)
+            return
+        try:
+            w = self.core.workers.get(getattr(msg, "worker", None))
+            if w is not None and isinstance(msg, protocol.WorkerReady):
+                self.supervisor.mapped(w)
+                if self.log_changed is not None:  # spawned before the change reached it, perhaps
+                    self._send_logging(w, self.log_changed)
+            self.core.on_worker_message(msg)
+        except Exception:  # a bug here must not take every model down; the log keeps the traceback
+            log.exception("internal error handling %s from a worker", type(msg).__name__)
 
     def _on_bell(self, w: Worker) -> None:
         records = w.bell.completions() if w.bell is not None else None
@@ -238,14 +217,15 @@ class Loop:
 
     def _forget_bell(self, w: Worker) -> None:
         for fd in [fd for fd, o in self.by_bell.items() if o is w]:
-            self.poller.unregister(fd)
+            self.waiter.remove(fd)
             del self.by_bell[fd]
 
     def _on_exit(self, sentinel: int, w: Worker) -> None:
-        self._on_workers()  # what it said before dying (a "cannot load" report) counts first
+        # what it said before dying (a "cannot load" report) counts first
+        self.worker_channel.receive(MAX_MESSAGES_PER_WAKE)
         self._on_bell(w)  # and what it finished
         self._forget_bell(w)
-        self.poller.unregister(sentinel)
+        self.waiter.remove(sentinel)
         self.core.on_worker_exit(w, self.supervisor.reap(w))
 
     def _on_signals(self, received: bytes) -> None:
@@ -261,9 +241,9 @@ class Loop:
         self.supervisor.spawn(w)
         sentinel = w.process.sentinel
         self.by_sentinel[sentinel] = w
-        self.poller.register(sentinel, zmq.POLLIN)
+        self.waiter.add(sentinel)
         self.by_bell[w.bell.done_fd] = w
-        self.poller.register(w.bell.done_fd, zmq.POLLIN)
+        self.waiter.add(w.bell.done_fd)
 
     def stop(self, w: Worker) -> None:
         self._send_worker(w, protocol.Stop())
@@ -291,7 +271,7 @@ class Loop:
             self.on_ready(status)
 
     def _send_worker(self, w: Worker, msg) -> None:
-        self.workers.send_multipart([b"w%d" % w.id, msg.encode()])
+        self.worker_channel.send(b"w%d" % w.id, [msg.encode()])
 
     # -- shutdown --------------------------------------------------------------------------
     def _shutdown(self) -> None:
@@ -304,6 +284,7 @@ class Loop:
             self.workers.close(0)
         if self.auth is not None:
             self.auth.stop()
+        self.waiter.close()
         self.ctx.term()
         for endpoint in (self.opts.endpoint, self.worker_endpoint):
             if endpoint.startswith("ipc://"):

@@ -1,0 +1,114 @@
+"""The front core's own CPU per request, in-process: admission, batching, copy in, completion, answer.
+
+    python benchmarks/core_steps.py [--base REV] [--head REV] [--rounds 5] [--seconds 2] [--batch 8]
+
+No process, no socket: the core of ``tests/test_core.py`` with its recording outbox, real rings, a fake
+clock (the batcher sends at once: no queue delay) and the worker played in-process, so that what is
+timed (process CPU time over ``--seconds`` of requests) is the core's Python and nothing of the host's
+load but cache effects. Each round runs base and head (ABBA order) in their own child process, each
+importing its own tree (laid out as gateway_ab.py does). Prints the median per version, in us per
+request.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def child(seconds: float, batch: int) -> float:
+    sys.path.insert(0, ROOT)  # tests/ (the harness), after the tree on PYTHONPATH
+    import numpy as np
+
+    from gepool.ipc import protocol
+    from tests.test_core import Harness, echo_model
+
+    repo = tempfile.mkdtemp(prefix="gepool-coresteps-")
+    echo_model(repo)
+    h = Harness(repo)
+    try:
+        h.ready_all()
+        (w,) = h.core.workers.values()
+        x = memoryview(np.ones((1, 4), np.float32).tobytes())
+        headers = []
+        for i in range(batch):
+            msg = protocol.Infer(i + 1, "echo", protocol.NO_VERSION, [["INPUT", "FP32", [1, 4], 0]], None, 0, 0,
+                                 protocol.NO_ARENA, 0, 0)
+            headers.append(memoryview(msg.encode()))
+        out, on_message, step = h.out, h.core.on_message, h.step
+
+        def once() -> None:
+            for head in headers:
+                on_message(b"\0client", [head, x])
+            step()
+            h.compute(w)
+            out.replies.clear()
+
+        for _ in range(200):
+            once()
+        out.reply = lambda identity, parts, copy=False: out.replies.append(parts)  # no decoding in the timing
+        h.core.dispatch.reply = out.reply
+        n, started, end = 0, time.process_time(), time.monotonic() + seconds
+        while time.monotonic() < end:
+            for _ in range(50):
+                once()
+            n += 50 * batch
+        return (time.process_time() - started) / n * 1e6
+    finally:
+        h.close()
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", help="the revision to compare against (without it: the working tree alone)")
+    p.add_argument("--head", help="the revision measured against it (default: the working tree)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=2.0, help="per version and round")
+    p.add_argument("--batch", type=int, default=8, help="requests per batch")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(f"RESULT {child(args.seconds, args.batch)}")
+        return
+    sys.path.insert(0, HERE)
+    from gateway_ab import tree
+
+    work = tempfile.mkdtemp(prefix="gepool-coresteps-ab-")
+    try:
+        versions = {}
+        for label, rev in (("base", args.base), ("head", args.head)) if args.base else (("head", args.head),):
+            into = os.path.join(work, label)
+            tree(rev, into)
+            versions[label] = os.path.join(into, "root")
+        results: dict[str, list[float]] = {label: [] for label in versions}
+        for r in range(args.rounds):
+            order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]
+            for label, root in order:
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--seconds",
+                                       str(args.seconds), "--batch", str(args.batch)], capture_output=True,
+                                      text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    raise SystemExit(f"no result from {label}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+                results[label].append(float(line.split()[1]))
+                print(f"round {r + 1} {label}: {results[label][-1]:.2f} us/request", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {label: statistics.median(v) for label, v in results.items()}
+    line = " ".join(f"{label} {v:.2f}" for label, v in med.items())
+    if "base" in med:
+        line += f" ({(med['head'] / med['base'] - 1) * 100:+.1f}%)"
+    print(f"core CPU per request, batches of {args.batch}, median of {args.rounds}: {line} us "
+          f"({time.strftime('%F %T')}, load {os.getloadavg()[0]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
