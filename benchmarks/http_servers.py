@@ -277,8 +277,13 @@ def serve_main(kind: str, endpoint: str, port: int, ready_fd: int) -> None:
     import uvloop
 
     _READY_FD.append(ready_fd)
-    uvloop.install()
-    asyncio.run(serve(kind, endpoint, port))
+    # not asyncio.run: at its end it walks every task, and granian's Rust tasks fail that walk
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(serve(kind, endpoint, port))
+    finally:
+        loop.close()
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -291,6 +296,25 @@ class Server:
 
     def cpu(self) -> float:
         return sum(gw.cpu_seconds(p) for p in self.pids)
+
+    def threads(self) -> dict[str, float]:
+        """CPU seconds by thread name (the Python loop's thread is the process's own name)."""
+        out: dict[str, float] = {}
+        for pid in self.pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        head, _, rest = f.read().rpartition(")")
+                except OSError:
+                    continue
+                fields = rest.split()
+                name = "main" if tid == str(pid) else head.partition("(")[2]
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / gw.TICK
+        return out
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -312,7 +336,8 @@ def start_server(kind: str, endpoint: str, profile: str | None = None) -> Server
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--endpoint", endpoint, "--port", str(port),
            "--ready-fd", str(write_fd)]
     if profile:
-        cmd = ["py-spy", "record", "--native", "-r", "200", "-o", profile, "--", *cmd]
+        fmt = "raw" if profile.endswith(".txt") else "flamegraph"  # raw: collapsed stacks, one a line
+        cmd = ["py-spy", "record", "--native", "-r", "200", "-f", fmt, "-o", profile, "--", *cmd]
     proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     os.close(write_fd)
     with os.fdopen(read_fd) as reader:
@@ -397,9 +422,9 @@ def measure(server: Server, pool_procs: dict[str, int], client, model: str, conc
 
     before_stats = client.stats()[model]
     before = {label: gw.cpu_seconds(pid) for label, pid in pool_procs.items()}
-    before_server = server.cpu()
+    before_server, before_threads = server.cpu(), server.threads()
     result = run_wrk(server, model, conc, seconds, workdir, ref)
-    after_server = server.cpu()
+    after_server, after_threads = server.cpu(), server.threads()
     after = {label: gw.cpu_seconds(pid) for label, pid in pool_procs.items()}
     window = server_window(before_stats, client.stats()[model])
     n = max(window["requests"], 1)
@@ -407,7 +432,67 @@ def measure(server: Server, pool_procs: dict[str, int], client, model: str, conc
     workers = sum(after[k] - before[k] for k in pool_procs if k.startswith("worker"))
     result["cpu_us"] = {"server": (after_server - before_server) / n * 1e6,
                         "front": (after["front"] - before["front"]) / n * 1e6, "worker": workers / n * 1e6}
+    result["threads_us"] = {k: (v - before_threads.get(k, 0.0)) / n * 1e6 for k, v in after_threads.items()
+                            if v - before_threads.get(k, 0.0) > 0}
     return result
+
+
+async def _client_floor(endpoint: str, model: str, inputs: dict, conc: int, seconds: float) -> tuple[int, float]:
+    """Requests done and this thread's CPU seconds: ``conc`` tasks calling AsyncClient.infer for ``seconds``."""
+    from gepool.ipc.protocol import Origin
+
+    infer = Infer(endpoint)
+    await infer.start()
+    done, stop_at = 0, time.monotonic() + seconds
+
+    async def one() -> None:
+        nonlocal done
+        while time.monotonic() < stop_at:
+            await infer.client.infer(model, inputs, origin=Origin.HTTP)
+            done += 1
+
+    start = time.thread_time()
+    await asyncio.gather(*(one() for _ in range(conc)))
+    cpu = time.thread_time() - start
+    await infer.client.close()
+    return done, cpu
+
+
+def _per_call(seconds: float, fn, *args) -> float:
+    """This thread's CPU microseconds per call of fn(*args), over at most a second."""
+    n, start, stop_at = 0, time.thread_time(), time.monotonic() + min(seconds, 1.0)
+    while time.monotonic() < stop_at:
+        for _ in range(50):
+            fn(*args)
+        n += 50
+    return (time.thread_time() - start) / n * 1e6
+
+
+def breakdown(pool, models: list[str], levels: list[int], seconds: float) -> None:
+    """The infer route's own work outside any HTTP server: kserve.parse_request and encode_response on one
+    row's body (this thread's CPU per call), and AsyncClient.infer alone on uvloop at each level."""
+    import uvloop
+
+    from gepool.http import kserve
+    from gepool.http.limits import MAX_JSON_BYTES
+
+    client = pool.client()
+    for model in models:
+        body = gw.json_body(model)
+        req = kserve.parse_request(body, None, None, MAX_JSON_BYTES, MAX_BODY)
+        outputs = client.infer(model, req.inputs)
+        figures = {"parse": _per_call(seconds, kserve.parse_request, body, None, None, MAX_JSON_BYTES, MAX_BODY),
+                   "encode": _per_call(seconds, kserve.encode_response, model, "1", req, outputs)}
+        print(f"{model:5s} kserve.parse_request {figures['parse']:6.1f} us  encode_response {figures['encode']:6.1f} us"
+              f"  (body {len(body)} bytes, answer {len(kserve.encode_response(model, '1', req, outputs)[0])} bytes)")
+        for conc in levels:
+            loop = uvloop.new_event_loop()
+            try:
+                done, cpu = loop.run_until_complete(_client_floor(pool.endpoint, model, req.inputs, conc, seconds))
+            finally:
+                loop.close()
+            print(f"{model:5s} AsyncClient.infer alone c={conc:<3d} {done / seconds:7.0f} req/s "
+                  f"{cpu / max(done, 1) * 1e6:6.1f} us of the loop thread's CPU per request", flush=True)
 
 
 def summarise(rows: list[tuple], servers: list[str]) -> None:
@@ -452,8 +537,11 @@ def main() -> None:
     parser.add_argument("--levels", default="8,64", help="wrk connections")
     parser.add_argument("--models", default="tiny,mlp")
     parser.add_argument("--servers", default="sidecar,aiohttp,granian,uvicorn", help=f"of {','.join(SERVERS)}")
-    parser.add_argument("--profile", metavar="SERVER:FILE.svg",
-                        help="run that server under py-spy (a flame graph written when it stops)")
+    parser.add_argument("--profile", metavar="SERVER:FILE",
+                        help="run that server under py-spy --native: a flame graph (FILE.svg) or collapsed stacks "
+                             "(FILE.txt) written when it stops; its CPU figures then include py-spy's sampling")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: CPU per call of parse_request, encode_response and AsyncClient.infer alone")
     parser.add_argument("--serve", choices=SERVERS[1:], help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -481,6 +569,10 @@ def main() -> None:
     started: list[Server] = []
     rows = []
     try:
+        if args.breakdown:
+            with Pool(repo, metrics_port=0) as pool:
+                breakdown(pool, models, levels, args.seconds)
+            return
         with Pool(repo, http_port=gw.free_port() if "sidecar" in servers else 0, metrics_port=0) as pool:
             client = pool.client()
             pool_procs = gw.processes(pool.process.pid, None)
@@ -517,6 +609,8 @@ def main() -> None:
                                   f"p50 {r['p50_ms']:6.2f} p99 {r['p99_ms']:6.2f} ms batch {r['avg_batch']:4.1f} "
                                   f"errors {r['errors']} non-2xx {r['non2xx']} not-identical {r['differ']}  "
                                   f"CPU us/req: {cpu}", flush=True)
+                            print("  server CPU us/req by thread:",
+                                  " ".join(f"{k} {v:.0f}" for k, v in sorted(r["threads_us"].items())))
                             if r["first_bad"]:
                                 print("  first bad answer:", r["first_bad"])
                             if r["raw"]:
