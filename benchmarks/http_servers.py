@@ -12,6 +12,8 @@ over rounds, with wrk (KServe v2 JSON bodies of one row) at each level:
     granian       the same handler as an RSGI app on granian's embedded server (1 Rust runtime thread,
                   HTTP/1, asyncio tasks) on uvloop, in one process
     granian-rust  the same, with granian's Rust task implementation (experimental in granian)
+    granian-mp    the same app under granian's own runner (``granian --interface rsgi --workers 1
+                  --runtime-mode st --runtime-threads 1 --loop uvloop``: a supervisor and one worker process)
     uvicorn       the same handler as a raw ASGI app on uvicorn with httptools and uvloop
 
 Every answer is checked in wrk's Lua (status 200, the KServe response's structure) and counted; one
@@ -27,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +44,8 @@ sys.path.insert(0, HERE)
 
 import gateway_bench as gw  # noqa: E402  (it puts examples/ on the path for make_models)
 
-SERVERS = ("sidecar", "aiohttp", "granian", "granian-rust", "uvicorn")
+SERVERS = ("sidecar", "aiohttp", "granian", "granian-rust", "granian-mp", "uvicorn")
+ENDPOINT_ENV = "GEPOOL_BENCH_ENDPOINT"  # granian-mp's worker process reads the pool's endpoint here
 ROUTE = re.compile(r"/v2/models/([^/]+)/infer")
 MAX_BODY = 64 << 20
 REQUEST_TIMEOUT_S = 300.0
@@ -174,6 +178,29 @@ class RSGIApp:
             status, payload, headers = await self.infer(m.group(1), body,
                                                         scope.headers.get("inference-header-content-length"))
         proto.response_bytes(status, list(headers.items()), payload)
+
+
+class LazyRSGIApp(RSGIApp):
+    """RSGIApp for granian's own runner, whose loop exists only in its worker: connects on the first request."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self._starting: asyncio.Future | None = None
+
+    async def _start(self) -> None:
+        infer = Infer(os.environ[ENDPOINT_ENV])
+        await infer.start()
+        self.infer = infer
+
+    async def __rsgi__(self, scope, proto) -> None:
+        if self.infer is None:
+            if self._starting is None:
+                self._starting = asyncio.ensure_future(self._start())
+            await asyncio.shield(self._starting)
+        await super().__rsgi__(scope, proto)
+
+
+mp_app = LazyRSGIApp()
 
 
 async def serve_granian(infer: Infer, port: int, stop: asyncio.Event, task_impl: str) -> None:
@@ -330,14 +357,43 @@ class Server:
             self.proc.wait()
 
 
+def start_granian_mp(endpoint: str, profile: str | None) -> Server:
+    port = gw.free_port()
+    cmd = [sys.executable, "-m", "granian", "--interface", "rsgi", "--workers", "1", "--runtime-mode", "st",
+           "--runtime-threads", "1", "--loop", "uvloop", "--http", "1", "--no-ws", "--log-level", "warning",
+           "--host", "127.0.0.1", "--port", str(port), "--working-dir", HERE, "http_servers:mp_app"]
+    if profile:
+        cmd = ["py-spy", "record", "--subprocesses", "-r", "100", "-f", "raw" if profile.endswith(".txt")
+               else "flamegraph", "-o", profile, "--", *cmd]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ, ENDPOINT_ENV: endpoint})
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:  # listening, and the worker started (it connects to the pool on its first request)
+        kids = gw.descendants(proc.pid)
+        if len(kids) >= (2 if profile else 1):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                    break
+            except OSError:
+                pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise SystemExit(f"granian's runner did not start (exit code {proc.poll()})")
+        time.sleep(0.1)
+    pids = gw.descendants(proc.pid) if profile else [proc.pid, *gw.descendants(proc.pid)]
+    return Server("granian-mp", port, proc, pids)
+
+
 def start_server(kind: str, endpoint: str, profile: str | None = None) -> Server:
+    if kind == "granian-mp":
+        return start_granian_mp(endpoint, profile)
     port = gw.free_port()
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--endpoint", endpoint, "--port", str(port),
            "--ready-fd", str(write_fd)]
     if profile:
         fmt = "raw" if profile.endswith(".txt") else "flamegraph"  # raw: collapsed stacks, one a line
-        cmd = ["py-spy", "record", "--native", "-r", "200", "-f", fmt, "-o", profile, "--", *cmd]
+        cmd = ["py-spy", "record", "-r", "100", "-f", fmt, "-o", profile, "--", *cmd]
     proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     os.close(write_fd)
     with os.fdopen(read_fd) as reader:
@@ -538,11 +594,11 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,mlp")
     parser.add_argument("--servers", default="sidecar,aiohttp,granian,uvicorn", help=f"of {','.join(SERVERS)}")
     parser.add_argument("--profile", metavar="SERVER:FILE",
-                        help="run that server under py-spy --native: a flame graph (FILE.svg) or collapsed stacks "
-                             "(FILE.txt) written when it stops; its CPU figures then include py-spy's sampling")
+                        help="run that server under py-spy (Python frames, 100 Hz): a flame graph (FILE.svg) or "
+                             "collapsed stacks (FILE.txt) written when it stops; its figures then pay for the sampling")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: CPU per call of parse_request, encode_response and AsyncClient.infer alone")
-    parser.add_argument("--serve", choices=SERVERS[1:], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=[k for k in SERVERS[1:] if k != "granian-mp"], help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
