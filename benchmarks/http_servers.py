@@ -24,6 +24,7 @@ workers) over the level, divided by the requests the pool counted in it. The rat
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -610,6 +611,12 @@ def main() -> None:
     unknown = [s for s in servers if s not in SERVERS]
     if unknown:
         parser.error(f"unknown --servers {unknown}: choose from {','.join(SERVERS)}")
+    needs = {"aiohttp": ("aiohttp", "uvloop"), "granian": ("granian", "uvloop"), "granian-rust": ("granian", "uvloop"),
+             "granian-mp": ("granian", "uvloop"), "uvicorn": ("uvicorn", "httptools", "uvloop")}
+    missing = sorted({m for k in servers for m in needs.get(k, ()) if importlib.util.find_spec(m) is None})
+    if missing:
+        parser.error(f"--servers {args.servers} needs {', '.join(missing)} (pip install {' '.join(missing)}) "
+                     f"or leave out the servers that need them")
     profiled, _, profile_file = (args.profile or "").partition(":")
     if args.profile and (profiled not in servers or profiled == "sidecar" or not profile_file):
         parser.error("--profile takes SERVER:FILE.svg, SERVER one of --servers other than the sidecar")
