@@ -19,7 +19,9 @@ over rounds, with wrk (KServe v2 JSON bodies of one row) at each level:
 Every answer is checked in wrk's Lua (status 200, the KServe response's structure) and counted; one
 answer per server and model is also read in full and compared with the library client's. CPU per
 request is utime+stime of each process (the server with its threads and children, the front, the
-workers) over the level, divided by the requests the pool counted in it. The ratio is to the sidecar.
+workers) over the level, divided by the requests the pool counted in it. The ratios are to the first of
+--servers (the sidecar by default). ``--null`` measures the minimal servers alone: each reads every body
+and gives the model's first answer again, without parsing it or asking the pool (CPU per answer wrk got).
 """
 
 import argparse
@@ -47,6 +49,7 @@ import gateway_bench as gw  # noqa: E402  (it puts examples/ on the path for mak
 
 SERVERS = ("sidecar", "aiohttp", "granian", "granian-rust", "granian-mp", "uvicorn")
 ENDPOINT_ENV = "GEPOOL_BENCH_ENDPOINT"  # granian-mp's worker process reads the pool's endpoint here
+NULL_ENV = "GEPOOL_BENCH_NULL"  # and whether to answer from the cache (--null)
 ROUTE = re.compile(r"/v2/models/([^/]+)/infer")
 MAX_BODY = 64 << 20
 REQUEST_TIMEOUT_S = 300.0
@@ -100,9 +103,11 @@ end
 class Infer:
     """The sidecar's infer work and nothing else: parse, AsyncClient.infer, encode."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, null: bool = False) -> None:
         self.endpoint = endpoint
         self.client = None
+        # --null: a model's first answer, given again to every later request without parsing or the pool
+        self.cache: dict[str, tuple[int, bytes, dict]] | None = {} if null else None
 
     async def start(self) -> None:
         from gepool.aio import AsyncClient
@@ -112,6 +117,13 @@ class Infer:
         self.client = client
 
     async def __call__(self, model: str, body: bytes, header_length: str | None) -> tuple[int, bytes, dict]:
+        if self.cache is not None:
+            if model not in self.cache:
+                self.cache[model] = await self._infer(model, body, header_length)
+            return self.cache[model]
+        return await self._infer(model, body, header_length)
+
+    async def _infer(self, model: str, body: bytes, header_length: str | None) -> tuple[int, bytes, dict]:
         from gepool.common import errors
         from gepool.http import kserve
         from gepool.http.limits import MAX_JSON_BYTES
@@ -189,7 +201,7 @@ class LazyRSGIApp(RSGIApp):
         self._starting: asyncio.Future | None = None
 
     async def _start(self) -> None:
-        infer = Infer(os.environ[ENDPOINT_ENV])
+        infer = Infer(os.environ[ENDPOINT_ENV], os.environ.get(NULL_ENV) == "1")
         await infer.start()
         self.infer = infer
 
@@ -279,8 +291,8 @@ def yield_ready() -> None:
     os.write(_READY_FD[0], b"ready\n")
 
 
-async def serve(kind: str, endpoint: str, port: int) -> None:
-    infer = Infer(endpoint)
+async def serve(kind: str, endpoint: str, port: int, null: bool) -> None:
+    infer = Infer(endpoint, null)
     await infer.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -301,7 +313,7 @@ async def serve(kind: str, endpoint: str, port: int) -> None:
         await infer.client.close()
 
 
-def serve_main(kind: str, endpoint: str, port: int, ready_fd: int) -> None:
+def serve_main(kind: str, endpoint: str, port: int, ready_fd: int, null: bool) -> None:
     import uvloop
 
     _READY_FD.append(ready_fd)
@@ -309,7 +321,7 @@ def serve_main(kind: str, endpoint: str, port: int, ready_fd: int) -> None:
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(serve(kind, endpoint, port))
+        loop.run_until_complete(serve(kind, endpoint, port, null))
     finally:
         loop.close()
 
@@ -358,7 +370,7 @@ class Server:
             self.proc.wait()
 
 
-def start_granian_mp(endpoint: str, profile: str | None) -> Server:
+def start_granian_mp(endpoint: str, profile: str | None, null: bool) -> Server:
     port = gw.free_port()
     cmd = [sys.executable, "-m", "granian", "--interface", "rsgi", "--workers", "1", "--runtime-mode", "st",
            "--runtime-threads", "1", "--loop", "uvloop", "--http", "1", "--no-ws", "--log-level", "warning",
@@ -366,7 +378,8 @@ def start_granian_mp(endpoint: str, profile: str | None) -> Server:
     if profile:
         cmd = ["py-spy", "record", "--subprocesses", "-r", "100", "-f", "raw" if profile.endswith(".txt")
                else "flamegraph", "-o", profile, "--", *cmd]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ, ENDPOINT_ENV: endpoint})
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ, ENDPOINT_ENV: endpoint,
+                                                                      NULL_ENV: "1" if null else "0"})
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:  # listening, and the worker started (it connects to the pool on its first request)
         kids = gw.descendants(proc.pid)
@@ -385,13 +398,13 @@ def start_granian_mp(endpoint: str, profile: str | None) -> Server:
     return Server("granian-mp", port, proc, pids)
 
 
-def start_server(kind: str, endpoint: str, profile: str | None = None) -> Server:
+def start_server(kind: str, endpoint: str, profile: str | None = None, null: bool = False) -> Server:
     if kind == "granian-mp":
-        return start_granian_mp(endpoint, profile)
+        return start_granian_mp(endpoint, profile, null)
     port = gw.free_port()
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--endpoint", endpoint, "--port", str(port),
-           "--ready-fd", str(write_fd)]
+           "--ready-fd", str(write_fd)] + (["--null"] if null else [])
     if profile:
         fmt = "raw" if profile.endswith(".txt") else "flamegraph"  # raw: collapsed stacks, one a line
         cmd = ["py-spy", "record", "-r", "100", "-f", fmt, "-o", profile, "--", *cmd]
@@ -461,20 +474,22 @@ def run_wrk(server: Server, model: str, conc: int, seconds: float, workdir: str,
         return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)] if m else float("nan")
 
     rps = re.search(r"Requests/sec:\s+([\d.]+)", text)
+    sent = re.search(r"^\s*(\d+) requests in", text, re.M)
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
     check = re.search(r"CHECK bad=(\d+) differ=(\d+)", text)
     first_bad = re.search(r"^FIRST_BAD (.*)$", text, re.M)
     errors = (int(check.group(1)) if check else 0) + (sum(map(int, sock.groups())) if sock else 0)
     return {"rps": float(rps.group(1)) if rps else float("nan"), "p50_ms": ms("50"), "p99_ms": ms("99"),
-            "errors": errors, "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "answered": int(sent.group(1)) if sent else 0, "errors": errors,
+            "non2xx": int(non2xx.group(1)) if non2xx else 0,
             "differ": int(check.group(2)) if check else -1,
             "first_bad": first_bad.group(1).strip() if first_bad else "",
             "raw": "" if rps and check else text + proc.stderr}
 
 
 def measure(server: Server, pool_procs: dict[str, int], client, model: str, conc: int, seconds: float,
-            workdir: str, ref: bytes) -> dict:
+            workdir: str, ref: bytes, null: bool) -> dict:
     from gepool.bench.results import server_window
 
     before_stats = client.stats()[model]
@@ -484,7 +499,7 @@ def measure(server: Server, pool_procs: dict[str, int], client, model: str, conc
     after_server, after_threads = server.cpu(), server.threads()
     after = {label: gw.cpu_seconds(pid) for label, pid in pool_procs.items()}
     window = server_window(before_stats, client.stats()[model])
-    n = max(window["requests"], 1)
+    n = max(result["answered"] if null else window["requests"], 1)  # --null: the pool saw none of them
     result["requests"], result["avg_batch"] = window["requests"], window["avg_batch_size"]
     workers = sum(after[k] - before[k] for k in pool_procs if k.startswith("worker"))
     result["cpu_us"] = {"server": (after_server - before_server) / n * 1e6,
@@ -565,7 +580,7 @@ def summarise(rows: list[tuple], servers: list[str]) -> None:
         return statistics.median(key(r) for r in rs)
 
     for model, conc in dict.fromkeys((m, c) for m, c, _ in cells):
-        base = cells.get((model, conc, "sidecar"))
+        base = cells.get((model, conc, servers[0]))
         for kind in servers:
             rs = cells.get((model, conc, kind))
             if not rs:
@@ -584,7 +599,7 @@ def summarise(rows: list[tuple], servers: list[str]) -> None:
                   f"{ratio['server']:8.2f} {ratio['front']:7.2f} {ratio['worker']:8.2f} {ratio['rps']:7.2f} "
                   f"{errors:6d}")
     print(f"(medians over rounds; CPU us per request: utime+stime over the level / requests the pool counted; "
-          f"x: ratio to the sidecar; {time.strftime('%F %T')})")
+          f"x: ratio to {servers[0]}; {time.strftime('%F %T')})")
 
 
 def main() -> None:
@@ -599,15 +614,20 @@ def main() -> None:
                              "collapsed stacks (FILE.txt) written when it stops; its figures then pay for the sampling")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: CPU per call of parse_request, encode_response and AsyncClient.infer alone")
+    parser.add_argument("--null", action="store_true",
+                        help="the minimal servers read each body and give the model's first answer again, without "
+                             "parsing it or asking the pool: what the HTTP server alone costs (no sidecar)")
     parser.add_argument("--serve", choices=[k for k in SERVERS[1:] if k != "granian-mp"], help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve_main(args.serve, args.endpoint, args.port, args.ready_fd)
+        serve_main(args.serve, args.endpoint, args.port, args.ready_fd, args.null)
         return
     servers = args.servers.split(",")
+    if args.null and "sidecar" in servers:
+        parser.error("--null runs only the minimal servers: leave the sidecar out of --servers")
     unknown = [s for s in servers if s not in SERVERS]
     if unknown:
         parser.error(f"unknown --servers {unknown}: choose from {','.join(SERVERS)}")
@@ -646,7 +666,8 @@ def main() -> None:
                     pids = [sidecar_pid, *(pool_procs.pop(k) for k in list(pool_procs) if k.startswith("sidecar"))]
                     by_kind[kind] = Server(kind, pool.http_port, None, pids)
                 else:
-                    s = start_server(kind, pool.endpoint, os.path.abspath(profile_file) if kind == profiled else None)
+                    s = start_server(kind, pool.endpoint, os.path.abspath(profile_file) if kind == profiled else None,
+                                     args.null)
                     started.append(s)
                     by_kind[kind] = s
             print("processes:", " ".join(f"{k}={v}" for k, v in pool_procs.items()),
@@ -665,7 +686,8 @@ def main() -> None:
                     for conc in levels:
                         for kind in order:
                             s = by_kind[kind]
-                            r = measure(s, pool_procs, client, model, conc, args.seconds, workdir, refs[kind, model])
+                            r = measure(s, pool_procs, client, model, conc, args.seconds, workdir, refs[kind, model],
+                                        args.null)
                             rows.append((model, conc, kind, r))
                             cpu = " ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
                             print(f"round {rnd} {model:5s} c={conc:<3d} {kind:12s} {r['rps']:7.0f} req/s "
