@@ -1,7 +1,8 @@
 """The KServe v2 infer route through the sidecar, a minimal aiohttp app, granian and uvicorn: CPU per request.
 
     python benchmarks/http_servers.py [--seconds 4] [--rounds 2] [--levels 8,64] [--models tiny,mlp]
-        [--servers sidecar,aiohttp,granian,granian-rust,uvicorn] [--profile SERVER:MODEL:CONC:FILE.svg]
+        [--servers sidecar,aiohttp,granian,granian-rust,granian-mp,uvicorn] [--profile SERVER:FILE] [--null]
+    python benchmarks/http_servers.py --breakdown [--seconds 3] [--levels 8,64] [--models tiny,mlp]
 
 One pool (the peers' batching settings, as gateway_bench.py) serves every server in turn, alternating
 over rounds, with wrk (KServe v2 JSON bodies of one row) at each level:
@@ -21,7 +22,8 @@ answer per server and model is also read in full and compared with the library c
 request is utime+stime of each process (the server with its threads and children, the front, the
 workers) over the level, divided by the requests the pool counted in it. The ratios are to the first of
 --servers (the sidecar by default). ``--null`` measures the minimal servers alone: each reads every body
-and gives the model's first answer again, without parsing it or asking the pool (CPU per answer wrk got).
+and gives the model's first answer again, without parsing it or asking the pool (CPU per answer wrk got);
+``--breakdown`` runs no server and measures the route's own work alone (parse, encode, AsyncClient.infer).
 """
 
 import argparse
