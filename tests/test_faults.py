@@ -89,8 +89,10 @@ def test_killed_front_workers_exit_clients_fail_fast_and_reconnect(repo, tmp_pat
         shm = Client(endpoint, shared_memory=True, timeout=3, arena_min_bytes=0)
         fut = plain.infer_async("pair", {"INPUT": np.full((8, 4), -1, np.float32)})
         assert wait_until(lambda: plain.stats()["pair"]["batches"] == 1)
-        # the I/O thread's lane is up: this one goes straight onto it from this thread, and waits
-        queued = plain.infer_async("pair", {"INPUT": np.full((8, 4), 2, np.float32)})
+        # the I/O thread's lane is up: this one goes straight onto it from this thread, and waits (held by
+        # the gate too: pair has a second, idle instance, which would answer a row the gate lets through
+        # before the kill whenever this process is descheduled between the two lines below)
+        queued = plain.infer_async("pair", {"INPUT": np.full((8, 4), -2, np.float32)})
         pool.process.kill()
         pool.process.wait()
         late = plain.infer_async("tiny", {"INPUT0": np.ones((1, 16), np.float32)})  # onto a dead lane
