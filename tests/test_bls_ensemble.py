@@ -1,5 +1,6 @@
 """BLS calls into ensembles in a real pool: a cycle through an ensemble is refused at once, naming it, and the
-pipeline a gone batch started stops, its queued steps unrun. Python models held on gate files."""
+pipeline a gone batch started stops, its queued steps unrun; an inner pipeline whose outer one failed counts a
+failure of its own. Python models held on gate files."""
 
 import os
 import re
@@ -42,6 +43,31 @@ class Model:
 '''
 
 
+# fails a request whose first element is -3 (after its other branch has started); else echoes
+BOOM_PY = '''
+class Model:
+    def execute(self, inputs):
+        x = inputs["INPUT"]
+        if x[0, 0] == -3:
+            raise RuntimeError("boom")
+        return {"OUTPUT": x.copy()}
+'''
+
+# par runs the ensemble inn (its one step the held sink) and boom side by side
+PAR_PBTXT = f"""
+    platform: "ensemble"
+    max_batch_size: 8
+    input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
+    output [ {{ name: "Y1" data_type: TYPE_FP32 dims: [ {WIDTH} ] }}, {{ name: "B" data_type: TYPE_INT32 dims: [ 1 ] }},
+             {{ name: "Y2" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
+    ensemble_scheduling {{ step [
+      {{ model_name: "inn" input_map {{ key: "INPUT" value: "INPUT" }}
+        output_map {{ key: "OUTPUT" value: "Y1" }} output_map {{ key: "BATCH" value: "B" }} }},
+      {{ model_name: "boom" input_map {{ key: "INPUT" value: "INPUT" }} output_map {{ key: "OUTPUT" value: "Y2" }} }}
+    ] }}
+"""
+
+
 def _ensemble(repo: str, name: str, step: str, outputs: tuple[str, ...] = ("OUTPUT",)) -> None:
     dtype = {"OUTPUT": f"TYPE_FP32 dims: [ {WIDTH} ]", "BATCH": "TYPE_INT32 dims: [ 1 ]"}
     outs = ", ".join(f'{{ name: "{o}" data_type: {dtype[o]} }}' for o in outputs)
@@ -77,6 +103,10 @@ def pool(tmp_path_factory, gates):
     test_repo.recorder(repo, "sink", gate=gates["sink"], max_batch=8, preferred="8", delay_us=0, dims=str(WIDTH))
     test_repo.recorder(repo, "echo", max_batch=8, preferred="8", delay_us=0, dims=str(WIDTH))
     _ensemble(repo, "es", "sink", ("OUTPUT", "BATCH"))
+    _ensemble(repo, "inn", "sink", ("OUTPUT", "BATCH"))
+    _model(repo, "boom", BOOM_PY, {})
+    os.makedirs(f"{repo}/par/1", exist_ok=True)
+    test_repo.write(f"{repo}/par/config.pbtxt", PAR_PBTXT)
     with Pool(repo) as p:
         yield p
 
@@ -192,3 +222,25 @@ def test_the_ensemble_runs_of_a_batch_that_finished_without_them_stop(pool, gate
     assert (held.result(timeout=60)["OUTPUT"] == -1).all()
     np.testing.assert_array_equal(c.infer("es", {"INPUT": _x(5)})["OUTPUT"], _x(5))
     assert _counts(c) == (rows0 + 2, sink0 + 3, es0 + 3)
+
+
+@pytest.mark.timeout(180)
+def test_an_inner_pipeline_left_behind_by_its_failed_outer_counts_a_failure(pool, gates):
+    """par's branch boom fails while its branch inn waits on the held sink: par fails at once, naming boom's
+    step; once sink runs, inn's pipeline stops unanswered, and inn counts it a failure (CANCELED), not nothing."""
+    c = pool.client(timeout=120)
+    gate = gates["sink"]
+    before = c.stats()["inn"]
+    _gate(gate)
+    try:
+        fut = c.infer_async("par", {"INPUT": _x(-3)})
+        with pytest.raises(errors.GepoolError, match=r"ensemble 'par' step 2 \('boom'\)"):
+            fut.result(timeout=60)
+        assert c.stats()["inn"]["failures"] == before["failures"]  # its step still held in sink
+    finally:
+        _ungate(gate)
+    assert wait_until(lambda: c.stats()["inn"]["failures"] == before["failures"] + 1), c.stats()["inn"]
+    after = c.stats()["inn"]
+    assert after["failure_reasons"]["CANCELED"] == before["failure_reasons"]["CANCELED"] + 1
+    assert after["requests"] == before["requests"]  # not counted a success either
+    np.testing.assert_array_equal(c.infer("par", {"INPUT": _x(2)})["Y2"], _x(2))
