@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from gepool.scheduler.models import Model
     from gepool.scheduler.requests import Request
 
+WARMUP = -1  # the caller's slot while it warms up (gepool.bls.WARMUP_SLOT): no batch of the front's
+OK, NEVER = "ok", "never"  # the graph's leaves: finishes on its own; never will (a worker failed for good)
+ALL, ANY = "all", "any"
+
 
 class Step(Protocol):
     """The sink of an ensemble's step request that a BLS call started: the call wraps it."""
@@ -53,10 +57,6 @@ class Step(Protocol):
 
     def hops(self) -> list[str]:
         """Its place in the wait, outermost ensemble first: ["ensemble 'e' step 1 ('b')", ...]."""
-
-WARMUP = -1  # the caller's slot while it warms up (gepool.bls.WARMUP_SLOT): no batch of the front's
-OK, NEVER = "ok", "never"  # the graph's leaves: finishes on its own; never will (a worker failed for good)
-ALL, ANY = "all", "any"
 
 
 class Call:
@@ -108,8 +108,8 @@ class Calls:
     def enter(self, req: Request, model: Model, caller: list) -> Call | None:
         """Books ``req``, a BLS call into ``model``'s queue from the batch ``caller`` names ([worker, slot,
         seq], checked by bls_chain), or a step request of an ensemble it called (its sink a ``Step``), and
-        makes it the request's sink; raises Unavailable, booking nothing,
-        when it could never run. None (not booked) for a warmup's call from a worker already serving."""
+        makes it the request's sink; raises Unavailable, booking nothing, when it could never run. None (not
+        booked) for a warmup's call from a worker already serving."""
         w = self.workers.get(caller[0])
         slot, seq = caller[1], caller[2]
         if slot == WARMUP:
