@@ -229,3 +229,17 @@ def test_an_inner_pipeline_left_behind_by_its_failed_outer_counts_a_failure(tmp_
     assert h.compute(wb) == [1] and h.out.take() == []
     inner = _stats(h, "inner")
     assert inner.failures == 1 and inner.failure_reasons["CANCELED"] == 1 and inner.requests == 0
+
+
+def test_a_call_into_an_ensemble_whose_step_is_the_caller_is_refused_by_the_chain_and_books_nothing(tmp_path, front):
+    echo_model(tmp_path, "a")
+    pipe(tmp_path, "e", ["a"])
+    h = front()
+    h.ready_all()
+    (wa,) = _workers(h, "a")
+    _, from_a = _running(h, wa, 1.0)
+    ae = ens_infer(h, -1.0, model="e", caller=from_a)
+    err = results(h.out.take())[ae]
+    assert err.code == errors.InvalidArgument.code
+    assert err.message == "ensemble 'e' step 1 ('a'): model 'a' calls itself through BLS: a -> e -> a", err.message
+    assert len(_model(h, "a").batcher) == 0 and not h.core.calls.by_worker
