@@ -15,13 +15,17 @@ What finishes is the least fixpoint of these rules; a call outside it waits on c
 only a timeout would ever end it. Such a call is refused as it arrives (it closes the cycle); after a
 worker stops for good, a queued call left outside it is failed. A call into a model that has a worker with
 no batch waiting on a call needs no graph (the fast path).
+
+A call into an ensemble is booked as its step requests, each under the calling batch as it enters its
+model's queue: the batch waits on the steps running or queued now, and a step that would close a cycle is
+refused like a call. Once the batch is gone, the run stops (its ``Step``'s ``cancel``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gepool.common import errors
 from gepool.ipc import protocol
@@ -38,26 +42,52 @@ OK, NEVER = "ok", "never"  # the graph's leaves: finishes on its own; never will
 ALL, ANY = "all", "any"
 
 
+class Step(Protocol):
+    """The sink of an ensemble's step request that a BLS call started: the call wraps it."""
+
+    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None: ...
+
+    def failed(self, model: Model, err: errors.GepoolError) -> None: ...
+
+    def cancel(self, err: errors.GepoolError) -> None:
+        """The batch that made the call is gone: the run stops, its client hears ``err``."""
+
+    def callee(self) -> str:
+        """The ensemble the batch called: "ensemble 'e'"."""
+
+    def hops(self) -> list[str]:
+        """Its place in the wait, outermost ensemble first: ["ensemble 'e' step 1 ('b')", ...]."""
+
+
 class Call:
     """One BLS call in the books, and its request's sink: answers the caller as a client's request is
-    answered; once the batch that made it is gone (``gone`` says how), it answers a cancellation instead."""
+    answered; once the batch that made it is gone (``gone`` says how), it answers a cancellation instead.
+    ``step``: the call is a step of an ensemble the batch called, and that step's sink gets the answer."""
 
-    __slots__ = ("calls", "req", "model", "worker", "batch", "gone")
+    __slots__ = ("calls", "req", "model", "worker", "batch", "gone", "step")
 
-    def __init__(self, calls: Calls, req: Request, model: Model, worker: Worker, batch: tuple[int, int]) -> None:
+    def __init__(self, calls: Calls, req: Request, model: Model, worker: Worker, batch: tuple[int, int],
+                 step: Step | None = None) -> None:
         self.calls, self.req, self.model, self.worker, self.batch = calls, req, model, worker, batch
         self.gone: str | None = None
+        self.step = step
 
     def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None:
         self.calls.forget(self)
         if self.gone is None:
-            self.calls.respond(model, self.req, arrays, row)
-        else:  # its answer is thrown away: nobody waits for it
+            if self.step is not None:
+                self.step.done(model, arrays, row, compute_s)
+            else:
+                self.calls.respond(model, self.req, arrays, row)
+        elif self.step is None:  # its answer is thrown away: nobody waits for it (a step's run has stopped)
             self.calls.send_error(self.req, self.calls.canceled(self))
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
         self.calls.forget(self)
-        self.calls.send_error(self.req, err if self.gone is None else self.calls.canceled(self))
+        if self.step is None:
+            self.calls.send_error(self.req, err if self.gone is None else self.calls.canceled(self))
+        elif self.gone is None:
+            self.step.failed(model, err)
 
 
 Respond = Callable[["Model", "Request", dict, int], None]  # the dispatcher's: outputs to the caller
@@ -77,15 +107,16 @@ class Calls:
     # -- the books -------------------------------------------------------------------------
     def enter(self, req: Request, model: Model, caller: list) -> Call | None:
         """Books ``req``, a BLS call into ``model``'s queue from the batch ``caller`` names ([worker, slot,
-        seq], checked by bls_chain), and makes it the request's sink; raises Unavailable, booking nothing,
-        when it could never run. None (not booked) for a warmup's call from a worker already serving."""
+        seq], checked by bls_chain), or a step request of an ensemble it called (its sink a ``Step``), and
+        makes it the request's sink; raises Unavailable, booking nothing, when it could never run. None (not
+        booked) for a warmup's call from a worker already serving."""
         w = self.workers.get(caller[0])
         slot, seq = caller[1], caller[2]
         if slot == WARMUP:
             if w.state != WorkerState.STARTING:
                 return None
             seq = 0
-        call = Call(self, req, model, w, (slot, seq))
+        call = Call(self, req, model, w, (slot, seq), req.sink)
         self.by_worker.setdefault(w.id, {}).setdefault(call.batch, {})[call] = None
         req.sink = call
         if not model.workers or any(self._worker_node(x) is OK for x in model.workers):
@@ -93,7 +124,7 @@ class Calls:
         stuck = self._stuck([call])
         if call in stuck:
             self.forget(call)
-            req.sink = None
+            req.sink = call.step
             raise errors.Unavailable(f"model '{model.name}' cannot take this BLS call: {self._why(call, stuck)}; "
                                      f"refused rather than left to wait out its timeout")
         return call
@@ -123,6 +154,8 @@ class Calls:
         for key in [k for k in batches if not self._running(w, k)]:
             for call in batches.pop(key):
                 call.gone = why
+                if call.step is not None:  # its run stops first: none of its later steps may start
+                    call.step.cancel(self.canceled(call))
                 if not self._withdraw(call):
                     self.orphans.add(call)
         if not batches:
@@ -137,7 +170,8 @@ class Calls:
         if not call.model.batcher.withdraw(call.req):
             return False
         call.model.stats.failed(CANCELED, call.req.origin)
-        self.send_error(call.req, self.canceled(call))
+        if call.step is None:
+            self.send_error(call.req, self.canceled(call))
         return True
 
     def recheck(self) -> None:
@@ -155,7 +189,8 @@ class Calls:
                 return
 
     def canceled(self, call: Call) -> errors.GepoolError:
-        return errors.Unavailable(f"BLS call to model '{call.model.name}' canceled: the batch of model "
+        callee = f"model '{call.model.name}'" if call.step is None else call.step.callee()
+        return errors.Unavailable(f"BLS call to {callee} canceled: the batch of model "
                                   f"'{call.worker.model.name}' that made it is gone ({call.gone})")
 
     def send_error(self, req: Request, err: errors.GepoolError) -> None:
@@ -244,8 +279,13 @@ class Calls:
             node = seen[node]
         if not path:  # the wait never comes back to the caller: it ends at workers that stopped for good
             return f"no worker of model '{call.model.name}' will ever be free to run it"
-        batches = [n for n in reversed(path) if type(n) is tuple]
-        cycle = " -> ".join(self._name(n) for n in [start, *batches])
+        hops = [self._name(start)]
+        for n in reversed(path):  # the call first: each call, then the batch that waits on it
+            if type(n) is tuple:
+                hops.append(self._name(n))
+            elif isinstance(n, Call) and n.step is not None:
+                hops += n.step.hops()
+        cycle = " -> ".join(hops)
         return f"every worker that could run it waits, through BLS calls, on the batch that made it ({cycle})"
 
     def _name(self, node: tuple) -> str:

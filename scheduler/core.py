@@ -59,7 +59,7 @@ class Core:
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
         self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock,
-                                   self._prewake_step, self.dispatch.schedule)
+                                   self._prewake_step, self.dispatch.schedule, self.calls)
         self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:
@@ -149,8 +149,8 @@ class Core:
             chain = () if msg.caller is None else bls_chain(msg, model.name, self.workers, self.clock())
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
-            req.chain = chain
-            if model.config.ensemble is not None:
+            req.chain, req.caller = chain, msg.caller
+            if model.config.ensemble is not None:  # its steps are booked as the caller's calls
                 self.ensembles.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return

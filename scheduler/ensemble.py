@@ -18,10 +18,11 @@ from gepool.common import errors
 from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler import handoff
+from gepool.scheduler.calls import Calls
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import Request, admit
-from gepool.scheduler.stats import failure_reason
+from gepool.scheduler.stats import CANCELED, failure_reason
 
 log = logging.getLogger("gepool.ensemble")
 
@@ -54,13 +55,36 @@ class StepSink:
     def failed(self, model: Model, err: errors.GepoolError) -> None:
         self.ensembles.fail(self.run, self.index, err)
 
+    def cancel(self, err: errors.GepoolError) -> None:
+        self.ensembles.cancel(self.run, err)
+
+    def callee(self) -> str:
+        return f"ensemble '{_top(self.run).model.name}'"
+
+    def hops(self) -> list[str]:
+        """This step and the steps above it that are ensembles, outermost first."""
+        out, sink = [], self
+        while isinstance(sink, StepSink):
+            step = sink.run.model.config.ensemble.steps[sink.index]
+            out.append(f"ensemble '{sink.run.model.name}' {step.label(sink.index)}")
+            sink = sink.run.req.sink
+        return out[::-1]
+
+
+def _top(run: Run) -> Run:
+    while isinstance(run.req.sink, StepSink):
+        run = run.req.sink.run
+    return run
+
 
 def _abandoned(run: Run) -> bool:
-    """A sub-pipeline whose ensemble above has finished (failed by another of its steps): nobody waits."""
+    """A sub-pipeline whose ensemble above has finished (failed by another of its steps): nobody waits.
+    It stops, a failure of its own ensemble (CANCELED, as it never answers)."""
     sink = run.req.sink
     while isinstance(sink, StepSink):
         if sink.run.finished:
             run.finished = True
+            run.model.stats.failed(CANCELED, run.req.origin)
             return True
         sink = sink.run.req.sink
     return False
@@ -73,14 +97,15 @@ class Ensembles:
     as admission does when it cannot), ``prewake(model name)`` wakes the idle worker of a step about to
     be queued, when traffic is sequential (the core's rule for a client's request), ``dispatch(model)``
     hands out the batches a model's queue can send now (the dispatcher's). ``hand_over()`` must follow each
-    completion the dispatcher handles, before any other batch is dispatched (the core's on_completions)."""
+    completion the dispatcher handles, before any other batch is dispatched (the core's on_completions).
+    ``calls`` books the step requests of an ensemble a BLS call runs under the batch that made the call."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
                  clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False,
-                 dispatch: Callable[[Model], None] = lambda model: None) -> None:
+                 dispatch: Callable[[Model], None] = lambda model: None, calls: Calls | None = None) -> None:
         self.control, self.arenas, self.clock = control, arenas, clock
         self.respond, self.reply, self.enqueue, self.prewake = respond, reply, enqueue, prewake
-        self.dispatch = dispatch
+        self.dispatch, self.calls = dispatch, calls
         self.copies = Copies()
         self._links: list[Link] | None = None  # step requests submitted while a completion is handled
         self._pending: list[tuple[Run, Model, list[Link]]] = []  # runs holding views of the completed slot
@@ -218,15 +243,22 @@ class Ensembles:
         try:
             req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
             req.sink = StepSink(self, run, i, now)
-            req.chain = run.req.chain
+            req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
                 self.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
+            # a BLS call's step waits, as a call, on the batch that made it (refused if it never could run)
+            call = None if req.caller is None or self.calls is None else self.calls.enter(req, model, req.caller)
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
-        self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
+        try:
+            self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
+        except errors.GepoolError:
+            if call is not None:
+                self.calls.forget(call)
+            raise
         if self._links is not None:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
                                                  for k, t in enumerate(model.config.inputs)
@@ -317,6 +349,17 @@ class Ensembles:
                     handoff.own(t, self.copies)
                 else:
                     handoff.drop(t)
+
+    def cancel(self, run: Run, err: errors.GepoolError) -> None:
+        """The batch whose BLS call started ``run``'s pipeline is gone: it and the runs above it stop unanswered
+        (CANCELED in each ensemble's statistics), and the call hears ``err``."""
+        while not run.finished:
+            run.finished = True
+            run.model.stats.failed(CANCELED, run.req.origin)
+            if not isinstance(run.req.sink, StepSink):
+                self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+                return
+            run = run.req.sink.run
 
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""

@@ -54,6 +54,8 @@ class Request:
     sink: Sink | None = None  # an ensemble's step: its outputs and errors go there, not to a client
     origin: int = protocol.Origin.LIBRARY  # the surface it came by: the per-request metrics' protocol label
     chain: tuple[str, ...] = ()  # a BLS call: the models whose execute waits on it, outermost first
+    caller: list[int] | None = None  # a BLS call (or a step of the ensemble it called): [worker, slot, seq] of
+    # the batch that waits on it
     deadline: float | None = None  # when nobody waits for it any more (its timeout or its client's deadline)
     priority: int = 0  # as it asked: a retry goes back to its own level
     expires: float | None = None  # its client's deadline alone: a retry still leaves the queue at it
