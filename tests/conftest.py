@@ -187,3 +187,20 @@ def no_segment_left():
     before = set(naming.list_segments())
     yield
     assert wait_until(lambda: not _leaked(before), LEAK_GRACE_S), f"gepool segments left: {_leaked(before)}"
+
+
+@pytest.fixture
+def front(tmp_path):
+    """In-process front cores (tests/test_core.py's Harness) over tmp_path's repository, made by calling
+    the fixture once the models are written; each is closed after the test."""
+    from tests.test_core import Harness  # that module imports this one
+
+    made = []
+
+    def make() -> Harness:
+        made.append(Harness(tmp_path))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()

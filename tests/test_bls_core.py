@@ -7,23 +7,9 @@ import pytest
 from gepool.common import errors
 from gepool.ipc import protocol
 from gepool.scheduler.states import WorkerState
-from tests.test_core import Harness, echo_model, results
+from tests.test_core import echo_model, results
 
 ONE = "preferred_batch_size: [ 1 ]"  # a one-row batch is full: the front hands it even to a busy worker's ring
-
-
-@pytest.fixture
-def front(tmp_path):
-    """Makes the core over tmp_path's repository (write the models first); closed after the test."""
-    made = []
-
-    def make() -> Harness:
-        made.append(Harness(tmp_path))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def _workers(h, name: str) -> list:

@@ -86,7 +86,7 @@ class TritonPythonModel:
         return responses
 '''
 
-# Three calls to "sink" at once. A positive first element: fire and forget (its batch ends with them queued,
+# Three calls to CALLEE at once. A positive first element: fire and forget (its batch ends with them queued,
 # once a last call on the same socket, so after them, is answered); negative: it waits for all three.
 SPRAY_PY = '''
 import numpy as np
@@ -100,12 +100,16 @@ class Model:
         x = inputs["INPUT"]
         if not x.any():
             return {"OUTPUT": x.copy()}
-        calls = [self.pool.infer_async("sink", {"INPUT": np.abs(x)}) for _ in range(3)]
+        calls = [self.pool.infer_async("CALLEE", {"INPUT": np.abs(x)}) for _ in range(3)]
         if x[0, 0] > 0:
             self.pool.infer_async("echo", {"INPUT": x}).result(timeout=60)
             return {"OUTPUT": x.copy()}
         return {"OUTPUT": sum(c.result(timeout=600)["OUTPUT"] for c in calls)}
 '''
+
+
+def spray_py(callee: str) -> str:
+    return SPRAY_PY.replace("CALLEE", callee)
 
 
 def _model(repo: str, name: str, py: str, params: dict, count: int = 1) -> None:
@@ -139,7 +143,7 @@ def deadlock_pool(tmp_path_factory, gates):
     _model(repo, "tb", TRITON_MUTUAL_PY, {"callee": "ta", "go": gates["go3"], "timeout_s": t})
     _model(repo, "pa", MUTUAL_PY, {"callee": "pb", "go": gates["go2"], "timeout_s": t})
     _model(repo, "pb", MUTUAL_PY, {"callee": "pa", "go": gates["go2"], "hold": gates["hold"], "timeout_s": t}, count=2)
-    _model(repo, "spray", SPRAY_PY, {})
+    _model(repo, "spray", spray_py("sink"), {})
     test_repo.recorder(repo, "sink", gate=gates["sink"], max_batch=8, preferred="8", delay_us=0, dims=str(WIDTH))
     test_repo.recorder(repo, "echo", max_batch=8, preferred="8", delay_us=0, dims=str(WIDTH))
     with Pool(repo) as pool:

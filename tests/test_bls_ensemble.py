@@ -14,7 +14,7 @@ from gepool import Pool
 from gepool.common import errors
 from tests import repo as test_repo
 from tests.conftest import wait_until
-from tests.test_bls_deadlock import MUTUAL_PY, TRITON_MUTUAL_PY, WIDTH, _model
+from tests.test_bls_deadlock import MUTUAL_PY, TRITON_MUTUAL_PY, WIDTH, _model, spray_py
 
 # each model's own BLS timeout: long enough that a call left to wait it out fails the time bound below, short
 # enough that a run without the wait-for check through ensembles fails on that bound, not on the test's timeout
@@ -23,24 +23,7 @@ REFUSED_WITHIN_S = 30
 
 # A positive first element: three calls to the ensemble "es", not waited for (its batch ends with them queued,
 # once a last call on the same socket, so after them, is answered); negative: it waits for all three.
-FAN_PY = '''
-import numpy as np
-
-
-class Model:
-    def initialize(self, config):
-        self.pool = config["pool"]
-
-    def execute(self, inputs):
-        x = inputs["INPUT"]
-        if not x.any():
-            return {"OUTPUT": x.copy()}
-        calls = [self.pool.infer_async("es", {"INPUT": np.abs(x)}) for _ in range(3)]
-        if x[0, 0] > 0:
-            self.pool.infer_async("echo", {"INPUT": x}).result(timeout=60)
-            return {"OUTPUT": x.copy()}
-        return {"OUTPUT": sum(c.result(timeout=600)["OUTPUT"] for c in calls)}
-'''
+FAN_PY = spray_py("es")
 
 
 # fails a request whose first element is -3 (after its other branch has started); else echoes

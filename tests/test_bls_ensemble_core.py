@@ -10,22 +10,8 @@ from gepool.common import errors
 from gepool.scheduler.states import WorkerState
 from tests.repo import write
 from tests.test_bls_core import _call, _model, _running, _workers
-from tests.test_core import Harness, echo_model, results
+from tests.test_core import echo_model, results
 from tests.test_ensemble_core import chain, ens_infer, pipe
-
-
-@pytest.fixture
-def front(tmp_path):
-    """Makes the core over tmp_path's repository (write the models first); closed after the test."""
-    made = []
-
-    def make() -> Harness:
-        made.append(Harness(tmp_path))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def _stats(h, name: str):
