@@ -51,6 +51,32 @@ class Model:
 '''
 
 
+def _reload_add_under_traffic(endpoint: str, c, repo: str, ensemble: str, x, clients: int) -> None:
+    """Version 2 of step model 'add' is loaded while ``clients`` threads infer ``ensemble``: none fails, and
+    the new version takes over."""
+    stop, seen, failures = threading.Event(), set(), []
+
+    def load() -> None:
+        with Client(endpoint, timeout=60) as lc:
+            while not stop.is_set():
+                try:
+                    seen.add(float(lc.infer(ensemble, {"X": x})["Y"][0, 0]))
+                except errors.GepoolError as exc:
+                    failures.append(str(exc))
+
+    threads = [threading.Thread(target=load) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        write(f"{repo}/add/2/model.py", ADD_PY)
+        c.load("add", timeout=120)
+        wait_until(lambda: 2.0 in seen, timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
+
 def simple(repo: str, name: str, py: str, params: str = "", mbs: int = 16) -> None:
     write(f"{repo}/{name}/1/model.py", py)
     write(f"{repo}/{name}/config.pbtxt", f"""
@@ -351,29 +377,7 @@ def test_an_ensemble_follows_its_steps_through_unload_load_and_reload(tmp_path):
             c.infer("pipe", {"X": x})
         c.load("add", timeout=120)
         assert c.infer("pipe", {"X": x})["Y"].tolist() == [[1.0] * 4]
-        # a reload of the step while ensemble requests flow: none fails, and the new version takes over
-        stop, seen, failures = threading.Event(), set(), []
-
-        def load() -> None:
-            with Client(p.endpoint, timeout=60) as lc:
-                while not stop.is_set():
-                    try:
-                        seen.add(float(lc.infer("pipe", {"X": x})["Y"][0, 0]))
-                    except errors.GepoolError as exc:
-                        failures.append(str(exc))
-
-        threads = [threading.Thread(target=load) for _ in range(3)]
-        for t in threads:
-            t.start()
-        try:
-            write(f"{repo}/add/2/model.py", ADD_PY)
-            c.load("add", timeout=120)
-            wait_until(lambda: 2.0 in seen, timeout=60)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
-        assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
+        _reload_add_under_traffic(p.endpoint, c, repo, "pipe", x, 3)
 
 
 def test_a_timeout_applies_to_the_whole_pipeline_nested_ones_included(pool):
@@ -504,28 +508,7 @@ def test_a_model_deep_in_a_nest_unloads_and_reloads_under_every_ensemble_above_i
             c.infer("outer", {"X": x})
         c.load("add", timeout=120)
         assert c.infer("outer", {"X": x})["Y"].tolist() == [[1.0] * 4]
-        stop, seen, failures = threading.Event(), set(), []
-
-        def load() -> None:
-            with Client(p.endpoint, timeout=60) as lc:
-                while not stop.is_set():
-                    try:
-                        seen.add(float(lc.infer("outer", {"X": x})["Y"][0, 0]))
-                    except errors.GepoolError as exc:
-                        failures.append(str(exc))
-
-        threads = [threading.Thread(target=load) for _ in range(2)]
-        for t in threads:
-            t.start()
-        try:
-            write(f"{repo}/add/2/model.py", ADD_PY)
-            c.load("add", timeout=120)
-            wait_until(lambda: 2.0 in seen, timeout=60)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
-        assert not failures and seen <= {1.0, 2.0} and 2.0 in seen
+        _reload_add_under_traffic(p.endpoint, c, repo, "outer", x, 2)
 
 
 def test_the_pool_counts_where_the_bytes_of_each_hop_went(client):

@@ -12,20 +12,8 @@ from tests.test_core import MODEL_PY, echo_model, harness, results  # noqa: F401
 
 
 def pipe(repo, name: str, steps: list[str], mbs: int = 8) -> None:
-    os.makedirs(f"{repo}/{name}/1", exist_ok=True)
-    blocks = []
-    for i, model in enumerate(steps):
-        src = "X" if i == 0 else f"t{i}"
-        dst = "Y" if i == len(steps) - 1 else f"t{i + 1}"
-        blocks.append(f'{{ model_name: "{model}" input_map {{ key: "INPUT" value: "{src}" }} '
-                      f'output_map {{ key: "OUTPUT" value: "{dst}" }} }}')
-    write(f"{repo}/{name}/config.pbtxt", f"""
-        platform: "ensemble"
-        max_batch_size: {mbs}
-        input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-        output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-        ensemble_scheduling {{ step [ {", ".join(blocks)} ] }}
-    """)
+    """An ensemble X -> Y through ``steps`` in a line, each model's INPUT to its OUTPUT."""
+    chain(repo, name, [(model, "INPUT", "OUTPUT") for model in steps], mbs)
 
 
 def ens_infer(h, value: float, model: str = "pipe", **kw) -> int:
