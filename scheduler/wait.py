@@ -64,13 +64,17 @@ class Waiter:
 
     def stale(self) -> Events:
         """The stale ZMQ sockets that hold a message, each then fresh: its descriptor signals what comes
-        next, until someone receives or sends on it again."""
+        next, until someone receives or sends on it again. When any does, whatever else is ready comes
+        with them: a client that keeps a socket stale must not starve the doorbells, lanes and signals."""
         found = []
         for fd, source in self._zmq:
             if source.stale:
                 source.stale = False
                 if zmqio.readable(source.sock):  # reading ZMQ_EVENTS takes the command that woke the fd
                     found.append((fd, select.EPOLLIN))
+        if found:
+            seen = {fd for fd, _ in found}
+            found += [e for e in self.epoll.poll(0) if e[0] not in seen]
         return found
 
     def sleep(self, at: float | None) -> Events:

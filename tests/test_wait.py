@@ -153,6 +153,24 @@ def test_receive_stopped_at_its_budget_leaves_the_rest_to_the_next_wait(waiter, 
     assert not channel.stale and waiter.stale() == []
 
 
+def test_a_zmq_socket_kept_stale_does_not_starve_what_else_is_ready(waiter, router_dealer, pipe):
+    """A client flood that fills every receive budget leaves its socket stale pass after pass: the other
+    sources (here a pipe, in the front the doorbells, lanes and signals) are still reported each pass."""
+    router, dealer = router_dealer
+    r, w = pipe
+    waiter.add(r)
+    channel = ZmqChannel(router, lambda ident, parts: None)
+    fd = waiter.add_zmq(channel)
+    for i in range(50):
+        dealer.send(b"%d" % i)
+    _until(waiter, fd)
+    channel.receive(2)
+    os.write(w, b"x")
+    assert channel.stale
+    events = waiter.stale()
+    assert {f for f, _ in events} == {fd, r}
+
+
 def test_messages_arriving_while_replies_go_out_are_all_received(waiter, router_dealer):
     """A send on a ZMQ socket may process the command announcing an arriving message, so that its
     descriptor never turns readable for it: after a send the wait reads ZMQ_EVENTS first."""
