@@ -121,8 +121,7 @@ class AsyncClient(ClientCore):
         entry = (out, fut, deadline, True)
         self._inflight[req_id] = entry
         try:
-            if (self._lane is not None and self._queue_one(frames, req_id)) or await self._send_lane(
-                    frames, req_id, entry):
+            if (self._lane is not None and self._queue_one(frames, req_id)) or await self._send_lane(frames, req_id):
                 wake = deadline
             else:
                 self._inflight[req_id] = entry[:3] + (False,)
@@ -155,7 +154,7 @@ class AsyncClient(ClientCore):
         if wake is not None:
             self._arm(wake, now)
 
-    async def _send_lane(self, frames: list, req_id: int, entry: tuple) -> bool:
+    async def _send_lane(self, frames: list, req_id: int) -> bool:
         """False: no lane (ZMQ carries this one). True: the lane has it, and sends it or, if the lane dies
         first, hands it to ZMQ. A message that fits one record joins the queue that the flush it (or the
         one before it) scheduled sends; a longer one goes now, behind the queue, and its sender waits

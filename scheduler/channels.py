@@ -39,8 +39,7 @@ class ZmqChannel:
 
     def __init__(self, sock: zmq.Socket, on_message: OnMessage) -> None:
         self.sock, self.on_message = sock, on_message
-        # messages may be waiting that ZMQ_FD will not signal: the front's wait reads ZMQ_EVENTS first
-        self.stale = True
+        self.stale = True  # set by the front's Waiter.add_zmq too: the one that reads ZMQ_EVENTS
 
     def fileno(self) -> int:
         return self.sock.FD

@@ -546,7 +546,7 @@ def test_asyncio_sends_that_fill_the_lane_keep_each_message_whole(tmp_path):
 
         async def send(i: int) -> bool:  # staggered: some start while another waits mid-message
             await asyncio.sleep(i * 0.002)
-            return await client._send_lane(messages[i], i, (None, None, None, False))
+            return await client._send_lane(messages[i], i)
 
         try:
             return await asyncio.wait_for(asyncio.gather(*(send(i) for i in range(len(messages)))), 60)
