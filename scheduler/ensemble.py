@@ -309,7 +309,9 @@ class Ensembles:
             self._fail(run, exc)
         finally:
             links, self._links = self._links, outer
-            if any(t.view for t in fresh):
+            # a step started here may read a view made earlier in this completion (a sub-pipeline answering
+            # after a sibling step of the same batch): its links must reach hand_over too
+            if links or any(t.view for t in fresh):
                 self._pending.append((run, model, links))
 
     def hand_over(self) -> None:
