@@ -4,11 +4,11 @@ import threading
 import time
 
 from gepool.common import errors
+from gepool.ipc.protocol import WARMUP_SLOT
 
 BLS_TIMEOUT_S = 60.0  # a call with no timeout of its own waits this long for its answer, then fails
 # While the caller warms up, the model it calls may still be loading: the call waits for it this often.
 LOADING_RETRY_S = 0.05
-WARMUP_SLOT = -1  # Infer.caller's slot while the caller runs no batch (its warmup)
 
 
 def _caller_client(endpoint: str, caller, **kwargs):
@@ -34,11 +34,13 @@ class PoolHandle:
     The connection to the front is made on the first call (a model that never calls pays nothing) and
     is shared by every thread of the worker (each thread gets its own socket from the Client). Each call
     names the batch its worker is running (``running``), so the front knows the call chain and refuses a
-    call that would wait on itself."""
+    call that would wait on itself. ``key``: the one the front started this worker with; each call carries
+    it, and the front refuses a call naming the worker's batch without it."""
 
     def __init__(self, endpoint: str, worker_id: int, curve_key: str | None = None,
-                 timeout: float = BLS_TIMEOUT_S) -> None:
+                 timeout: float = BLS_TIMEOUT_S, key: bytes = b"") -> None:
         self.endpoint, self.worker_id, self.curve_key, self.timeout = endpoint, worker_id, curve_key, timeout
+        self._key = key
         self._batch: tuple[int, int] | None = None  # (slot, seq) being executed; None while warming up
         self._client = None  # the Client, made on the first call
         self._lock = threading.Lock()
@@ -50,7 +52,7 @@ class PoolHandle:
 
     def _caller(self) -> list:
         batch = self._batch
-        return [self.worker_id, WARMUP_SLOT, 0] if batch is None else [self.worker_id, *batch]
+        return [self.worker_id, WARMUP_SLOT, 0, self._key] if batch is None else [self.worker_id, *batch, self._key]
 
     def _connect(self):
         client = self._client

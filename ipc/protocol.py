@@ -19,6 +19,8 @@ NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
 EXIT_LOAD_FAILED = 3  # a worker's exit code after its WorkerFailed; the front goes by the message
 EXIT_DEVICE_LOST = 4  # a worker whose device stopped answering: restarted like a crash
+WARMUP_SLOT = -1  # Infer.caller's slot while the calling worker runs no batch (its warmup)
+CALLER_KEY_BYTES = 16  # Infer.caller's key: minted by the front for each worker process it starts
 
 
 class ModelState(enum.StrEnum):
@@ -145,8 +147,9 @@ class Infer(_Base):
     # unlike timeout_us it never changes the queue policy's timeout
     deadline_us: int = 0
     origin: int = Origin.LIBRARY  # the surface it came by (the gateway sets HTTP or GRPC)
-    # A BLS call (a python model calling another model): [worker id, slot, seq] of the batch whose execute
-    # waits on it (slot -1: the worker's warmup). The front derives the call chain from that batch.
+    # A BLS call (a python model calling another model): [worker id, slot, seq, key]: the batch whose execute
+    # waits on it (slot WARMUP_SLOT: the worker's warmup), and the key the front started that worker with
+    # (CALLER_KEY_BYTES). The front derives the call chain from that batch.
     caller: list | None = None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,8 @@ class Worker:
     spawned_at: float = 0.0  # when its process was started: the load timeout's clock
     load_failed: bool = False  # it reported that its model cannot load, or did not load in time
     sample: dict = field(default_factory=dict)  # its process's latest DeviceStats (device_sample); {} when none
+    # handed to its process at spawn, fresh for each process: a BLS call naming one of its batches carries it
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(protocol.CALLER_KEY_BYTES))
 
     def move(self, state: WorkerState) -> None:
         self.state = check_worker(self.state, state)
@@ -88,6 +91,7 @@ class Worker:
         self.move(WorkerState.STARTING)
         self.free, self.inflight, self.rows, self.restart_at = [], {}, 0, None
         self.spawned_at, self.sample = now, {}
+        self.key = secrets.token_bytes(protocol.CALLER_KEY_BYTES)
 
     def ready(self, msg: protocol.WorkerReady, now: float) -> None:
         self.move(WorkerState.READY)

@@ -149,7 +149,7 @@ class Core:
             chain = () if msg.caller is None else bls_chain(msg, model.name, self.workers, self.clock())
             model.check_servable()
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
-            req.chain, req.caller = chain, msg.caller
+            req.chain, req.caller = chain, None if msg.caller is None else msg.caller[:3]
             if model.config.ensemble is not None:  # its steps are booked as the caller's calls
                 self.ensembles.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
@@ -158,7 +158,7 @@ class Core:
                     and self.dispatch.answer_cached(model, req):
                 return  # answered from the cache: no worker runs it
             # a BLS call is booked under the batch that waits on it, or refused if it could never run
-            call = None if msg.caller is None else self.calls.enter(req, model, msg.caller)
+            call = None if req.caller is None else self.calls.enter(req, model, req.caller)
             try:
                 self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
             except errors.GepoolError:

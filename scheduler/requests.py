@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hmac
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from gepool.common.config import ModelConfig
-from gepool.common.errors import InvalidArgument, RequestTooLarge, Timeout, Unavailable
+from gepool.common.errors import InvalidArgument, PermissionDenied, RequestTooLarge, Timeout, Unavailable
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arena_io import ArenaSpan
 from gepool.scheduler.arenas import Arena, Arenas
@@ -55,7 +56,7 @@ class Request:
     origin: int = protocol.Origin.LIBRARY  # the surface it came by: the per-request metrics' protocol label
     chain: tuple[str, ...] = ()  # a BLS call: the models whose execute waits on it, outermost first
     caller: list[int] | None = None  # a BLS call (or a step of the ensemble it called): [worker, slot, seq] of
-    # the batch that waits on it
+    # the batch that waits on it (its key checked and dropped)
     deadline: float | None = None  # when nobody waits for it any more (its timeout or its client's deadline)
     priority: int = 0  # as it asked: a retry goes back to its own level
     expires: float | None = None  # its client's deadline alone: a retry still leaves the queue at it
@@ -200,18 +201,25 @@ MAX_BLS_DEPTH = 8  # models in one BLS call chain, the outermost caller included
 
 
 def bls_chain(msg: protocol.Infer, target: str, workers: Workers, now: float) -> tuple[str, ...]:
-    """The call chain of a BLS request from ``msg.caller`` ([worker, slot, seq] of the batch that waits on
-    it): the chains of that batch's requests, then the batch's model. Refused when ``target`` is in it
-    already (its execute would wait on itself: a deadlock while its instances are all waiting) or it is
-    too deep. The call's timeout becomes no later than the calling requests' own deadline."""
+    """The call chain of a BLS request from ``msg.caller`` ([worker, slot, seq, key]: the batch that waits on
+    it, and the key that worker's process was started with): the chains of that batch's requests, then the
+    batch's model. Refused when the key is not that worker's (only its own process may name its batches),
+    when ``target`` is in the chain already (its execute would wait on itself: a deadlock while its
+    instances are all waiting) or it is too deep. The call's timeout becomes no later than the calling
+    requests' own deadline."""
     caller = msg.caller
-    if not (type(caller) is list and len(caller) == 3 and all(type(v) is int for v in caller)):
-        raise InvalidArgument(f"caller must be [worker, slot, seq] (integers), got {caller!r}")
+    if not (type(caller) is list and len(caller) == 4 and all(type(v) is int for v in caller[:3])
+            and type(caller[3]) is bytes):
+        raise InvalidArgument(f"caller must be [worker, slot, seq, key] (three integers and the worker's key), "
+                              f"got {_shown(caller)}")
     w = workers.get(caller[0])
     if w is None:
         raise InvalidArgument(f"the BLS caller names worker {caller[0]}, which this pool does not have")
+    if not w.key or not hmac.compare_digest(caller[3], w.key):
+        raise PermissionDenied(f"caller names a batch of worker {caller[0]} (model '{w.model.name}') without that "
+                               f"worker's key: only a python model's own worker may make BLS calls as its batch")
     chain: dict[str, None] = {}
-    if caller[1] != -1:  # -1: the caller is warming up, with no request behind it
+    if caller[1] != protocol.WARMUP_SLOT:  # the caller is warming up, with no request behind it
         batch = w.inflight.get(caller[1])
         if batch is None or batch.seq != caller[2]:
             raise Unavailable(f"the batch of model '{w.model.name}' that made this BLS call is no longer running")
@@ -227,6 +235,13 @@ def bls_chain(msg: protocol.Infer, target: str, workers: Workers, now: float) ->
         raise InvalidArgument(f"BLS calls nest {len(chain) + 1} models deep, past the limit of {MAX_BLS_DEPTH}: "
                               f"{' -> '.join([*chain, target])}")
     return tuple(chain)
+
+
+def _shown(caller: object) -> str:
+    """A refused caller as the error quotes it: its key, if any, is not echoed."""
+    if type(caller) is list and len(caller) == 4 and type(caller[3]) is bytes:
+        return repr([*caller[:3], f"<{len(caller[3])} bytes>"])
+    return repr(caller)[:200]
 
 
 def _cap_timeout(msg: protocol.Infer, deadlines: list[float], now: float) -> None:

@@ -37,7 +37,8 @@ class Supervisor:
         w.bell = doorbell.FrontBell(paths)
         w.process = self.start_worker(
             worker_id=w.id, config=model.config, version_dir=model.source.version_dir, device=w.device,
-            threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level, bell=paths)
+            threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level, bell=paths,
+            bls_key=w.key)  # through the spawn's pipe, which no other process reads
         log.info("worker %d (%s v%s on %s) started, pid %d", w.id, model.name, model.version, w.device,
                  w.process.pid)
 

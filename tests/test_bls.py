@@ -2,6 +2,7 @@
 real workers, a real front and onnxruntime; call chains refused where they would wait on themselves."""
 
 import contextlib
+import json
 import os
 import signal
 import struct
@@ -63,6 +64,32 @@ class Model:
         if not x.any():
             return {"OUTPUT": x.copy()}
         return {"OUTPUT": self.pool.infer(self.callee, {"INPUT": x}, ["OUTPUT"], timeout=self.timeout)["OUTPUT"]}
+'''
+
+# A request of ones: writes the caller its calls carry, less the key ([worker, slot, seq]), to the "seen" file,
+# waits for the "gate" file to go, then calls mlp. Else it echoes.
+WITNESS_PY = '''
+import json
+import os
+import time
+
+
+class Model:
+    def initialize(self, config):
+        self.pool, p = config["pool"], config["parameters"]
+        self.seen, self.gate = p["seen"], p["gate"]
+
+    def execute(self, inputs):
+        x = inputs["INPUT"]
+        if not (x == 1).all():
+            return {"OUTPUT": x.copy()}
+        with open(self.seen + ".tmp", "w") as f:
+            json.dump(self.pool._caller()[:3], f)
+        os.rename(self.seen + ".tmp", self.seen)
+        deadline = time.monotonic() + 120
+        while os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return {"OUTPUT": self.pool.infer("mlp", {"INPUT": x})["LOGITS"]}
 '''
 
 # One call per row, from four threads at once: the handle is shared by the worker's threads.
@@ -237,6 +264,7 @@ def bls_repo(tmp_path_factory):
     _python_model(repo, "pong", CALLER_PY, params={"callee": "ping"})
     _python_model(repo, "impatient", CALLER_PY, params={"callee": "held", "timeout_s": "1.5"})
     _python_model(repo, "via_held", CALLER_PY, params={"callee": "held"})
+    _python_model(repo, "witness", WITNESS_PY, params={"seen": f"{repo}/witness_seen", "gate": f"{repo}/witness_gate"})
     test_repo.recorder(repo, "held", gate=gate, max_batch=8, preferred="8", delay_us=0, dims=str(WIDTH))
     # two calls reach it as one batch of two (BATCH 2) only if they are in flight at once
     test_repo.recorder(repo, "duo", max_batch=2, preferred="2", delay_us=60_000_000, dims=str(WIDTH))
@@ -421,6 +449,42 @@ def test_a_worker_killed_during_its_call_gets_its_request_retried_and_the_pool_k
     assert wait_until(lambda: not any(c.status()["models"][m].get("busy_worker_pids") for m in ("held", "via_held")))
 
 
+@pytest.mark.timeout(120)
+def test_a_client_naming_a_live_batch_of_a_python_worker_as_its_caller_is_refused(bls_pool, bls_repo):
+    """witness's worker runs a batch held on a gate; an ordinary client of the pool sends BLS calls naming that
+    batch as their caller (as a python worker's handle would, but without the key the front started the
+    worker with, or with a made-up one). Each is refused naming the caller field, mlp runs none of them, and
+    witness's own call, once its gate goes, is served."""
+    from gepool import bls
+
+    repo, _ = bls_repo
+    seen, gate = f"{repo}/witness_seen", f"{repo}/witness_gate"
+    c = bls_pool.client()
+    x = np.ones((1, WIDTH), np.float32)
+    open(gate, "w").close()
+    try:
+        fut = c.infer_async("witness", {"INPUT": x})
+        assert wait_until(lambda: os.path.exists(seen))
+        with open(seen) as f:
+            caller = json.load(f)  # [worker, slot, seq] of the batch now running
+        assert c.status()["models"]["witness"]["busy_worker_pids"]
+        before = c.stats()["mlp"]
+        for forged, error in ((caller, errors.InvalidArgument), ([*caller, bytes(16)], errors.PermissionDenied),
+                              ([*caller, os.urandom(16)], errors.PermissionDenied)):
+            forger = bls._caller_client(bls_pool.endpoint, lambda forged=forged: forged)
+            try:
+                with pytest.raises(error, match="caller"):
+                    forger.infer("mlp", {"INPUT": x}, timeout=30)
+            finally:
+                forger.close()
+        after = c.stats()["mlp"]
+        assert (after["requests"], after["rows"]) == (before["requests"], before["rows"])
+        assert not fut.done()
+    finally:
+        os.unlink(gate)
+    np.testing.assert_array_equal(fut.result(timeout=60)["OUTPUT"], c.infer("mlp", {"INPUT": x})["LOGITS"])
+
+
 class _Model:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -434,24 +498,25 @@ def test_the_front_derives_the_chain_from_the_calling_batch_and_limits_its_depth
 
     workers = Workers()
     names = [f"m{i}" for i in range(MAX_BLS_DEPTH + 1)]
-    ws = [workers.add(_Model(n), "cpu", 1, 2, 1 << 20) for n in names]
+    ws = [_worker(workers, n) for n in names]
     chain: tuple[str, ...] = ()
     for i, w in enumerate(ws[:-1]):
         w.free = [0, 1]
         req = Request(b"c", i, w.model.name, [], [], 1, 0, None, -1, 0, 0, 0.0, chain=chain)
         w.take(7, [req], 1, False, 0.0)  # its batch in slot 1, seq 7, waits on the call below
         if i + 1 < MAX_BLS_DEPTH:
-            chain = bls_chain(_call([w.id, 1, 7]), names[i + 1], workers, 0.0)
+            chain = bls_chain(_call([w.id, 1, 7, w.key]), names[i + 1], workers, 0.0)
             assert chain == tuple(names[:i + 1])
         else:
             with pytest.raises(errors.InvalidArgument, match=f"past the limit of {MAX_BLS_DEPTH}"):
-                bls_chain(_call([w.id, 1, 7]), names[i + 1], workers, 0.0)
+                bls_chain(_call([w.id, 1, 7, w.key]), names[i + 1], workers, 0.0)
     with pytest.raises(errors.InvalidArgument, match="model 'm1' calls itself through BLS: m1 -> m2 -> m3 -> m1"):
-        bls_chain(_call([ws[3].id, 1, 7]), "m1", workers, 0.0)
-    assert bls_chain(_call([ws[3].id, -1, 0]), "m3x", workers, 0.0) == ("m3",)  # a warmup's call: its model only
+        bls_chain(_call([ws[3].id, 1, 7, ws[3].key]), "m1", workers, 0.0)
+    warmup = _call([ws[3].id, -1, 0, ws[3].key])  # a warmup's call: its model only
+    assert bls_chain(warmup, "m3x", workers, 0.0) == ("m3",)
     with pytest.raises(errors.Unavailable, match="no longer running"):
-        bls_chain(_call([ws[3].id, 1, 8]), "m9", workers, 0.0)  # a batch since answered (or its worker dead)
-    for bad in ([ws[0].id, 1], ["w", 1, 7], None, [999, 1, 7]):
+        bls_chain(_call([ws[3].id, 1, 8, ws[3].key]), "m9", workers, 0.0)  # a batch since answered (or its worker dead)
+    for bad in ([ws[0].id, 1, 7], ["w", 1, 7, ws[0].key], None, [999, 1, 7, ws[0].key], [ws[0].id, 1, 7, "k"]):
         with pytest.raises(errors.InvalidArgument):
             bls_chain(_call(bad), "m1", workers, 0.0)
 
@@ -461,17 +526,45 @@ def test_a_call_gets_the_calling_requests_deadline_as_its_own_at_the_latest():
     from gepool.scheduler.requests import Request, bls_chain
 
     workers = Workers()
-    w = workers.add(_Model("a"), "cpu", 1, 2, 1 << 20)
+    w = _worker(workers, "a")
     w.free = [0, 1]
     reqs = [Request(b"c", i, "a", [], [], 1, 0, None, -1, 0, 0, 0.0, deadline=d) for i, d in enumerate((None, 12.0,
                                                                                                         10.0))]
     w.take(3, reqs, 3, False, 0.0)
     for asked, want in ((0, 2_000_000), (5_000_000, 2_000_000), (1_000_000, 1_000_000)):
-        msg = _call([w.id, 1, 3], asked)
+        msg = _call([w.id, 1, 3, w.key], asked)
         bls_chain(msg, "b", workers, 8.0)
         assert msg.deadline_us == want and msg.timeout_us == 0  # 2 s left of the earliest deadline (10.0 at 8.0)
     with pytest.raises(errors.Timeout, match="past its timeout"):
-        bls_chain(_call([w.id, 1, 3]), "b", workers, 10.5)
+        bls_chain(_call([w.id, 1, 3, w.key]), "b", workers, 10.5)
+
+
+def test_a_caller_without_its_workers_key_is_refused_naming_the_field():
+    """Only a worker's own process knows the key it was started with: a caller naming a live batch of that
+    worker with no key, another worker's key, or none at all is refused as such, before anything else."""
+    from gepool.ipc import protocol
+    from gepool.scheduler.books import Workers
+    from gepool.scheduler.requests import Request, bls_chain
+
+    workers = Workers()
+    a, b = _worker(workers, "a"), _worker(workers, "b")
+    a.free = [0, 1]
+    a.take(7, [Request(b"c", 0, "a", [], [], 1, 0, None, -1, 0, 0, 0.0)], 1, False, 0.0)
+    assert bls_chain(_call([a.id, 1, 7, a.key]), "x", workers, 0.0) == ("a",)
+    for key in (b.key, bytes(len(a.key)), a.key[:-1], b""):
+        with pytest.raises(errors.PermissionDenied, match=f"caller names a batch of worker {a.id} .*without that "
+                                                          f"worker's key") as exc:
+            bls_chain(_call([a.id, 1, 7, key]), "x", workers, 0.0)
+        assert a.key.hex() not in exc.value.message
+    restarted = a.key
+    a.started(1.0)  # a new process, a new key: the old one names nothing
+    assert a.key != restarted and len(a.key) == protocol.CALLER_KEY_BYTES
+    with pytest.raises(errors.PermissionDenied):
+        bls_chain(_call([a.id, -1, 0, restarted]), "x", workers, 0.0)
+
+
+def _worker(workers, name: str):
+    return workers.add(_Model(name), "cpu", 1, 2, 1 << 20)
 
 
 def _call(caller, deadline_us: int = 0):

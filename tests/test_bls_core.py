@@ -20,12 +20,17 @@ def _model(h, name: str):
     return h.core.control.group(name).default()
 
 
-def _running(h, w, value: float, name: str | None = None) -> tuple[int, list[int]]:
+def _running(h, w, value: float, name: str | None = None) -> tuple[int, list]:
     """A client's request that ``w`` runs now: (its req_id, the caller field its batch's calls carry)."""
     req = h.infer(value, name or w.model.name)
     h.step()
     (slot, seq) = w.bell.rung[-1]
-    return req, [w.id, slot, seq]
+    return req, [w.id, slot, seq, w.key]
+
+
+def _warming(w) -> list:
+    """The caller field of ``w``'s warmup's calls."""
+    return [w.id, protocol.WARMUP_SLOT, 0, w.key]
 
 
 def _call(h, model: str, caller: list, value: float = -1.0) -> int:
@@ -216,7 +221,7 @@ def test_a_warming_up_worker_waits_on_its_warmups_calls_and_they_end_with_the_wa
     h.ready(wb)
     h.tick()
     r2, from_b = _running(h, wb, 1.0)
-    warm = _call(h, "b", [wa.id, -1, 0])  # a's warmup calls b: queued behind r2
+    warm = _call(h, "b", _warming(wa))  # a's warmup calls b: queued behind r2
     ba = _call(h, "a", from_b)  # a is still LOADING: refused as not ready, as any request
     assert results(h.out.take())[ba].code == errors.ModelNotReady.code
     h.ready(wa)  # the warmup is over: its call leaves b's queue unrun

@@ -9,7 +9,7 @@ import pytest
 from gepool.common import errors
 from gepool.scheduler.states import WorkerState
 from tests.repo import write
-from tests.test_bls_core import _call, _model, _running, _workers
+from tests.test_bls_core import _call, _model, _running, _warming, _workers
 from tests.test_core import echo_model, results
 from tests.test_ensemble_core import chain, ens_infer, pipe
 
@@ -176,7 +176,7 @@ def test_a_warmups_call_into_an_ensemble_stops_when_the_warmup_ends(tmp_path, fr
     h.tick()
     hold, _ = _running(h, wb, 2.0)
     assert wa.state == WorkerState.STARTING
-    warm = ens_infer(h, -1.0, model="e", caller=[wa.id, -1, 0])
+    warm = ens_infer(h, -1.0, model="e", caller=_warming(wa))
     assert len(_model(h, "b").batcher) == 1
     h.ready(wa)
     got = results(h.out.take())

@@ -47,6 +47,7 @@ class WorkerSpec:
     bell: BellPaths | None = None
     pool_endpoint: str = ""  # the pool's client endpoint, for a python model's BLS calls
     pool_curve_key: str | None = None  # the pool's CURVE certificate, when its endpoint needs one
+    bls_key: bytes = b""  # what this process's BLS calls carry to name its batches (Infer.caller)
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -106,7 +107,7 @@ def _pool_handle(spec: WorkerSpec):
         return None
     from gepool import bls  # the client face, imported only by python workers
 
-    handle = bls.PoolHandle(spec.pool_endpoint, spec.worker_id, spec.pool_curve_key)
+    handle = bls.PoolHandle(spec.pool_endpoint, spec.worker_id, spec.pool_curve_key, key=spec.bls_key)
     bls.install(handle)
     return handle
 
