@@ -18,7 +18,7 @@ from gepool.common import errors
 from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler import handoff
-from gepool.scheduler.calls import Calls
+from gepool.scheduler.calls import Call, Calls
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import Request, admit
@@ -37,6 +37,8 @@ class Run:
     tensors: dict[str, Tensor]
     waiting: set[int]  # steps not started
     running: int = 0
+    # the steps started and not done: each one's request in its model's queue or batch, or its sub-pipeline
+    steps: dict[int, tuple[Model, Request] | Run] = field(default_factory=dict)
     finished: bool = False
     queue_s: float = 0.0  # summed over its steps, as Triton reports an ensemble's queue and compute
     compute_s: float = 0.0
@@ -75,19 +77,6 @@ def _top(run: Run) -> Run:
     while isinstance(run.req.sink, StepSink):
         run = run.req.sink.run
     return run
-
-
-def _abandoned(run: Run) -> bool:
-    """A sub-pipeline whose ensemble above has finished (failed by another of its steps): nobody waits.
-    It stops, a failure of its own ensemble (CANCELED, as it never answers)."""
-    sink = run.req.sink
-    while isinstance(sink, StepSink):
-        if sink.run.finished:
-            run.finished = True
-            run.model.stats.failed(CANCELED, run.req.origin)
-            return True
-        sink = sink.run.req.sink
-    return False
 
 
 class Ensembles:
@@ -178,7 +167,7 @@ class Ensembles:
         return max(ready, key=lambda m: m.version) if ready else None
 
     # -- requests ----------------------------------------------------------------------------
-    def start(self, model: Model, req: Request) -> None:
+    def start(self, model: Model, req: Request) -> Run:
         """An admitted ensemble request: its first steps enter their queues now (raising, as admission
         does, when one cannot). Its timeout and its client's deadline, whichever ends first, bound the
         whole pipeline."""
@@ -189,8 +178,10 @@ class Ensembles:
         try:
             self._advance(run)
         except errors.GepoolError:
-            run.finished = True  # a step already queued runs, and its answer is dropped
+            run.finished = True
+            self._withdraw(run)  # the steps it queued before the one refused
             raise
+        return run
 
     def _advance(self, run: Run) -> None:
         """Starts every waiting step whose inputs exist, in the ensemble's order; answers when all ran."""
@@ -245,7 +236,7 @@ class Ensembles:
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
-                self.start(model, req)
+                run.steps[i] = self.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
             # a BLS call's step waits, as a call, on the batch that made it (refused if it never could run)
@@ -259,6 +250,7 @@ class Ensembles:
             if call is not None:
                 self.calls.forget(call)
             raise
+        run.steps[i] = (model, req)
         if self._links is not None:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
                                                  for k, t in enumerate(model.config.inputs)
@@ -271,7 +263,8 @@ class Ensembles:
         sub-pipeline owns and is done with."""
         run = sink.run
         run.running -= 1
-        if run.finished or _abandoned(run):
+        run.steps.pop(sink.index, None)
+        if run.finished:
             return
         steps = run.model.config.ensemble.steps
         step = steps[sink.index]
@@ -366,6 +359,7 @@ class Ensembles:
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
         run.running -= 1
+        run.steps.pop(index, None)
         if run.finished:
             return
         step = run.model.config.ensemble.steps[index]
@@ -374,10 +368,29 @@ class Ensembles:
     def _fail(self, run: Run, err: errors.GepoolError) -> None:
         run.finished = True
         run.model.stats.failed(failure_reason(err), run.req.origin)
+        self._withdraw(run)
         if run.req.sink is not None:  # a sub-pipeline: the ensemble above names its step, and fails too
             run.req.sink.failed(run.model, err)
             return
         self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+
+    def _withdraw(self, run: Run) -> None:
+        """A run that failed: each of its steps still queued leaves its queue unrun, and each sub-pipeline it
+        started stops, its own queued steps with it (CANCELED, in each model's statistics: nobody waits for
+        them). A step already in a batch runs, and its answer is dropped."""
+        steps, run.steps = run.steps, {}
+        for step in steps.values():
+            if isinstance(step, Run):
+                if not step.finished:
+                    step.finished = True
+                    step.model.stats.failed(CANCELED, step.req.origin)
+                    self._withdraw(step)
+                continue
+            model, req = step
+            if model.batcher.withdraw(req):
+                model.stats.failed(CANCELED, req.origin)
+                if isinstance(req.sink, Call):  # a BLS call's step: out of the calling batch's books
+                    self.calls.forget(req.sink)
 
     def _answer(self, run: Run) -> None:
         run.finished = True

@@ -1,6 +1,6 @@
 """BLS calls into ensembles in a real pool: a cycle through an ensemble is refused at once, naming it, and the
-pipeline a gone batch started stops, its queued steps unrun; an inner pipeline whose outer one failed counts a
-failure of its own. Python models held on gate files."""
+pipeline a gone batch started stops, its queued steps unrun; an inner pipeline stops with its failed outer one,
+a failure of its own, its queued step unrun. Python models held on gate files."""
 
 import os
 import re
@@ -208,22 +208,31 @@ def test_the_ensemble_runs_of_a_batch_that_finished_without_them_stop(pool, gate
 
 
 @pytest.mark.timeout(180)
-def test_an_inner_pipeline_left_behind_by_its_failed_outer_counts_a_failure(pool, gates):
-    """par's branch boom fails while its branch inn waits on the held sink: par fails at once, naming boom's
-    step; once sink runs, inn's pipeline stops unanswered, and inn counts it a failure (CANCELED), not nothing."""
+def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_never_run(pool, gates):
+    """sink (a recording model) is held by a request of its own, so par's branch inn queues its step behind it;
+    par's branch boom fails: par fails at once, naming boom's step, and inn stops with it (CANCELED in inn's
+    statistics) at once: its step leaves sink's queue unrun (CANCELED in sink's), and sink runs only the held
+    request and the probe after it."""
     c = pool.client(timeout=120)
     gate = gates["sink"]
+    rows0, sink0, _ = _counts(c)
     before = c.stats()["inn"]
     _gate(gate)
     try:
+        held = c.infer_async("sink", {"INPUT": -np.ones((1, WIDTH), np.float32)})
+        assert wait_until(lambda: c.stats()["sink"]["rows"] == rows0 + 1)
         fut = c.infer_async("par", {"INPUT": _x(-3)})
         with pytest.raises(errors.GepoolError, match=r"ensemble 'par' step 2 \('boom'\)"):
             fut.result(timeout=60)
-        assert c.stats()["inn"]["failures"] == before["failures"]  # its step still held in sink
+        after = c.stats()["inn"]
+        assert after["failures"] == before["failures"] + 1, after
+        assert after["failure_reasons"]["CANCELED"] == before["failure_reasons"]["CANCELED"] + 1
+        assert c.status()["models"]["sink"]["queued"] == 0
+        assert _counts(c)[:2] == (rows0 + 1, sink0 + 1)
     finally:
         _ungate(gate)
-    assert wait_until(lambda: c.stats()["inn"]["failures"] == before["failures"] + 1), c.stats()["inn"]
-    after = c.stats()["inn"]
-    assert after["failure_reasons"]["CANCELED"] == before["failure_reasons"]["CANCELED"] + 1
-    assert after["requests"] == before["requests"]  # not counted a success either
+    assert (held.result(timeout=60)["OUTPUT"] == -1).all()
+    np.testing.assert_array_equal(c.infer("sink", {"INPUT": _x(5)})["OUTPUT"], _x(5))  # behind anything queued
+    assert _counts(c)[:2] == (rows0 + 2, sink0 + 1)  # the held request and the probe: inn's step never ran
+    assert c.stats()["inn"]["requests"] == before["requests"]  # not counted a success either
     np.testing.assert_array_equal(c.infer("par", {"INPUT": _x(2)})["Y2"], _x(2))

@@ -1,7 +1,7 @@
 """BLS calls into ensembles in the front's core (tests/test_core.py's harness: a real core, real rings, the
 workers played): each step request is booked as a call of the batch that made it, so the wait-for check sees
-through the ensemble, and a gone batch stops the pipeline it started; an inner pipeline left behind by a
-failed outer one counts as a failure of its own."""
+through the ensemble, and a gone batch stops the pipeline it started; an inner pipeline stops with its failed
+outer one, a failure of its own, its queued steps unrun."""
 
 import numpy as np
 import pytest
@@ -184,9 +184,11 @@ def test_a_warmups_call_into_an_ensemble_stops_when_the_warmup_ends(tmp_path, fr
     assert len(_model(h, "b").batcher) == 0
 
 
-def test_an_inner_pipeline_left_behind_by_its_failed_outer_counts_a_failure(tmp_path, front):
-    """outer runs inner (b) and c side by side; c's step fails while inner's step runs: the outer fails at once,
-    and when inner's step is done the inner pipeline stops unanswered, a failure (CANCELED) of 'inner'."""
+@pytest.mark.parametrize("queued", [False, True])
+def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_unrun(tmp_path, front, queued):
+    """outer runs inner (b) and c side by side; c's step fails: the outer fails at once, and inner stops with
+    it, a failure (CANCELED) of 'inner'. Inner's step queued behind b's held batch leaves b's queue unrun
+    (CANCELED in b's statistics, b runs only the held batch); one already running is run, its answer dropped."""
     echo_model(tmp_path, "b")
     echo_model(tmp_path, "c")
     chain(tmp_path, "inner", [("b", "INPUT", "OUTPUT")])
@@ -203,18 +205,24 @@ def test_an_inner_pipeline_left_behind_by_its_failed_outer_counts_a_failure(tmp_
     h = front()
     h.ready_all()
     (wb,), (wc,) = _workers(h, "b"), _workers(h, "c")
+    held_b = _running(h, wb, 2.0)[0] if queued else None
     held, _ = _running(h, wc, 2.0)
     rid = ens_infer(h, 1.0, model="outer")
-    assert len(wb.bell.rung) == 1 and len(_model(h, "c").batcher) == 1
+    assert len(wb.bell.rung) == 1 and len(_model(h, "b").batcher) == int(queued)
+    assert len(_model(h, "c").batcher) == 1
     wc.bell.rung = []
     wc.load_failed = True  # c goes for good: its queued step fails
     h.exit(wc, 1)
     err = results(h.out.take())[rid]
     assert "ensemble 'outer' step 2 ('c')" in err.message, err.message
-    assert _stats(h, "outer").failures == 1 and _stats(h, "inner").failures == 0
-    assert h.compute(wb) == [1] and h.out.take() == []
-    inner = _stats(h, "inner")
+    assert _stats(h, "outer").failures == 1
+    inner, b = _stats(h, "inner"), _stats(h, "b")
     assert inner.failures == 1 and inner.failure_reasons["CANCELED"] == 1 and inner.requests == 0
+    assert len(_model(h, "b").batcher) == 0 and b.failure_reasons["CANCELED"] == int(queued)
+    assert h.compute(wb) == [1] and h.compute(wb) == []  # the held batch (queued), or inner's step
+    got = results(h.out.take())
+    assert list(got) == ([held_b] if queued else []), got
+    assert inner.failures == 1 and inner.requests == 0 and b.rows == 1
 
 
 def test_a_call_into_an_ensemble_whose_step_is_the_caller_is_refused_by_the_chain_and_books_nothing(tmp_path, front):
