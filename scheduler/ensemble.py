@@ -11,7 +11,7 @@ answered from the last step's slot, or from those buffers. Nothing passes throug
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from gepool.common import errors
@@ -61,22 +61,22 @@ class StepSink:
         self.ensembles.cancel(self.run, err)
 
     def callee(self) -> str:
-        return f"ensemble '{_top(self.run).model.name}'"
+        *_, top = _up(self)
+        return f"ensemble '{top.run.model.name}'"
 
     def hops(self) -> list[str]:
         """This step and the steps above it that are ensembles, outermost first."""
-        out, sink = [], self
-        while isinstance(sink, StepSink):
-            step = sink.run.model.config.ensemble.steps[sink.index]
-            out.append(f"ensemble '{sink.run.model.name}' {step.label(sink.index)}")
-            sink = sink.run.req.sink
+        out = [f"ensemble '{s.run.model.name}' {s.run.model.config.ensemble.steps[s.index].label(s.index)}"
+               for s in _up(self)]
         return out[::-1]
 
 
-def _top(run: Run) -> Run:
-    while isinstance(run.req.sink, StepSink):
-        run = run.req.sink.run
-    return run
+def _up(sink: object) -> Iterator[StepSink]:
+    """``sink`` if it is an ensemble step's, then the step of each ensemble above, to the outermost one (whose
+    request a client or a BLS call made)."""
+    while isinstance(sink, StepSink):
+        yield sink
+        sink = sink.run.req.sink
 
 
 class Ensembles:
@@ -348,13 +348,13 @@ class Ensembles:
     def cancel(self, run: Run, err: errors.GepoolError) -> None:
         """The batch whose BLS call started ``run``'s pipeline is gone: it and the runs above it stop unanswered
         (CANCELED in each ensemble's statistics), and the call hears ``err``."""
-        while not run.finished:
-            run.finished = True
-            run.model.stats.failed(CANCELED, run.req.origin)
-            if not isinstance(run.req.sink, StepSink):
-                self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+        for r in (run, *(s.run for s in _up(run.req.sink))):
+            if r.finished:
                 return
-            run = run.req.sink.run
+            r.finished = True
+            r.model.stats.failed(CANCELED, r.req.origin)
+            if not isinstance(r.req.sink, StepSink):
+                self.reply(r.req.identity, [protocol.Error(r.req.req_id, err.code, err.message).encode()], False)
 
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
