@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from gepool.scheduler.models import Model
     from gepool.scheduler.requests import Request
 
-WARMUP = -1  # the caller's slot while it warms up (gepool.bls.WARMUP_SLOT): no batch of the front's
+WARMUP = protocol.WARMUP_SLOT  # the caller's slot while it warms up: no batch of the front's
 OK, NEVER = "ok", "never"  # the graph's leaves: finishes on its own; never will (a worker failed for good)
 ALL, ANY = "all", "any"
 
