@@ -45,7 +45,7 @@ ALL, ANY = "all", "any"
 class Step(Protocol):
     """The sink of an ensemble's step request that a BLS call started: the call wraps it."""
 
-    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None: ...
+    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool: ...
 
     def failed(self, model: Model, err: errors.GepoolError) -> None: ...
 
@@ -72,15 +72,16 @@ class Call:
         self.gone: str | None = None
         self.step = step
 
-    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None:
+    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool:
         self.calls.forget(self)
         if self.gone is None:
             if self.step is not None:
-                self.step.done(model, arrays, row, compute_s)
-            else:
-                self.calls.respond(model, self.req, arrays, row)
+                return self.step.done(model, arrays, row, compute_s)
+            self.calls.respond(model, self.req, arrays, row)
         elif self.step is None:  # its answer is thrown away: nobody waits for it (a step's run has stopped)
             self.calls.send_error(self.req, self.calls.canceled(self))
+            return False
+        return True
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
         self.calls.forget(self)

@@ -20,7 +20,7 @@ from gepool.scheduler.models import Model
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.requests import Request
 from gepool.scheduler.states import WorkerState
-from gepool.scheduler.stats import failure_reason
+from gepool.scheduler.stats import CANCELED, failure_reason
 
 READY = WorkerState.READY
 # reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot
@@ -200,11 +200,13 @@ class Dispatcher:
                     row += req.rows
                     continue
                 try:
-                    if req.sink is not None:
-                        req.sink.done(model, arrays, row, t_end - t_start)
-                    else:
+                    if req.sink is None:
                         self.respond(model, req, arrays, row)
-                    model.stats.answered(now - req.arrived, req.origin)
+                        model.stats.answered(now - req.arrived, req.origin)
+                    elif req.sink.done(model, arrays, row, t_end - t_start):
+                        model.stats.answered(now - req.arrived, req.origin)
+                    else:
+                        model.stats.failed(CANCELED, req.origin)
                 except Exception as exc:  # one bad request must not lose the others of the batch
                     log.exception("internal error answering request %s", req.req_id)
                     self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))

@@ -51,8 +51,9 @@ class StepSink:
     index: int
     started: float = field(default=0.0)
 
-    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> None:
+    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool:
         self.ensembles.step_done(self, model, arrays, row, compute_s)
+        return True
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
         self.ensembles.fail(self.run, self.index, err)

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 class Sink(Protocol):
     """Where a step request of an ensemble is answered, inside the front."""
 
-    def done(self, model, arrays: dict, row: int, compute_s: float) -> None:
+    def done(self, model, arrays: dict, row: int, compute_s: float) -> bool:
         """Its batch ran: its outputs are rows ``row``.. of ``arrays`` (views of the slot, reused once this
-        returns: what it keeps, it copies)."""
+        returns: what it keeps, it copies). False: its client was told it was canceled instead (nobody
+        waited for the answer), and its model counts it so."""
 
     def failed(self, model, err) -> None:
         """It will not run, or its model failed it."""

@@ -143,7 +143,9 @@ def test_a_dead_callers_queued_calls_leave_unrun_and_its_running_calls_answer_is
     assert h.compute(wb2) == [1]  # the running call finishes; its answer is replaced by the cancellation
     (reply,) = results(h.out.take()).values()
     assert reply.req_id == running and reply.code == errors.Unavailable.code and "canceled" in reply.message
+    assert b.stats.failure_reasons["CANCELED"] == 3 and b.stats.requests == 0  # counted as what its caller heard
     assert h.compute(wb1) == [1] and list(results(h.out.take())) == [hold]
+    assert b.stats.requests == 1 and b.stats.failures == 3
     assert not wb1.bell.rung and not wb2.bell.rung and not h.core.calls.by_worker
 
 
