@@ -157,14 +157,7 @@ class Core:
             if self.dispatch.cache is not None and model.config.response_cache \
                     and self.dispatch.answer_cached(model, req):
                 return  # answered from the cache: no worker runs it
-            # a BLS call is booked under the batch that waits on it, or refused if it could never run
-            call = None if req.caller is None else self.calls.enter(req, model, req.caller)
-            try:
-                self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
-            except errors.GepoolError:
-                if call is not None:
-                    self.calls.forget(call)
-                raise
+            self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
         except errors.GepoolError as exc:  # refused by admission: a failure of this model, by Triton's reason
             model.stats.failed(failure_reason(exc), origin_of(msg))
             raise
@@ -173,8 +166,13 @@ class Core:
     def _enqueue(self, group, model: Model, req, priority: int, timeout_us: int, deadline_us: int = 0,
                  counted: bool = False) -> None:
         """An admitted request into its model's queue, or Unavailable (the pool's or the model's queue is
-        full); ``counted``: the caller counts a refusal in the model's stats (else it is counted here)."""
+        full); ``counted``: the caller counts a refusal in the model's stats (else it is counted here). A BLS
+        call (``req.caller``: a client's or an ensemble step's) is booked under the batch that waits on it, or
+        refused (Unavailable) if it could never run."""
+        call = None
         try:
+            if req.caller is not None:
+                call = self.calls.enter(req, model, req.caller)
             budget = self.control.budget
             if budget.used + req.nbytes > budget.limit:
                 raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
@@ -183,6 +181,8 @@ class Core:
             if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy, req.nbytes, deadline_us):
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")
         except errors.GepoolError as exc:
+            if call is not None:
+                self.calls.forget(call)
             if not counted:
                 model.stats.failed(failure_reason(exc), req.origin)
             raise

@@ -84,11 +84,12 @@ class Ensembles:
     """Runs the ensembles' requests, and keeps each ensemble's state that of its steps' models.
     ``respond`` answers a client from arrays (the dispatcher's), ``reply`` sends a client a message (the
     outbox's), ``enqueue`` puts a step request in its model's queue and marks it to be scheduled (raising
-    as admission does when it cannot), ``prewake(model name)`` wakes the idle worker of a step about to
+    as admission does when it cannot; a step of an ensemble a BLS call runs is booked there, under the batch
+    that made the call), ``prewake(model name)`` wakes the idle worker of a step about to
     be queued, when traffic is sequential (the core's rule for a client's request), ``dispatch(model)``
     hands out the batches a model's queue can send now (the dispatcher's). ``hand_over()`` must follow each
     completion the dispatcher handles, before any other batch is dispatched (the core's on_completions).
-    ``calls`` books the step requests of an ensemble a BLS call runs under the batch that made the call."""
+    ``calls``: the BLS calls' books, which a step of such an ensemble leaves when it is withdrawn."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
                  clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False,
@@ -240,17 +241,11 @@ class Ensembles:
                 run.steps[i] = self.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
-            # a BLS call's step waits, as a call, on the batch that made it (refused if it never could run)
-            call = None if req.caller is None or self.calls is None else self.calls.enter(req, model, req.caller)
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
-        try:
-            self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
-        except errors.GepoolError:
-            if call is not None:
-                self.calls.forget(call)
-            raise
+        # a BLS call's step is booked, as a call, under the batch that made it (refused if it never could run)
+        self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
         run.steps[i] = (model, req)
         if self._links is not None:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
