@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gepool.common import errors
 from gepool.ipc import protocol
+from gepool.scheduler.requests import dispatched
 from gepool.scheduler.states import WorkerState
 from gepool.scheduler.stats import CANCELED
 
@@ -230,11 +231,11 @@ class Calls:
         if type(node) is tuple:  # a batch (worker id, slot, seq): over once each of its calls is
             return ALL, tuple(self.by_worker.get(node[0], {}).get(node[1:], ()))
         call: Call = node
-        for w in call.model.workers:
-            for batch in w.inflight.values():
-                if any(r is call.req for r in batch.requests):
-                    head = self._head(w)
-                    return ALL, () if head is None or batch.seq < head[1] else ((w.id, *head),)
+        placed = dispatched(call.model, call.req)
+        if placed is not None:
+            w, index, _ = placed
+            head = self._head(w)
+            return ALL, () if head is None or w.inflight[index].seq < head[1] else ((w.id, *head),)
         return ANY, tuple(dict.fromkeys(self._worker_node(w) for w in call.model.workers))
 
     def _stuck(self, starts: list) -> dict:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gepool.scheduler.requests import dispatched
+
 if TYPE_CHECKING:
     from gepool.scheduler.models import Model
     from gepool.scheduler.requests import Request
@@ -66,12 +68,11 @@ def drop(t: Tensor) -> None:
 
 def in_flight(model: Model, req: Request):
     """(slot, batch, place in it) of the batch ``req`` was dispatched in, or None while it is queued."""
-    for w in model.workers:
-        for index, batch in w.inflight.items():
-            for k, r in enumerate(batch.requests):
-                if r is req:
-                    return w.ring.slots[index], batch, k
-    return None
+    placed = dispatched(model, req)
+    if placed is None:
+        return None
+    w, index, k = placed
+    return w.ring.slots[index], w.inflight[index], k
 
 
 def rebind_to_slot(link: Link, placed, copies: Copies) -> None:
