@@ -184,22 +184,24 @@ def test_a_warmups_call_into_an_ensemble_stops_when_the_warmup_ends(tmp_path, fr
     assert len(_model(h, "b").batcher) == 0
 
 
-@pytest.mark.parametrize("queued", [False, True])
-def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_unrun(tmp_path, front, queued):
+@pytest.mark.parametrize("nested, queued", [(True, False), (True, True), (False, True)])
+def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_unrun(tmp_path, front, nested, queued):
     """outer runs inner (b) and c side by side; c's step fails: the outer fails at once, and inner stops with
     it, a failure (CANCELED) of 'inner'. Inner's step queued behind b's held batch leaves b's queue unrun
-    (CANCELED in b's statistics, b runs only the held batch); one already running is run, its answer dropped."""
+    (CANCELED in b's statistics, b runs only the held batch); one already running is run, its answer dropped.
+    Not nested (outer runs b itself beside c): b's queued step leaves likewise."""
     echo_model(tmp_path, "b")
     echo_model(tmp_path, "c")
     chain(tmp_path, "inner", [("b", "INPUT", "OUTPUT")])
-    write(f"{tmp_path}/outer/config.pbtxt", """
+    first = ('{ model_name: "inner" input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y1" } }' if nested
+             else '{ model_name: "b" input_map { key: "INPUT" value: "X" } output_map { key: "OUTPUT" value: "Y1" } }')
+    write(f"{tmp_path}/outer/config.pbtxt", f"""
         platform: "ensemble"
         max_batch_size: 8
-        input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
-        output [ { name: "Y1" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "Y2" data_type: TYPE_FP32 dims: [ 4 ] } ]
-        ensemble_scheduling { step [
-          { model_name: "inner" input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y1" } },
-          { model_name: "c" input_map { key: "INPUT" value: "X" } output_map { key: "OUTPUT" value: "Y2" } } ] }
+        input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        output [ {{ name: "Y1" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "Y2" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+        ensemble_scheduling {{ step [ {first},
+          {{ model_name: "c" input_map {{ key: "INPUT" value: "X" }} output_map {{ key: "OUTPUT" value: "Y2" }} }} ] }}
     """)
     write(f"{tmp_path}/outer/1/.keep", "")
     h = front()
@@ -217,13 +219,13 @@ def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_unrun(tmp
     assert "ensemble 'outer' step 2 ('c')" in err.message, err.message
     assert _stats(h, "outer").failures == 1
     inner, b = _stats(h, "inner"), _stats(h, "b")
-    assert inner.failures == 1 and inner.failure_reasons["CANCELED"] == 1 and inner.requests == 0
+    assert inner.failures == int(nested) and inner.failure_reasons["CANCELED"] == int(nested) and inner.requests == 0
     assert len(_model(h, "b").batcher) == 0 and b.failure_reasons["CANCELED"] == int(queued)
     assert h.compute(wb) == [1] and h.compute(wb) == []  # the held batch (queued), or inner's step
     got = results(h.out.take())
     assert list(got) == ([held_b] if queued else []), got
     inner, b = _stats(h, "inner"), _stats(h, "b")
-    assert inner.failures == 1 and inner.requests == 0 and b.rows == b.requests == 1
+    assert inner.failures == int(nested) and inner.requests == 0 and b.rows == b.requests == 1
 
 
 def test_a_call_into_an_ensemble_whose_step_is_the_caller_is_refused_by_the_chain_and_books_nothing(tmp_path, front):
