@@ -10,6 +10,7 @@ length followed by the bytes.
 import json
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import orjson
@@ -55,6 +56,7 @@ def numpy_dtype(datatype: str) -> np.dtype:
 
 
 MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
+NUMERIC_MIN = 128  # from this many elements numpy's calls cost less than _checked's Python-level pass
 _INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
 
 
@@ -91,8 +93,59 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     if datatype in ("FP16", "BF16"):
         raise InvalidArgument(f"input '{name}': receiving {datatype} data via JSON is not supported")
     dtype = numpy_dtype(datatype)
+    count = math.prod(shape)
+    if count >= NUMERIC_MIN and dtype.kind in "iuf":
+        arr = _numeric(dtype, count, data)
+        if arr is not None:
+            return arr.reshape(shape)
+    return _checked(name, datatype, dtype, shape, count, data)
+
+
+def _numeric(dtype: np.dtype, count: int, data) -> np.ndarray | None:
+    """Numbers flattened and converted in C calls, where that gives the array ``_checked`` makes of them;
+    None where it may not (data not a list, ragged or too deep, a string, null or bool among the numbers,
+    a float among integers, a value out of range, the wrong count): ``_checked`` then decides and names
+    what is wrong. No numpy call sees the data before ``sum`` has found only numbers in it (numpy would
+    read a string as a number, or size a string array by the longest one)."""
+    if type(data) is not list:
+        return None
+    flat = data
+    for _ in range(MAX_NESTING - 1):
+        if not flat or type(flat[0]) is not list:
+            break
+        if set(map(type, flat)) != _LISTS:  # chain would pass over an empty string or object in a row
+            return None
+        flat = list(chain.from_iterable(flat))
+    else:
+        return None
+    if len(flat) != count:
+        return None
+    try:
+        total = sum(flat)  # TypeError for anything but int, float and bool
+        if dtype.kind != "f" and type(total) is not int:
+            return None
+        # each value to a double, then to the dtype (as _checked's float64 array cast; past float32's range
+        # is infinity); an integer past an integer dtype's range is an OverflowError
+        with np.errstate(over="ignore"):
+            arr = np.array(flat, dtype)
+    except (TypeError, OverflowError):
+        return None
+    return None if _may_hold_bool(arr, flat) else arr
+
+
+_LISTS = {list}
+
+
+def _may_hold_bool(arr: np.ndarray, flat: list) -> bool:
+    """Whether an element that numpy read as 0 or 1 was a bool (only those are looked at)."""
+    suspects = np.flatnonzero((arr == 0) | (arr == 1))
+    return suspects.size > 0 and bool in set(map(type, map(flat.__getitem__, suspects.tolist())))
+
+
+def _checked(name: str, datatype: str, dtype: np.dtype, shape: list[int], count: int, data) -> np.ndarray:
+    """Tensor data flattened in Python, each element's kind checked: what is wrong is named."""
     flat, kinds = _flatten(name, data)  # kinds: the element types, seen at C speed before numpy builds anything
-    if len(flat) != math.prod(shape):
+    if len(flat) != count:
         raise InvalidArgument(f"input '{name}': {len(flat)} values of data for shape {shape}")
     if datatype == "BYTES":
         if not kinds <= {str}:
@@ -333,7 +386,7 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
     if req.id is not None:
         body["id"] = req.id
     header = _dumps(body)
-    if header is None or b"null" in header:
+    if header is None or _holds_null(header):
         header = _dumps_json(body)
     if not blobs:
         return header, {"Content-Type": "application/json"}
@@ -342,6 +395,25 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
 
 # below this many elements a list is written sooner than orjson sets up a numpy array
 NUMPY_JSON_MIN = 128
+
+
+NULL_SCAN_MIN = 2048  # bytes of text from which skipping to each 'n' beats searching the whole text
+NULL_SCAN_HITS = 32  # 'n's looked at one by one before the rest of a text is searched for "null" as a whole
+
+
+def _holds_null(text: bytes) -> bool:
+    """``b"null" in text``, sooner: an answer is mostly digits, which memchr passes over to the next 'n' (a
+    few, in its keys) where the substring search looks at every byte. A short text is searched at once."""
+    if len(text) < NULL_SCAN_MIN:
+        return b"null" in text
+    pos = text.find(b"n")
+    for _ in range(NULL_SCAN_HITS):
+        if pos < 0:
+            return False
+        if text.startswith(b"null", pos):
+            return True
+        pos = text.find(b"n", pos + 1)
+    return pos >= 0 and b"null" in text[pos:]
 
 
 def _raw_view(arr: np.ndarray) -> memoryview:
