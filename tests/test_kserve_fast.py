@@ -246,3 +246,9 @@ def test_other_answers_are_byte_identical(datatype):
         for binary in (False, True):
             new, old = _answers(outputs, binary)
             assert bytes(new[0]) == bytes(old[0]) and new[1] == old[1]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300) | st.binary(max_size=60).map(lambda b: bytes(b"[{;}]{[\xdb\xfb"[c % 9] for c in b)))
+def test_the_bracket_count_counts_both_brackets_and_nothing_else(text):
+    assert kserve._brackets(text) == text.count(b"[") + text.count(b"{")
