@@ -4,6 +4,7 @@ they replace (tests/kserve_prev.py), on random nested data of every kind and on 
 import json
 import math
 import tracemalloc
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -252,3 +253,20 @@ def test_other_answers_are_byte_identical(datatype):
 @given(st.binary(max_size=300) | st.binary(max_size=60).map(lambda b: bytes(b"[{;}]{[\xdb\xfb"[c % 9] for c in b)))
 def test_the_bracket_count_counts_both_brackets_and_nothing_else(text):
     assert kserve._brackets(text) == text.count(b"[") + text.count(b"{")
+
+
+@pytest.mark.parametrize("n", [3, kserve.NUMERIC_MIN])
+@pytest.mark.parametrize("edge", [3.4028235e38, -3.4028235e38, 3.4028235677973366e38, 3.4028236e38, 1e300, -1e300,
+                                  2**128, math.inf, math.nan])
+def test_floats_past_float32s_range_are_infinity_without_a_warning(edge, n):
+    data = [1.5] * (n - 1) + [edge]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = same("FP32", [n], data)
+    assert got[0] == "array"
+
+
+def test_a_request_without_parameters_gets_what_check_makes_of_none():
+    body = b'{"inputs":[{"name":"X","datatype":"FP32","shape":[1],"data":[1]}]}'
+    assert kserve.NO_PARAMETERS == kserve.request_parameters.check({}, kserve.request_parameters.HTTP)
+    assert kserve.parse_request(body, None).timeout_s is None and kserve.parse_request(body, None).priority == 0
