@@ -85,6 +85,18 @@ def test_priority_and_timeout_parameters_as_tritonclient_sends_them():
     assert tensors.parse(_request([i]), _no_shm, 1 << 20).priority == 0
 
 
+def test_a_request_without_parameters_runs_with_the_defaults():
+    """No parameters: what request_parameters.check makes of none (taken ready-made); a bad one still refused."""
+    req = pb.ModelInferRequest(model_name="m")
+    req.inputs.add(name="X", datatype="FP32", shape=[1])
+    req.raw_input_contents.append(np.ones(1, np.float32).tobytes())
+    call = tensors.parse(req, _no_shm, 1 << 20)
+    assert (call.timeout_s, call.priority, call.mark_final) == (None, 0, False)
+    req.parameters["binary_data_output"].bool_param = True
+    with pytest.raises(InvalidArgument, match="binary_data_output"):
+        tensors.parse(req, _no_shm, 1 << 20)
+
+
 def test_typed_contents():
     req = pb.ModelInferRequest(model_name="m")
     t = req.inputs.add(name="X", datatype="INT16", shape=[2, 2])

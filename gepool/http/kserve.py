@@ -10,6 +10,7 @@ length followed by the bytes.
 import json
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import orjson
@@ -55,6 +56,8 @@ def numpy_dtype(datatype: str) -> np.dtype:
 
 
 MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
+F32_MAX = float(np.finfo(np.float32).max)
+NUMERIC_MIN = 128  # from this many elements numpy's calls cost less than _checked's Python-level pass
 _INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
 
 
@@ -91,8 +94,59 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     if datatype in ("FP16", "BF16"):
         raise InvalidArgument(f"input '{name}': receiving {datatype} data via JSON is not supported")
     dtype = numpy_dtype(datatype)
+    count = math.prod(shape)
+    if count >= NUMERIC_MIN and dtype.kind in "iuf":
+        arr = _numeric(dtype, count, data)
+        if arr is not None:
+            return arr.reshape(shape)
+    return _checked(name, datatype, dtype, shape, count, data)
+
+
+def _numeric(dtype: np.dtype, count: int, data) -> np.ndarray | None:
+    """Numbers flattened and converted in C calls, where that gives the array ``_checked`` makes of them;
+    None where it may not (data not a list, ragged or too deep, a string, null or bool among the numbers,
+    a float among integers, a value out of range, the wrong count): ``_checked`` then decides and names
+    what is wrong. No numpy call sees the data before ``sum`` has found only numbers in it (numpy would
+    read a string as a number, or size a string array by the longest one)."""
+    if type(data) is not list:
+        return None
+    flat = data
+    for _ in range(MAX_NESTING - 1):
+        if not flat or type(flat[0]) is not list:
+            break
+        if set(map(type, flat)) != _LISTS:  # chain would pass over an empty string or object in a row
+            return None
+        flat = list(chain.from_iterable(flat))
+    else:
+        return None
+    if len(flat) != count:
+        return None
+    try:
+        total = sum(flat)  # TypeError for anything but int, float and bool
+        if dtype.kind != "f" and type(total) is not int:
+            return None
+        # each value to a double, then to the dtype (as _checked's float64 array cast; past float32's range
+        # is infinity); an integer past an integer dtype's range is an OverflowError
+        with np.errstate(over="ignore"):
+            arr = np.fromiter(flat, dtype, count)  # np.array's conversion without its shape discovery
+    except (TypeError, OverflowError):
+        return None
+    return None if _may_hold_bool(arr, flat) else arr
+
+
+_LISTS = {list}
+
+
+def _may_hold_bool(arr: np.ndarray, flat: list) -> bool:
+    """Whether an element that numpy read as 0 or 1 was a bool (only those are looked at)."""
+    suspects = np.flatnonzero((arr == 0) | (arr == 1))
+    return suspects.size > 0 and bool in set(map(type, map(flat.__getitem__, suspects.tolist())))
+
+
+def _checked(name: str, datatype: str, dtype: np.dtype, shape: list[int], count: int, data) -> np.ndarray:
+    """Tensor data flattened in Python, each element's kind checked: what is wrong is named."""
     flat, kinds = _flatten(name, data)  # kinds: the element types, seen at C speed before numpy builds anything
-    if len(flat) != math.prod(shape):
+    if len(flat) != count:
         raise InvalidArgument(f"input '{name}': {len(flat)} values of data for shape {shape}")
     if datatype == "BYTES":
         if not kinds <= {str}:
@@ -114,10 +168,13 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     if not kinds <= {int, float}:
         raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
     try:
-        with np.errstate(over="ignore"):
-            return np.array(flat, dtype=np.float64).astype(dtype).reshape(shape)
+        arr = np.array(flat, dtype=np.float64)
     except OverflowError:
         raise InvalidArgument(f"input '{name}': a value is out of range for {datatype}") from None
+    if dtype.itemsize < 8 and flat and not -F32_MAX <= min(flat) <= max(flat) <= F32_MAX:
+        with np.errstate(over="ignore"):  # past float32's range is infinity (entering it costs 2-3 us)
+            return arr.astype(dtype).reshape(shape)
+    return arr.astype(dtype).reshape(shape)
 
 
 def _flatten(name: str, data) -> tuple[list, set]:
@@ -184,9 +241,8 @@ def load_header(raw, exact: bool = False) -> dict:
 
 def _brackets(raw: bytes) -> int:
     """How many '[' and '{' a text holds (numpy compares a byte at a time in vector code: bytes.count
-    does not)."""
-    codes = np.frombuffer(raw, np.uint8)
-    return int(np.count_nonzero(codes == 0x5B)) + int(np.count_nonzero(codes == 0x7B))
+    does not). They differ in one bit, 0x20, which no other byte sets to make 0x7B."""
+    return int(np.count_nonzero((np.frombuffer(raw, np.uint8) | 0x20) == 0x7B))
 
 
 def _load_json(raw) -> object:
@@ -232,11 +288,14 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
     return _parse(body, hlen, exact, regions, max_input)
 
 
+NO_PARAMETERS = request_parameters.RequestParameters()  # frozen: what check() makes of none, made once
+
+
 def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None) -> InferRequest:
     if not isinstance(header.get("inputs"), list):
         raise InvalidArgument("the request JSON must be an object with an 'inputs' list")
     params = _params("the request", header)
-    checked = request_parameters.check(params, request_parameters.HTTP)
+    checked = request_parameters.check(params, request_parameters.HTTP) if params else NO_PARAMETERS
     if header.get("id") is not None and not isinstance(header["id"], str):
         raise InvalidArgument("'id' must be a string")
     limit = len(body) if max_input is None else max_input
@@ -333,7 +392,7 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
     if req.id is not None:
         body["id"] = req.id
     header = _dumps(body)
-    if header is None or b"null" in header:
+    if header is None or _holds_null(header):
         header = _dumps_json(body)
     if not blobs:
         return header, {"Content-Type": "application/json"}
@@ -342,6 +401,25 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
 
 # below this many elements a list is written sooner than orjson sets up a numpy array
 NUMPY_JSON_MIN = 128
+
+
+NULL_SCAN_MIN = 2048  # bytes of text from which skipping to each 'n' beats searching the whole text
+NULL_SCAN_HITS = 32  # 'n's looked at one by one before the rest of a text is searched for "null" as a whole
+
+
+def _holds_null(text: bytes) -> bool:
+    """``b"null" in text``, sooner: an answer is mostly digits, which memchr passes over to the next 'n' (a
+    few, in its keys) where the substring search looks at every byte. A short text is searched at once."""
+    if len(text) < NULL_SCAN_MIN:
+        return b"null" in text
+    pos = text.find(b"n")
+    for _ in range(NULL_SCAN_HITS):
+        if pos < 0:
+            return False
+        if text.startswith(b"null", pos):
+            return True
+        pos = text.find(b"n", pos + 1)
+    return pos >= 0 and b"null" in text[pos:]
 
 
 def _raw_view(arr: np.ndarray) -> memoryview:

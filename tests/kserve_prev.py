@@ -1,0 +1,358 @@
+"""gepool/http/kserve.py at 2ae0d77 (orjson, a Python-level flatten): the oracle for test_kserve_fast.py."""
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from gepool.common import request_parameters
+from gepool.common.errors import InvalidArgument, RequestTooLarge
+from gepool.ipc import dtypes
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class JSONTooLarge(RequestTooLarge):
+    http_status = 413
+
+
+@dataclass
+class OutputRequest:
+    name: str
+    binary: bool
+    region: str | None = None
+    region_size: int = 0
+    region_offset: int = 0
+    class_count: int = 0  # Triton's classification extension: the top N classes, not the tensor (0: the tensor)
+
+
+@dataclass
+class InferRequest:
+    inputs: dict[str, np.ndarray]
+    outputs: list[OutputRequest] | None  # None: all outputs, binary per binary_data_output
+    binary_output: bool
+    id: str | None = None
+    parameters: dict = field(default_factory=dict)
+    priority: int = 0  # Triton's request priority: 0 the model's default level, 1 the highest
+    timeout_s: float | None = None  # Triton's request timeout (its 'timeout' parameter is in microseconds)
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    if datatype == "BYTES":
+        return np.dtype(object)
+    if not isinstance(datatype, str) or not dtypes.is_supported(datatype):
+        raise InvalidArgument(f"unknown datatype '{datatype}'")
+    return dtypes.to_numpy(datatype)
+
+
+MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
+_INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+
+
+def tensor_from_bytes(name: str, datatype: str, shape: list[int], buf) -> np.ndarray:
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        if count * 4 > len(buf):  # every element carries a 4-byte length: refuse before allocating for it
+            raise InvalidArgument(f"input '{name}': shape {shape} declares {count} BYTES elements, but "
+                                  f"{len(buf)} bytes of data hold at most {len(buf) // 4}")
+        try:
+            return dtypes.deserialize_bytes(buf, tuple(shape))
+        except ValueError as exc:
+            raise InvalidArgument(f"input '{name}': {exc}") from None
+    dtype = numpy_dtype(datatype)
+    if len(buf) != count * dtype.itemsize:
+        raise InvalidArgument(f"input '{name}': {len(buf)} bytes of data, but shape {shape} of {datatype} "
+                              f"needs {count * dtype.itemsize}")
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def expected_bytes(datatype: str, shape: list[int]) -> int | None:
+    """The byte size a fixed-size tensor of this shape has (None for BYTES)."""
+    return None if datatype == "BYTES" else math.prod(shape) * numpy_dtype(datatype).itemsize
+
+
+def _shape(name: str, shape) -> list[int]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise InvalidArgument(f"input '{name}': shape must be a list of non-negative integers, got {shape!r}")
+    return shape
+
+
+def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
+    if datatype in ("FP16", "BF16"):
+        raise InvalidArgument(f"input '{name}': receiving {datatype} data via JSON is not supported")
+    dtype = numpy_dtype(datatype)
+    flat, kinds = _flatten(name, data)  # kinds: the element types, seen at C speed before numpy builds anything
+    if len(flat) != math.prod(shape):
+        raise InvalidArgument(f"input '{name}': {len(flat)} values of data for shape {shape}")
+    if datatype == "BYTES":
+        if not kinds <= {str}:
+            raise InvalidArgument(f"input '{name}': BYTES data in JSON must be strings")
+        return np.array([d.encode("utf-8") for d in flat], dtype=object).reshape(shape)
+    if datatype == "BOOL":
+        if not kinds <= {bool}:
+            raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
+        return np.array(flat, dtype=np.bool_).reshape(shape)
+    if datatype in _INT_KINDS:
+        if not kinds <= {int}:
+            raise InvalidArgument(f"input '{name}': {datatype} data must be integers")
+        info = np.iinfo(dtype)
+        if flat and (min(flat) < info.min or max(flat) > info.max):
+            bad = next(v for v in flat if v < info.min or v > info.max)
+            raise InvalidArgument(f"input '{name}': value {bad} is out of range for {datatype} "
+                                  f"[{info.min}, {info.max}]")
+        return np.array(flat, dtype=dtype).reshape(shape)
+    if not kinds <= {int, float}:
+        raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
+    try:
+        with np.errstate(over="ignore"):
+            return np.array(flat, dtype=np.float64).astype(dtype).reshape(shape)
+    except OverflowError:
+        raise InvalidArgument(f"input '{name}': a value is out of range for {datatype}") from None
+
+
+def _flatten(name: str, data) -> tuple[list, set]:
+    """Tensor data given flat or nested row by row -> one flat list and the types of its elements, level by
+    level (no recursion)."""
+    flat = data if isinstance(data, list) else [data]
+    for _ in range(MAX_NESTING):
+        kinds = set(map(type, flat))
+        if list not in kinds:
+            return flat, kinds
+        flat = [x for item in flat for x in (item if isinstance(item, list) else (item,))]
+    raise InvalidArgument(f"input '{name}': data is nested more than {MAX_NESTING} levels deep")
+
+
+def _param_int(what: str, params: dict, key: str, default: int | None = None) -> int | None:
+    value = params.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what}: '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _params(what: str, item: dict) -> dict:
+    p = item.get("parameters")
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise InvalidArgument(f"{what}: 'parameters' must be an object")
+    return p
+
+
+def _region_name(what: str, params: dict) -> str:
+    region = params["shared_memory_region"]
+    if not isinstance(region, str) or not region:
+        raise InvalidArgument(f"{what}: 'shared_memory_region' must be a region name, got {region!r}")
+    return region
+
+
+# orjson (3.8) has no nesting limit of its own and overflows the C stack somewhere past 10^5 levels: a
+# document with no more brackets than this cannot nest deeper, and one with more goes to the json module
+ORJSON_MAX_BRACKETS = 1024
+
+
+def load_header(raw, exact: bool = False) -> dict:
+    """The JSON header of a request as an object; InvalidArgument for anything else.
+
+    orjson reads it where it can (several times faster than the json module); what it refuses goes to
+    the json module, which reads what it always read (NaN and Infinity literals, lone surrogates) and
+    names what is wrong as before. ``exact``: the json module only, which also keeps an integer past 64
+    bits an integer (orjson reads it as a float)."""
+    raw = raw if isinstance(raw, bytes) else bytes(raw)
+    if exact or len(raw) > ORJSON_MAX_BRACKETS and _brackets(raw) > ORJSON_MAX_BRACKETS:
+        header = _load_json(raw)
+    else:
+        try:
+            header = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            header = _load_json(raw)
+    if not isinstance(header, dict):
+        raise InvalidArgument("the request JSON must be an object")
+    return header
+
+
+def _brackets(raw: bytes) -> int:
+    """How many '[' and '{' a text holds (numpy compares a byte at a time in vector code: bytes.count
+    does not)."""
+    codes = np.frombuffer(raw, np.uint8)
+    return int(np.count_nonzero(codes == 0x5B)) + int(np.count_nonzero(codes == 0x7B))
+
+
+def _load_json(raw) -> object:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument("failed to parse the request JSON: it is nested too deeply") from None
+
+
+def header_length(body, header_length: str | None) -> int:
+    if header_length is None:
+        return len(body)
+    try:
+        hlen = int(header_length)
+    except ValueError:
+        raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got '{header_length}'") from None
+    if hlen < 0 or hlen > len(body):
+        raise InvalidArgument(f"{HEADER_LENGTH} {hlen} does not fit the {len(body)}-byte body")
+    return hlen
+
+
+def parse_request(body: bytes, header_length_text: str | None, regions=None, max_json: int | None = None,
+                  max_input: int | None = None) -> InferRequest:
+    """A request body -> numpy inputs and what to return; InvalidArgument names whatever is wrong.
+    ``regions(name, offset, size, limit) -> bytes`` resolves system shared-memory inputs (at most
+    ``limit`` bytes); ``max_json`` bounds the JSON header, ``max_input`` the bytes of any one input.
+
+    A body refused as orjson read it is read again by the json module alone, so that what the caller
+    hears is what the json module's reading makes of it (an integer past 64 bits out of range, not a
+    float where an integer belongs)."""
+    hlen = header_length(body, header_length_text)
+    if max_json is not None and hlen > max_json:
+        raise JSONTooLarge(f"the request JSON of {hlen} bytes is over the {max_json}-byte limit for JSON; send "
+                           f"large tensors as binary data (binary_data=True) or through shared memory")
+    raw = body if hlen == len(body) and isinstance(body, bytes) else memoryview(body)[:hlen]
+    header = load_header(raw)
+    try:
+        return _parse(body, hlen, header, regions, max_input)
+    except InvalidArgument:
+        exact = load_header(raw, exact=True)
+    return _parse(body, hlen, exact, regions, max_input)
+
+
+def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None) -> InferRequest:
+    if not isinstance(header.get("inputs"), list):
+        raise InvalidArgument("the request JSON must be an object with an 'inputs' list")
+    params = _params("the request", header)
+    checked = request_parameters.check(params, request_parameters.HTTP)
+    if header.get("id") is not None and not isinstance(header["id"], str):
+        raise InvalidArgument("'id' must be a string")
+    limit = len(body) if max_input is None else max_input
+    blob = memoryview(body)[hlen:]
+    pos = 0
+    inputs: dict[str, np.ndarray] = {}
+    for item in header["inputs"]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidArgument(f"each input needs a 'name', got {str(item)[:200]}")
+        name, datatype = item["name"], item.get("datatype")
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' is given twice")
+        shape = _shape(name, item.get("shape"))
+        numpy_dtype(datatype)
+        p = _params(f"input '{name}'", item)
+        if "shared_memory_region" in p:
+            if regions is None:
+                raise InvalidArgument("system shared memory is not available here")
+            what = f"input '{name}'"
+            size = _param_int(what, p, "shared_memory_byte_size")
+            want = expected_bytes(datatype, shape)
+            if want is not None and size is not None and size != want:
+                raise InvalidArgument(f"{what}: shared_memory_byte_size {size}, but shape {shape} of {datatype} "
+                                      f"needs {want}")
+            buf = regions(_region_name(what, p), _param_int(what, p, "shared_memory_offset", 0),
+                          size if size is not None else want, limit)
+            inputs[name] = tensor_from_bytes(name, datatype, shape, buf)
+        elif "binary_data_size" in p:
+            size = p["binary_data_size"]
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or pos + size > len(blob):
+                raise InvalidArgument(f"input '{name}': binary_data_size {size!r} runs past the "
+                                      f"{len(blob)} bytes of binary data")
+            inputs[name] = tensor_from_bytes(name, datatype, shape, blob[pos:pos + size])
+            pos += size
+        elif "data" in item:
+            inputs[name] = _from_json(name, datatype, shape, item["data"])
+        else:
+            raise InvalidArgument(f"input '{name}' has no data, binary_data_size or shared_memory_region")
+    if pos != len(blob):
+        raise InvalidArgument(f"{len(blob) - pos} bytes of binary data are not claimed by any input")
+    binary_output = checked.binary_data_output
+    outputs = None
+    if header.get("outputs") is not None:
+        if not isinstance(header["outputs"], list):
+            raise InvalidArgument("'outputs' must be a list")
+        outputs = []
+        for o in header["outputs"]:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise InvalidArgument(f"each requested output needs a 'name', got {str(o)[:200]}")
+            what = f"output '{o['name']}'"
+            op = _params(what, o)
+            region = _region_name(what, op) if "shared_memory_region" in op else None
+            outputs.append(OutputRequest(
+                o["name"], bool(op.get("binary_data", binary_output)), region,
+                _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0),
+                _param_int(what, op, "classification", 0)))
+    return InferRequest(inputs, outputs, binary_output, header.get("id"), params, checked.priority, checked.timeout_s)
+
+
+def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],
+                    write_region=None) -> tuple[bytes, dict[str, str]]:
+    """Outputs -> (body, headers). ``write_region(name, offset, size, data)`` writes shared-memory outputs.
+
+    Binary outputs travel as views of the output arrays, joined once into the body. JSON is written by
+    orjson: floats as the doubles the json module wrote (the shortest text that reads back as the same
+    double; only the spelling of an exponent may differ, as 1e16 for 1e+16), so every client reads the
+    same numbers as before. orjson writes NaN and infinities as null, which nothing else in a response
+    is: a text with null in it is written again by the json module (NaN, Infinity, as before)."""
+    wanted = req.outputs if req.outputs is not None else [OutputRequest(n, req.binary_output) for n in outputs]
+    entries, blobs = [], []
+    for o in wanted:
+        arr = outputs[o.name]
+        datatype = "BYTES" if arr.dtype == object else dtypes.from_numpy(arr.dtype)
+        entry = {"name": o.name, "datatype": datatype, "shape": list(arr.shape)}
+        raw = dtypes.serialize_bytes(arr) if datatype == "BYTES" else None
+        if o.region is not None:
+            data = raw if raw is not None else np.ascontiguousarray(arr).tobytes()
+            write_region(o.region, o.region_offset, o.region_size, data)
+            entry["parameters"] = {"shared_memory_region": o.region, "shared_memory_byte_size": len(data)}
+        elif o.binary:
+            data = raw if raw is not None else _raw_view(arr)
+            entry["parameters"] = {"binary_data_size": len(data)}
+            blobs.append(data)
+        elif datatype == "BYTES":
+            entry["data"] = [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in arr.ravel()]
+        elif arr.size < NUMPY_JSON_MIN:
+            entry["data"] = arr.ravel().tolist()
+        elif arr.dtype.kind == "f":
+            entry["data"] = np.ascontiguousarray(arr, dtype=np.float64).ravel()  # widened exactly, as tolist()
+        else:
+            entry["data"] = np.ascontiguousarray(arr).ravel()
+        entries.append(entry)
+    body = {"model_name": model, "model_version": version, "outputs": entries}
+    if req.id is not None:
+        body["id"] = req.id
+    header = _dumps(body)
+    if header is None or b"null" in header:
+        header = _dumps_json(body)
+    if not blobs:
+        return header, {"Content-Type": "application/json"}
+    return b"".join([header, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+# below this many elements a list is written sooner than orjson sets up a numpy array
+NUMPY_JSON_MIN = 128
+
+
+def _raw_view(arr: np.ndarray) -> memoryview:
+    """The tensor's bytes without a copy where it is contiguous already (the view keeps ``arr`` alive)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _dumps(body: dict) -> bytes | None:
+    """orjson's text of a response, or None for what it cannot write as the json module would (a str that is
+    not valid UTF-8: a lone surrogate from a decoded name, say)."""
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    except orjson.JSONEncodeError:
+        return None
+
+
+def _dumps_json(body: dict) -> bytes:
+    for entry in body["outputs"]:
+        if isinstance(entry.get("data"), np.ndarray):
+            entry["data"] = entry["data"].tolist()
+    return json.dumps(body, separators=(",", ":")).encode()
