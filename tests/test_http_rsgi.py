@@ -101,3 +101,35 @@ def test_gepool_start_serves_on_the_server_it_names(tmp_path, server):
         conn.close()
     assert resp.status == 200
     assert ("granian" in resp.getheader("Server", "")) == (server == "granian")
+
+
+def test_a_body_deadline_ends_only_the_read_past_it():
+    """A read past its deadline raises TimeoutError and leaves its task uncancelled; one that completes in
+    time returns its value; the owner's own cancellation still cancels."""
+    import asyncio
+
+    from gepool.http.rsgi import Deadlines
+
+    async def main():
+        deadlines = Deadlines()
+        never = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await deadlines.run(never, 0.3)
+        assert 0.3 <= loop.time() - start < 10 and asyncio.current_task().cancelling() == 0
+
+        async def soon():
+            await asyncio.sleep(0.01)
+            return b"body"
+
+        assert await deadlines.run(soon(), 30) == b"body"
+        owned = loop.create_task(deadlines.run(loop.create_future(), 30))
+        await asyncio.sleep(0.05)
+        owned.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await owned
+        assert not deadlines._due
+        deadlines.close()
+
+    asyncio.run(main())
