@@ -557,6 +557,22 @@ def test_oversized_headers_are_refused_and_the_server_lives(restricted):
     assert request(port, "GET", "/v2")[0] == 200
 
 
+def test_many_silent_connections_do_not_keep_others_out(hpool):
+    """300 connections that send nothing (over granian's default of 128 served at once) do not hold a new
+    client back: it is answered while every one of them is still open (the body timeout is 30 s here)."""
+    port = hpool.http_port
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(300)]
+    try:
+        assert request(port, "GET", "/v2/health/live")[0] == 200
+        for s in silent:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing to read and not closed: still open
+                s.recv(1)
+    finally:
+        for s in silent:
+            s.close()
+
+
 def test_a_dead_sidecar_is_restarted(tmp_path):
     repo = str(tmp_path / "models")
     test_repo.make_models.make_tiny(repo)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import re
+import resource
 import zlib
 from collections.abc import Awaitable, Callable
 from urllib.parse import unquote
@@ -23,6 +24,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = [("content-type", "application/json; charset=utf-8")]
 _CLOSE = ("connection", "close")
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+MAX_CONNECTIONS = 1 << 20
 _DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
 
 
@@ -263,12 +265,20 @@ class App:
                                                         b'the details)"}')
 
 
+def connection_limit() -> int:
+    """The most connections this process can hold open: its soft limit on file descriptors."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(soft, MAX_CONNECTIONS))
+
+
 class Listener:
     """granian's embedded server on one address: one Rust I/O thread, HTTP/1.1, the app on this loop.
 
     ``idle_timeout_s`` bounds how long a connection may take to send a request's headers, counted from
     its opening or its previous response (hyper's header read timeout): a slow-loris connection or an
-    idle keep-alive one is closed after it.
+    idle keep-alive one is closed after it. granian serves at most ``backpressure`` connections at once
+    and leaves the rest unaccepted (its default, 128, let 128 silent connections stall every new client
+    until the timeout closed them); here that is the process's file limit, the bound aiohttp has too.
     """
 
     def __init__(self, app: App, host: str, port: int, idle_timeout_s: float) -> None:
@@ -279,7 +289,8 @@ class Listener:
         self.host, self.port, self.app = host, port, app
         settings = HTTP1Settings(header_read_timeout=max(1, round(idle_timeout_s * 1000)))
         self.server = Server(app, address=host, port=port, interface=Interfaces.RSGI, runtime_threads=1,
-                             http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings)
+                             http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings,
+                             backpressure=connection_limit())
         self._serving: asyncio.Task | None = None
 
     async def start(self, timeout: float = 30.0) -> None:
