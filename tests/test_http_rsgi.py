@@ -10,7 +10,7 @@ import pytest
 from gepool import Pool
 from gepool.http import servers
 from tests import repo as test_repo
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 pytest.importorskip("granian")
 
@@ -133,3 +133,26 @@ def test_a_body_deadline_ends_only_the_read_past_it():
         deadlines.close()
 
     asyncio.run(main())
+
+
+def test_a_port_already_served_is_refused_not_shared():
+    """granian binds with SO_REUSEPORT; a second sidecar on a port another one serves must fail to start
+    (as on aiohttp), not take half of that port's connections."""
+    port = free_port()
+    args = ["--endpoint", "ipc:///nowhere", "--http-port", str(port), "--metrics-port", "0", "--http-server", "granian"]
+    first = subprocess.Popen([sys.executable, "-m", "gepool.http.server", *args], stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: _live(port), 60)
+        second = subprocess.run([sys.executable, "-m", "gepool.http.server", *args], capture_output=True, text=True,
+                                timeout=60)
+        assert second.returncode != 0 and "address already in use" in second.stderr, second.stderr[-2000:]
+    finally:
+        first.terminate()
+        first.wait(30)
+
+
+def _live(port: int) -> bool:
+    try:
+        return _send(port, "GET", "/v2/health/live")[0] == 200
+    except OSError:
+        return False

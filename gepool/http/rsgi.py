@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import resource
+import socket
 import zlib
 from collections.abc import Awaitable, Callable
 from urllib.parse import unquote
@@ -271,6 +272,21 @@ def connection_limit() -> int:
     return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(soft, MAX_CONNECTIONS))
 
 
+def _check_free(host: str, port: int) -> None:
+    """OSError (address already in use) when something listens on ``host:port``. granian binds with
+    SO_REUSEPORT, which would let a second sidecar of the same user share a port that is taken and serve
+    half its connections; a bind without it fails where any socket is bound, as aiohttp's does."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(exc.errno, f"error while attempting to bind on address {address[:2]}: "
+                                     f"{exc.strerror.lower()}") from None
+
+
 class Listener:
     """granian's embedded server on one address: one Rust I/O thread, HTTP/1.1, the app on this loop.
 
@@ -295,6 +311,7 @@ class Listener:
 
     async def start(self, timeout: float = 30.0) -> None:
         """Returns once the port accepts connections; raises what stopped the server from listening."""
+        _check_free(self.host, self.port)
         self._serving = asyncio.get_running_loop().create_task(self.server.serve())
         probe = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         async with asyncio.timeout(timeout):
