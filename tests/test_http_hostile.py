@@ -549,11 +549,14 @@ def test_idle_connections_are_closed_and_pipelined_requests_answered_in_order(re
 
 
 def test_oversized_headers_are_refused_and_the_server_lives(restricted):
-    """Headers past the server's buffer (aiohttp: 8 KiB a field; granian: about 400 KiB in all) are refused
-    or the connection closed, never read into memory without bound; the next request is served."""
+    """Headers past the server's bound (aiohttp: 8 KiB a field; granian: hyper's 64 KiB read buffer, which
+    a read may overshoot to under 300 KiB, and 100 fields) are refused, never read into memory without
+    bound; the next request is served."""
     port = restricted
-    code, data = _raw(port, b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n", b"")
-    assert code in (0, 400, 413, 431), data[:300]
+    for head in (b"X-Big: " + b"a" * (1 << 20) + b"\r\n", b"X-Big: " + b"a" * (300 << 10) + b"\r\n",
+                 b"".join(b"X-%d: v\r\n" % i for i in range(200))):
+        code, data = _raw(port, b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n", b"")
+        assert code in (400, 431), data[:300]
     assert request(port, "GET", "/v2")[0] == 200
 
 

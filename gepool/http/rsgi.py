@@ -26,6 +26,9 @@ _JSON = [("content-type", "application/json; charset=utf-8")]
 _CLOSE = ("connection", "close")
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 MAX_CONNECTIONS = 1 << 20
+# hyper's read buffer per connection, which a request's headers must fit (431 above it, measured: 100 KiB
+# passes, 300 KiB does not, as one read may overshoot it); granian's default is 408 KiB
+READ_BUFFER_BYTES = 64 << 10
 _DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
 
 
@@ -292,9 +295,12 @@ class Listener:
 
     ``idle_timeout_s`` bounds how long a connection may take to send a request's headers, counted from
     its opening or its previous response (hyper's header read timeout): a slow-loris connection or an
-    idle keep-alive one is closed after it. granian serves at most ``backpressure`` connections at once
-    and leaves the rest unaccepted (its default, 128, let 128 silent connections stall every new client
-    until the timeout closed them); here that is the process's file limit, the bound aiohttp has too.
+    idle keep-alive one is closed after it. Headers must fit ``READ_BUFFER_BYTES`` (about) and number at most
+    100 (hyper's bound), else 431; a request hyper cannot parse is a 400 with no body; pipelined requests
+    are read into that same buffer and answered one at a time, in order. granian serves at most
+    ``backpressure`` connections at once and leaves the rest unaccepted (its default, 128, let 128 silent
+    connections stall every new client until the timeout closed them); here that is the process's file
+    limit, the bound aiohttp has too.
     """
 
     def __init__(self, app: App, host: str, port: int, idle_timeout_s: float) -> None:
@@ -303,7 +309,8 @@ class Listener:
         from granian.server.embed import Server
 
         self.host, self.port, self.app = host, port, app
-        settings = HTTP1Settings(header_read_timeout=max(1, round(idle_timeout_s * 1000)))
+        settings = HTTP1Settings(header_read_timeout=max(1, round(idle_timeout_s * 1000)),
+                                 max_buffer_size=READ_BUFFER_BYTES)
         self.server = Server(app, address=host, port=port, interface=Interfaces.RSGI, runtime_threads=1,
                              http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings,
                              backpressure=connection_limit())
