@@ -63,6 +63,8 @@ def test_a_crashing_handler_is_a_500_without_python_and_the_server_lives():
             assert status == 500 and b"internal error" in body and b"Traceback" not in body
         status, body = _send(port, "POST", "/m/a%20b/fine", b"12345", {"x-KEY": "v"})
         assert (status, body) == (200, b'{"got": 5, "model": "a b", "key": "v"}')
+        status, body = _send(port, "POST", "/m/a%2520b/fine", b"")  # decoded once, as aiohttp does
+        assert (status, body) == (200, b'{"got": 0, "model": "a%20b", "key": null}')
         assert _send(port, "GET", "/m/a/fine")[0] == 405
         assert _send(port, "GET", "/nowhere")[0] == 404
         status, body = _send(port, "POST", "/m/a/fine", b"x", {"Content-Encoding": "br"})

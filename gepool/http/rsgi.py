@@ -14,7 +14,6 @@ import resource
 import socket
 import zlib
 from collections.abc import Awaitable, Callable
-from urllib.parse import unquote
 
 from aiohttp import web
 
@@ -126,7 +125,7 @@ class Request:
 
     def __init__(self, scope, proto, match_info: dict[str, str], deadlines: Deadlines) -> None:
         self._scope, self._proto, self._deadlines = scope, proto, deadlines
-        self.method, self.path, self.match_info = scope.method, unquote(scope.path), match_info
+        self.method, self.path, self.match_info = scope.method, scope.path, match_info
         self.headers = Headers(scope.headers)
         self._transport: Transport | None = None
 
@@ -210,18 +209,19 @@ class Router:
     def add_post(self, path: str, handler: Handler) -> None:
         self.add("POST", path, handler)
 
-    def resolve(self, method: str, raw_path: str) -> tuple[Handler | None, dict[str, str], int]:
-        """The handler and its match_info, or None and the status to answer (404 or 405)."""
+    def resolve(self, method: str, path: str) -> tuple[Handler | None, dict[str, str], int]:
+        """The handler and its match_info, or None and the status to answer (404 or 405). ``path`` is
+        granian's, already percent-decoded: it must not be decoded again."""
         status = 404
         for pattern, methods in self._routes:
-            m = pattern.fullmatch(raw_path)
+            m = pattern.fullmatch(path)
             if m is None:
                 continue
             handler = methods.get(method)
             if handler is None:
                 status = 405
                 continue
-            return handler, {k: unquote(v) for k, v in m.groupdict().items()}, 200
+            return handler, m.groupdict(), 200
         return None, {}, status
 
 
