@@ -576,11 +576,12 @@ def test_many_silent_connections_do_not_keep_others_out(hpool):
             s.close()
 
 
-def test_a_dead_sidecar_is_restarted(tmp_path):
+@pytest.mark.parametrize("server", SIDECAR_SERVERS)
+def test_a_dead_sidecar_is_restarted(tmp_path, server):
     repo = str(tmp_path / "models")
     test_repo.make_models.make_tiny(repo)
     port = free_port()
-    with Pool(repo, http_port=port) as pool:
+    with Pool(repo, http_port=port, http_server=server) as pool:
         first = sidecar_pid(pool)
         os.kill(first, signal.SIGKILL)
         assert wait_until(lambda: _ready(port) and sidecar_pid(pool) != first, 60)
