@@ -7,7 +7,10 @@ routing, where the other needs three. It runs in its own process so the front's 
 plain zmq poll, and so that a slow HTTP client can never stall batching.
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
-        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
+        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...] [--http-server aiohttp|granian]
+
+``--http-server granian`` serves the KServe port on granian (HTTP parsed in Rust) through ``rsgi.py``,
+the same handlers; /metrics stays on aiohttp.
 
 What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
 """
