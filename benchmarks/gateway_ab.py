@@ -1,7 +1,8 @@
 """Two versions of gepool under the gateway benchmark, alternating in one run: CPU per request by process.
 
     python benchmarks/gateway_ab.py --base REV [--head REV] [--rounds 3] [--seconds 8] [--models tiny,mlp]
-        [--levels 64] [--tools wrk]
+        [--levels 64] [--tools wrk] [--base-http-server aiohttp] [--head-http-server aiohttp]
+    python benchmarks/gateway_ab.py --base HEAD --head-http-server granian ...   (one tree, both servers)
 
 Each round runs ``benchmarks/gateway_bench.py`` of the base and of the head (the working tree when no
 ``--head`` is given; base first in odd rounds, head first in even ones, so that a host's drifting load
@@ -10,6 +11,8 @@ temporary folder and laid out as the installed package (``gepool.ipc`` = ``ipc/`
 ahead of the editable install. The table at the end gives, per model, tool and concurrency, the median
 over the rounds of req/s and of each process's CPU microseconds per request (on a shared host the
 CPU per request is the figure to compare, not req/s), and the head's change against the base.
+``--base-http-server``/``--head-http-server`` choose the sidecar's HTTP server on each side
+(``gateway_bench.py --http-server``; a tree from before that option has only aiohttp).
 """
 
 import argparse
@@ -45,11 +48,13 @@ def tree(rev: str | None, into: str) -> str:
     return src
 
 
-def run(src: str, root: str, args: argparse.Namespace) -> dict:
+def run(src: str, root: str, args: argparse.Namespace, http_server: str) -> dict:
     """{(model, tool, conc): {"rps": .., label: cpu us}} from one gateway_bench run."""
     env = dict(os.environ, PYTHONPATH=root)
     cmd = [sys.executable, os.path.join(src, "benchmarks", "gateway_bench.py"), "--seconds", str(args.seconds),
            "--levels", args.levels, "--models", args.models, "--tools", args.tools]
+    if http_server != "aiohttp":
+        cmd += ["--http-server", http_server]
     # not from src: its gepool/ (without ipc/) would come first on sys.path
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     lines = proc.stdout.splitlines()
@@ -79,7 +84,10 @@ def main() -> None:
     p.add_argument("--models", default="tiny,mlp")
     p.add_argument("--levels", default="64")
     p.add_argument("--tools", default="wrk")
+    p.add_argument("--base-http-server", default="aiohttp", help="the base's sidecar server: aiohttp or granian")
+    p.add_argument("--head-http-server", default="aiohttp", help="the head's sidecar server: aiohttp or granian")
     args = p.parse_args()
+    servers = {"base": args.base_http_server, "head": args.head_http_server}
     work = tempfile.mkdtemp(prefix="gepool-ab-")
     try:
         versions = {}
@@ -90,14 +98,14 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]  # ABBA: drift cancels
             for label, (src, root) in order:
-                results[label].append(run(src, root, args))
+                results[label].append(run(src, root, args, servers[label]))
                 for key, row in sorted(results[label][-1].items()):
                     print(f"round {r + 1} {label:4s} {' '.join(map(str, key)):14s} "
                           + " ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nmedians over {args.rounds} rounds (base {args.base}, head {args.head or 'working tree'}; "
-          f"CPU in us per request)")
+    print(f"\nmedians over {args.rounds} rounds (base {args.base} on {servers['base']}, head "
+          f"{args.head or 'working tree'} on {servers['head']}; CPU in us per request)")
     keys = sorted(set().union(*(set(r) for r in results["base"] + results["head"])))
     for key in keys:
         fields = sorted({f for label in results for r in results[label] for f in r.get(key, {})},

@@ -244,6 +244,7 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,64", help="client concurrencies")
     parser.add_argument("--models", default="tiny,mlp")
     parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies) and/or pa (perf_analyzer, binary)")
+    parser.add_argument("--http-server", default="aiohttp", help="the sidecar's HTTP server: aiohttp or granian")
     parser.add_argument("--profile-sidecar", metavar="FILE",
                         help="run the sidecar under cProfile, write its stats here and print the top entries")
     args = parser.parse_args()
@@ -262,7 +263,8 @@ def main() -> None:
     rows = []
     sidecar = None
     try:
-        with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0) as pool:
+        extra = {"http_server": args.http_server} if args.http_server != "aiohttp" else {}  # older trees lack it
+        with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
             if args.profile_sidecar:
                 sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar))
             url = f"http://127.0.0.1:{port}"

@@ -1,13 +1,16 @@
 """The KServe v2 infer route through the sidecar, a minimal aiohttp app, granian and uvicorn: CPU per request.
 
     python benchmarks/http_servers.py [--seconds 4] [--rounds 2] [--levels 8,64] [--models tiny,mlp]
-        [--servers sidecar,aiohttp,granian,granian-rust,granian-mp,uvicorn] [--profile SERVER:FILE] [--null]
+        [--servers sidecar,sidecar-aiohttp,sidecar-granian,aiohttp,granian,granian-rust,granian-mp,uvicorn]
+        [--profile SERVER:FILE] [--null]
     python benchmarks/http_servers.py --breakdown [--seconds 3] [--levels 8,64] [--models tiny,mlp]
 
 One pool (the peers' batching settings, as gateway_bench.py) serves every server in turn, alternating
 over rounds, with wrk (KServe v2 JSON bodies of one row) at each level:
 
     sidecar       the real one (``python -m gepool.http.server``, as the pool starts it)
+    sidecar-aiohttp, sidecar-granian
+                  the real sidecar started beside the pool with ``--http-server aiohttp`` or ``granian``
     aiohttp       a minimal aiohttp app on uvloop doing only the infer route's work: kserve.parse_request,
                   AsyncClient.infer, kserve.encode_response (no access checks, limits, stats or tracing)
     granian       the same handler as an RSGI app on granian's embedded server (1 Rust runtime thread,
@@ -49,7 +52,8 @@ sys.path.insert(0, HERE)
 
 import gateway_bench as gw  # noqa: E402  (it puts examples/ on the path for make_models)
 
-SERVERS = ("sidecar", "aiohttp", "granian", "granian-rust", "granian-mp", "uvicorn")
+SERVERS = ("sidecar", "sidecar-aiohttp", "sidecar-granian", "aiohttp", "granian", "granian-rust", "granian-mp",
+           "uvicorn")
 ENDPOINT_ENV = "GEPOOL_BENCH_ENDPOINT"  # granian-mp's worker process reads the pool's endpoint here
 NULL_ENV = "GEPOOL_BENCH_NULL"  # and whether to answer from the cache (--null)
 ROUTE = re.compile(r"/v2/models/([^/]+)/infer")
@@ -405,8 +409,13 @@ def start_server(kind: str, endpoint: str, profile: str | None = None, null: boo
         return start_granian_mp(endpoint, profile, null)
     port = gw.free_port()
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--endpoint", endpoint, "--port", str(port),
-           "--ready-fd", str(write_fd)] + (["--null"] if null else [])
+    if kind.startswith("sidecar-"):  # the real sidecar on the server its name ends with, as a pool would start it
+        cmd = [sys.executable, "-m", "gepool.http.server", "--endpoint", endpoint, "--http-port", str(port),
+               "--metrics-port", "0", "--http-max-body-bytes", str(MAX_BODY), "--front-ready",
+               "--http-server", kind.removeprefix("sidecar-"), "--ready-fd", str(write_fd)]
+    else:
+        cmd = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--endpoint", endpoint, "--port",
+               str(port), "--ready-fd", str(write_fd)] + (["--null"] if null else [])
     if profile:
         fmt = "raw" if profile.endswith(".txt") else "flamegraph"  # raw: collapsed stacks, one a line
         cmd = ["py-spy", "record", "-r", "100", "-f", fmt, "-o", profile, "--", *cmd]
@@ -622,7 +631,8 @@ def main() -> None:
     parser.add_argument("--null", action="store_true",
                         help="the minimal servers read each body and give the model's first answer again, without "
                              "parsing it or asking the pool: what the HTTP server alone costs (no sidecar)")
-    parser.add_argument("--serve", choices=[k for k in SERVERS[1:] if k != "granian-mp"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=[k for k in SERVERS if not k.startswith("sidecar") and k != "granian-mp"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -631,12 +641,13 @@ def main() -> None:
         serve_main(args.serve, args.endpoint, args.port, args.ready_fd, args.null)
         return
     servers = args.servers.split(",")
-    if args.null and "sidecar" in servers:
-        parser.error("--null runs only the minimal servers: leave the sidecar out of --servers")
+    if args.null and any(s.startswith("sidecar") for s in servers):
+        parser.error("--null runs only the minimal servers: leave the sidecars out of --servers")
     unknown = [s for s in servers if s not in SERVERS]
     if unknown:
         parser.error(f"unknown --servers {unknown}: choose from {','.join(SERVERS)}")
-    needs = {"aiohttp": ("aiohttp", "uvloop"), "granian": ("granian", "uvloop"), "granian-rust": ("granian", "uvloop"),
+    needs = {"sidecar-granian": ("granian",),
+             "aiohttp": ("aiohttp", "uvloop"), "granian": ("granian", "uvloop"), "granian-rust": ("granian", "uvloop"),
              "granian-mp": ("granian", "uvloop"), "uvicorn": ("uvicorn", "httptools", "uvloop")}
     missing = sorted({m for k in servers for m in needs.get(k, ()) if importlib.util.find_spec(m) is None})
     if missing:

@@ -5,6 +5,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
+from gepool.http.servers import DEFAULT_HTTP_SERVER
 from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint
 from gepool.scheduler.options import MODEL_LOAD_TIMEOUT_S, FrontOptions
@@ -37,6 +38,7 @@ class PoolOptions:
     grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar on http_host; 0: none
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
+    http_server: str = DEFAULT_HTTP_SERVER  # what serves http_port: aiohttp or granian (gepool/http/servers.py)
     strict_readiness: bool = True  # False: /v2/health/ready is ready while any model is unavailable
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: a RAM share
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a model still loading after this is UNAVAILABLE
@@ -65,9 +67,12 @@ class PoolOptions:
             raise ValueError(f"poll_secs must be > 0, not {self.poll_secs}")
         if self.busy_poll_us < -1:
             raise ValueError(f"busy_poll_us must be -1 (never poll), 0 (adaptive) or a time, not {self.busy_poll_us}")
+        from gepool.http import servers
         from gepool.http.access import Restrictions
 
         Restrictions.parse(self.http_restricted_api)  # ValueError in Triton's words
+        if self.http_port and servers.refusal(self.http_server):
+            raise ValueError(f"http_server: {servers.refusal(self.http_server)}")
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -79,6 +79,9 @@ def _ephemeral_low() -> int:
 _handed_out: set[int] = set()
 
 
+SIDECAR_SERVERS = ("aiohttp", "granian")  # every sidecar test module runs on both HTTP servers
+
+
 def free_port() -> int:
     """A loopback port nobody listens on right now, for a server another process binds later. It lies
     below the kernel's ephemeral range, so no connection's local port (nor another bind to port 0) takes

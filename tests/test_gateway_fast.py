@@ -17,7 +17,7 @@ from gepool.common.errors import InvalidArgument
 from gepool.http import kserve
 from tests import kserve_main as main
 from tests import repo as test_repo
-from tests.conftest import free_port
+from tests.conftest import SIDECAR_SERVERS, free_port
 
 RNG = np.random.default_rng(18)
 NUMERIC = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "FP16", "FP32", "FP64"]
@@ -296,8 +296,8 @@ class Model:
 MAX_BODY = 256 << 10  # a body this size still arrives whole before the handler runs
 
 
-@pytest.fixture(scope="module")
-def echo_pool(tmp_path_factory):
+@pytest.fixture(scope="module", params=SIDECAR_SERVERS)
+def echo_pool(tmp_path_factory, request):
     """A python model that returns each of its inputs, one per datatype, and the tiny model."""
     repo = str(tmp_path_factory.mktemp("echo-models"))
     test_repo.make_models.make_tiny(repo)
@@ -313,16 +313,18 @@ def echo_pool(tmp_path_factory):
         input [ {tensors("IN")} ]
         output [ {tensors("OUT")} ]
     """)
-    with Pool(repo, http_port=free_port(), metrics_port=0, http_max_body_bytes=MAX_BODY) as pool:
+    with Pool(repo, http_port=free_port(), metrics_port=0, http_max_body_bytes=MAX_BODY,
+              http_server=request.param) as pool:
         yield pool
 
 
 def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int, bytes, dict]:
+    """Status, body and headers, their names lower-cased (granian's HTTP/1 writes them so; both are HTTP)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("POST", path, body, headers or {})
         resp = conn.getresponse()
-        return resp.status, resp.read(), dict(resp.getheaders())
+        return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
     finally:
         conn.close()
 
@@ -349,7 +351,7 @@ def test_every_datatype_through_the_pool_answers_as_main_would(echo_pool, binary
     expected, expected_headers = main.encode_response("echo", "1", ref_req, {f"OUT_{d}": x for d, x in xs.items()})
     if binary:
         assert body == expected
-        assert headers["Inference-Header-Content-Length"] == expected_headers["Inference-Header-Content-Length"]
+        assert headers["inference-header-content-length"] == expected_headers["Inference-Header-Content-Length"]
     else:
         same_json(body, expected)
 

@@ -13,18 +13,18 @@ import pytest
 
 from gepool import Client, Pool
 from tests import repo as test_repo
-from tests.conftest import free_port
+from tests.conftest import SIDECAR_SERVERS, free_port
 
 httpclient = pytest.importorskip("tritonclient.http")
 RNG = np.random.default_rng(21)
 
 
-@pytest.fixture(scope="module")
-def http_pool(tmp_path_factory):
+@pytest.fixture(scope="module", params=SIDECAR_SERVERS)
+def http_pool(tmp_path_factory, request):
     repo = str(tmp_path_factory.mktemp("http-models"))
     test_repo.make_models.make_all(repo)
     test_repo.bytes_model(repo)
-    with Pool(repo, http_port=free_port(), metrics_port=free_port()) as pool:
+    with Pool(repo, http_port=free_port(), metrics_port=free_port(), http_server=request.param) as pool:
         pool.repo = repo
         yield pool
 

@@ -17,7 +17,7 @@ import pytest
 from gepool import Pool
 from gepool.http import peer
 from tests import repo as test_repo
-from tests.conftest import _descendants, free_port, rss_kb, wait_until
+from tests.conftest import SIDECAR_SERVERS, _descendants, free_port, rss_kb, wait_until
 
 NOBODY = 65534
 GOOD = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": list(range(16))}]}
@@ -29,14 +29,14 @@ def gate(tmp_path_factory):
     return str(tmp_path_factory.mktemp("gate") / "gate")
 
 
-@pytest.fixture(scope="module")
-def hpool(tmp_path_factory, gate):
+@pytest.fixture(scope="module", params=SIDECAR_SERVERS)
+def hpool(tmp_path_factory, gate, request):
     repo = str(tmp_path_factory.mktemp("hostile-models"))
     test_repo.make_models.make_tiny(repo)
     test_repo.bytes_model(repo)
     test_repo.recorder(repo, "recorder", gate=gate, delay_us=0, preferred="1")
     with Pool(repo, http_port=free_port(), model_control_mode="explicit",
-              load_models=("tiny", "shout", "recorder")) as pool:
+              load_models=("tiny", "shout", "recorder"), http_server=request.param) as pool:
         yield pool
 
 
@@ -422,11 +422,15 @@ def test_unregistering_an_output_region_during_a_request_does_not_fail_it(hpool,
 
 
 # -- Triton's --http-restricted-api, and a body that never arrives ----------------------------------------
+RESTRICTED_MAX_BODY = 1 << 20
+
+
 @pytest.fixture(scope="module")
 def restricted(hpool):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gepool.http.server", "--endpoint", hpool.endpoint,
                              "--http-port", str(port), "--metrics-port", "0", "--http-body-timeout-s", "2",
+                             "--http-server", hpool.http_server, "--http-max-body-bytes", str(RESTRICTED_MAX_BODY),
                              "--http-restricted-api=model-repository,shared-memory:admin-key=s3cret",
                              "--http-restricted-api", "statistics:stats-key=v"])
     try:
@@ -501,11 +505,83 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(restricted):
             s.close()
 
 
-def test_a_dead_sidecar_is_restarted(tmp_path):
+def test_a_chunked_body_is_bounded_while_it_arrives(restricted):
+    """No Content-Length to refuse by: the body is counted as it arrives and refused 413 past the limit,
+    and the sidecar does not hold the rest; a chunked body under the limit is served."""
+    port = restricted
+    chunk = b"%x\r\n%s\r\n" % (64 << 10, b" " * (64 << 10))
+    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(head)
+        try:
+            for _ in range(4 * RESTRICTED_MAX_BODY // (64 << 10)):  # 4 MiB, unless the sidecar stops reading
+                s.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = s.recv(65536)
+    assert reply.split()[1] == b"413" and b"--http-max-body-bytes" in reply, reply[:300]
+    good = json.dumps(GOOD).encode()
+    code, data = _raw(port, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good))
+    assert code == 200, data[:300]
+
+
+def test_idle_connections_are_closed_and_pipelined_requests_answered_in_order(restricted):
+    """A connection that never sends a byte, and one idle after its answer, are closed within the body
+    timeout (2 s); two requests sent in one write are both answered, in order, on the connection."""
+    port = restricted
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as silent, \
+            socket.create_connection(("127.0.0.1", port), timeout=30) as idle:
+        good = json.dumps(GOOD).encode()
+        one = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(good), good)
+        two = b"GET /v2/models/nothing_here HTTP/1.1\r\nHost: x\r\n\r\n"
+        idle.sendall(one + two)
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}"):
+            chunk = idle.recv(65536)
+            assert chunk, data
+            data += chunk
+        first, second = data.split(b"HTTP/1.1 ")[1:3]
+        assert first.startswith(b"200") and b"OUTPUT0" in first
+        assert second.startswith(b"400") or second.startswith(b"404"), second[:200]
+        start = time.monotonic()
+        assert idle.recv(65536) == b"" and silent.recv(65536) == b""
+        assert time.monotonic() - start < 25
+
+
+def test_oversized_headers_are_refused_and_the_server_lives(restricted):
+    """Headers past the server's bound (aiohttp: 8 KiB a field; granian: hyper's 64 KiB read buffer, which
+    a read may overshoot to under 300 KiB, and 100 fields) are refused, never read into memory without
+    bound; the next request is served."""
+    port = restricted
+    for head in (b"X-Big: " + b"a" * (1 << 20) + b"\r\n", b"X-Big: " + b"a" * (300 << 10) + b"\r\n",
+                 b"".join(b"X-%d: v\r\n" % i for i in range(200))):
+        code, data = _raw(port, b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n", b"")
+        assert code in (400, 431), data[:300]
+    assert request(port, "GET", "/v2")[0] == 200
+
+
+def test_many_silent_connections_do_not_keep_others_out(hpool):
+    """300 connections that send nothing (over granian's default of 128 served at once) do not hold a new
+    client back: it is answered while every one of them is still open (the body timeout is 30 s here)."""
+    port = hpool.http_port
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(300)]
+    try:
+        assert request(port, "GET", "/v2/health/live")[0] == 200
+        for s in silent:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing to read and not closed: still open
+                s.recv(1)
+    finally:
+        for s in silent:
+            s.close()
+
+
+@pytest.mark.parametrize("server", SIDECAR_SERVERS)
+def test_a_dead_sidecar_is_restarted(tmp_path, server):
     repo = str(tmp_path / "models")
     test_repo.make_models.make_tiny(repo)
     port = free_port()
-    with Pool(repo, http_port=port) as pool:
+    with Pool(repo, http_port=port, http_server=server) as pool:
         first = sidecar_pid(pool)
         os.kill(first, signal.SIGKILL)
         assert wait_until(lambda: _ready(port) and sidecar_pid(pool) != first, 60)

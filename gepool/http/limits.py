@@ -28,6 +28,8 @@ class BodyTimeout(errors.GepoolError):
 
 async def read_body(request: web.Request, max_body: int, timeout: float) -> bytes:
     """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds."""
+    if not isinstance(request, web.BaseRequest):  # granian's (rsgi.Request) bounds its own reads
+        return await request.read_body(max_body, timeout)
     length = request.content_length
     if length is not None and length > max_body:
         raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "

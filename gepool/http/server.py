@@ -7,7 +7,10 @@ routing, where the other needs three. It runs in its own process so the front's 
 plain zmq poll, and so that a slow HTTP client can never stall batching.
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
-        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
+        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...] [--http-server aiohttp|granian]
+
+``--http-server granian`` serves the KServe port on granian (HTTP parsed in Rust) through ``rsgi.py``,
+the same handlers; /metrics stays on aiohttp.
 
 What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
 """
@@ -24,7 +27,7 @@ import gepool
 from gepool.aio import AsyncClient
 from gepool.common import errors
 from gepool.common.logsettings import LogSettings
-from gepool.http import host, kserve, limits, metrics, peer, trace
+from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
 from gepool.http.limits import (
@@ -364,9 +367,8 @@ class Gateway:
         return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def http_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=gw.max_body)
-    r = app.router
+def add_routes(gw: Gateway, r) -> None:
+    """Every KServe route, on aiohttp's router or ``rsgi.Router`` (the same ``add_get``/``add_post``)."""
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
     # first: the router tries the routes under one prefix in the order they were added
@@ -398,17 +400,28 @@ def http_app(gw: Gateway) -> web.Application:
     for path in ("/v2/cudasharedmemory/unregister", "/v2/cudasharedmemory/region/{region}/unregister",
                  "/v2/cudasharedmemory/region/{region}/register"):
         r.add_post(path, gw.cuda_shm)
+
+
+def http_app(gw: Gateway) -> web.Application:
+    app = web.Application(client_max_size=gw.max_body)
+    add_routes(gw, app.router)
     return app
 
 
 async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, ready_fd: int | None,
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
-                strict_readiness: bool = True, grpc_port: int = 0, front_ready: bool = False) -> None:
+                strict_readiness: bool = True, grpc_port: int = 0, front_ready: bool = False,
+                http_server: str = "aiohttp") -> None:
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
-    runners = []
-    for port, app in ((http_port, http_app(gw)), (metrics_port, None)):
+    runners, listener = [], None
+    if http_port and http_server == "granian":
+        router = rsgi.Router()
+        add_routes(gw, router)
+        listener = rsgi.Listener(rsgi.App(router), host, http_port, body_timeout)
+        await listener.start()
+    for port, app in ((0 if listener else http_port, http_app(gw)), (metrics_port, None)):
         if not port:
             continue
         if app is None:
@@ -442,6 +455,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 break
     if grpc_port:
         await grpc_server.stop(grpc_listener)
+    if listener is not None:
+        await listener.stop()
     for runner in runners:
         await runner.cleanup()
     connecting.cancel()
@@ -470,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
     p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
                    help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
+    p.add_argument("--http-server", choices=servers.HTTP_SERVERS, default=servers.DEFAULT_HTTP_SERVER,
+                   help=f"what serves the HTTP port: granian (Rust HTTP/1.1 parsing, RSGI) or aiohttp "
+                        f"(default {servers.DEFAULT_HTTP_SERVER}); /metrics is served by aiohttp either way")
     p.add_argument("--front-ready", action="store_true",
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
@@ -480,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if args.http_max_body_bytes <= 0:
         p.error(f"--http-max-body-bytes must be positive, got {args.http_max_body_bytes}")
+    if servers.refusal(args.http_server):
+        p.error(f"--http-server: {servers.refusal(args.http_server)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
         import uvloop
@@ -489,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
-                      args.strict_readiness == "true", args.grpc_port, args.front_ready))
+                      args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server))
     return 0
 
 

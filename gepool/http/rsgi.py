@@ -1,0 +1,346 @@
+"""The sidecar's routes on granian (RSGI): the part of aiohttp's request the handlers read, and their answers.
+
+The handlers in ``server.py`` are written against aiohttp's ``web.Request``; here a request from
+granian gets the same ``method``, ``path``, ``match_info``, ``headers`` (case-insensitive), the
+connection's two addresses (``transport.get_extra_info``) and a bounded body read, and the
+``web.Response`` a handler returns is written back through granian's protocol object.
+"""
+
+import asyncio
+import json
+import logging
+import re
+import resource
+import socket
+import zlib
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from gepool.http.limits import BodyTimeout, BodyTooLarge
+
+log = logging.getLogger("gepool.http")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_JSON = [("content-type", "application/json; charset=utf-8")]
+_CLOSE = ("connection", "close")
+_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+MAX_CONNECTIONS = 1 << 20
+# hyper's read buffer per connection, which a request's headers must fit (431 above it; one read may
+# overshoot it, so the bound is a few times this, not exactly it)
+READ_BUFFER_BYTES = 64 << 10
+_DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
+
+
+def _address(text: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` as granian gives it, as the tuple a socket's getpeername gives."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not port.isdecimal():
+        return None
+    return host.strip("[]"), int(port)
+
+
+class Headers:
+    """The request's headers, looked up case-insensitively as aiohttp's are."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+
+    def get(self, key: str, default=None):
+        return self._raw.get(key.lower(), default)
+
+    def __contains__(self, key: str) -> bool:
+        return key.lower() in self._raw
+
+    def __getitem__(self, key: str) -> str:
+        value = self._raw.get(key.lower())
+        if value is None:
+            raise KeyError(key)
+        return value
+
+
+class Transport:
+    """What ``_caller`` asks of a transport: the connection's two ends."""
+
+    __slots__ = ("_extra",)
+
+    def __init__(self, peername, sockname) -> None:
+        self._extra = {"peername": peername, "sockname": sockname}
+
+    def get_extra_info(self, name: str, default=None):
+        return self._extra.get(name, default)
+
+
+class Deadlines:
+    """Body reads that must end by a deadline: one timer cancels those past it every ``SWEEP_S``, instead of
+    a timer armed and disarmed for every request (as asyncio.timeout would, at a cost per request)."""
+
+    SWEEP_S = 0.25
+
+    def __init__(self) -> None:
+        self._due: dict[asyncio.Task, float] = {}
+        self._expired: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    async def run(self, awaitable: Awaitable[bytes], timeout: float) -> bytes:
+        """What ``awaitable`` gives, or TimeoutError once ``timeout`` seconds (and up to SWEEP_S more) pass."""
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if self._sweeper is None:
+            self._sweeper = loop.create_task(self._sweep())
+        self._due[task] = loop.time() + timeout
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if task not in self._expired:
+                raise
+            task.uncancel()  # the cancellation was this deadline's, not the task's owner's
+            raise TimeoutError from None
+        finally:
+            # the sweeper cancels only tasks still listed here, so none is cancelled after this point
+            del self._due[task]
+            self._expired.discard(task)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.SWEEP_S)
+            now = loop.time()
+            for task, due in list(self._due.items()):
+                if due <= now and task not in self._expired:
+                    self._expired.add(task)
+                    task.cancel()
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+
+class Request:
+    """One granian request, as the handlers use an aiohttp one."""
+
+    __slots__ = ("_scope", "_proto", "_deadlines", "method", "path", "match_info", "headers", "_transport")
+
+    def __init__(self, scope, proto, match_info: dict[str, str], deadlines: Deadlines) -> None:
+        self._scope, self._proto, self._deadlines = scope, proto, deadlines
+        self.method, self.path, self.match_info = scope.method, scope.path, match_info
+        self.headers = Headers(scope.headers)
+        self._transport: Transport | None = None
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = Transport(_address(self._scope.client), _address(self._scope.server))
+        return self._transport
+
+    async def read_body(self, max_body: int, timeout: float) -> bytes:
+        """The whole body, decompressed as its Content-Encoding says; 413 by its declared size before a byte is
+        read and as it arrives past ``max_body``; 408 when it is not all here within ``timeout`` seconds."""
+        headers = self._scope.headers
+        declared = headers.get("content-length")
+        # granian's HTTP/1 parser refuses a Content-Length that is not a number before the app is called
+        length = int(declared) if declared is not None and declared.isdecimal() else None
+        if length is not None and length > max_body:
+            raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
+                               f"(--http-max-body-bytes)")
+        encoding = (headers.get("content-encoding") or "identity").strip().lower()
+        if encoding not in _DECODERS and encoding != "identity":
+            raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
+                                                      f"(gzip, deflate or identity)")
+        if length is not None and encoding == "identity":
+            reading = self._proto()
+        else:
+            reading = self._chunks(max_body, _DECODERS.get(encoding))
+        try:
+            return await self._deadlines.run(reading, timeout)
+        except TimeoutError:
+            raise BodyTimeout(f"the request body did not arrive within {timeout:g} s (it declared {length} "
+                              f"bytes)") from None
+
+    async def _chunks(self, max_body: int, wbits: int | None) -> bytes:
+        """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it."""
+        over = BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)")
+        decoder = zlib.decompressobj(wbits) if wbits is not None else None
+        parts, size = [], 0
+        async for chunk in self._proto:
+            if decoder is not None:
+                try:
+                    chunk = decoder.decompress(chunk, max_body - size + 1)
+                except zlib.error as exc:
+                    raise web.HTTPBadRequest(reason=f"the request body is not valid for its Content-Encoding: "
+                                                    f"{exc}") from None
+                if decoder.unconsumed_tail:
+                    raise over
+            size += len(chunk)
+            if size > max_body:
+                raise over
+            parts.append(chunk)
+        if decoder is not None:
+            try:
+                parts.append(decoder.flush())
+            except zlib.error as exc:
+                raise web.HTTPBadRequest(reason=f"the request body is not valid for its Content-Encoding: "
+                                                f"{exc}") from None
+            if not decoder.eof:
+                raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
+        return b"".join(parts)
+
+
+class Router:
+    """aiohttp's route patterns (``{name}``, ``{name:regex}``), each path tried in the order added."""
+
+    def __init__(self) -> None:
+        self._routes: list[tuple[re.Pattern, dict[str, Handler]]] = []
+        self._by_path: dict[str, dict[str, Handler]] = {}
+
+    def add(self, method: str, path: str, handler: Handler) -> None:
+        if path not in self._by_path:
+            pattern = re.sub(r"\{(\w+)(?::([^}]+))?\}", lambda m: f"(?P<{m[1]}>{m[2] or '[^{}/]+'})", path)
+            self._by_path[path] = {}
+            self._routes.append((re.compile(pattern), self._by_path[path]))
+        self._by_path[path][method] = handler
+
+    def add_get(self, path: str, handler: Handler) -> None:
+        self.add("GET", path, handler)
+        self.add("HEAD", path, handler)
+
+    def add_post(self, path: str, handler: Handler) -> None:
+        self.add("POST", path, handler)
+
+    def resolve(self, method: str, path: str) -> tuple[Handler | None, dict[str, str], int]:
+        """The handler and its match_info, or None and the status to answer (404 or 405). ``path`` is
+        granian's, already percent-decoded: it must not be decoded again."""
+        status = 404
+        for pattern, methods in self._routes:
+            m = pattern.fullmatch(path)
+            if m is None:
+                continue
+            handler = methods.get(method)
+            if handler is None:
+                status = 405
+                continue
+            return handler, m.groupdict(), 200
+        return None, {}, status
+
+
+def _answer(proto, response: web.StreamResponse) -> None:
+    """The handler's response, written; granian sends no body to a HEAD request."""
+    headers = [(k, v) for k, v in response.headers.items() if k.lower() not in _DROPPED]
+    body = response.body if isinstance(response, web.Response) else None
+    if body is None:
+        body = b""
+    elif isinstance(body, bytearray | memoryview):
+        body = bytes(body)
+    elif not isinstance(body, bytes):
+        raise TypeError(f"a response body of type {type(body).__name__} cannot be written")
+    if body and "Content-Type" not in response.headers:
+        headers.append(("content-type", "application/octet-stream"))
+    if response.keep_alive is False:
+        headers.append(_CLOSE)
+    proto.response_bytes(response.status, headers, body)
+
+
+class App:
+    """The RSGI application: routes each request to its handler and writes what it answers."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.deadlines = Deadlines()
+
+    async def __rsgi__(self, scope, proto) -> None:
+        if scope.proto != "http":
+            return
+        method = scope.method
+        handler, match_info, status = self.router.resolve(method, scope.path)
+        if handler is None:
+            reason = "Not Found" if status == 404 else "Method Not Allowed"
+            proto.response_bytes(status, _JSON, f'{{"error":"{reason}"}}'.encode())
+            return
+        try:
+            response = await handler(Request(scope, proto, match_info, self.deadlines))
+            _answer(proto, response)
+        except web.HTTPException as exc:  # the sidecar's routes answer these themselves; another app may not
+            proto.response_bytes(exc.status, _JSON, json.dumps({"error": exc.reason}).encode())
+        except Exception:  # the handlers answer their own errors: this is a bug, and the server lives on
+            log.exception("internal error on %s %s", method, scope.path)
+            proto.response_bytes(500, _JSON + [_CLOSE], b'{"error":"internal error (the sidecar\'s log has '
+                                                        b'the details)"}')
+
+
+def connection_limit() -> int:
+    """The most connections this process can hold open: its soft limit on file descriptors."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(soft, MAX_CONNECTIONS))
+
+
+def _check_free(host: str, port: int) -> None:
+    """OSError (address already in use) when something listens on ``host:port``. granian binds with
+    SO_REUSEPORT, which would let a second sidecar of the same user share a port that is taken and serve
+    half its connections; a bind without it fails where any socket is bound, as aiohttp's does."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(exc.errno, f"error while attempting to bind on address {address[:2]}: "
+                                     f"{exc.strerror.lower()}") from None
+
+
+class Listener:
+    """granian's embedded server on one address: one Rust I/O thread, HTTP/1.1, the app on this loop.
+
+    ``idle_timeout_s`` bounds how long a connection may take to send a request's headers, counted from
+    its opening or its previous response (hyper's header read timeout): a slow-loris connection or an
+    idle keep-alive one is closed after it. Headers must fit about ``READ_BUFFER_BYTES`` and number at
+    most 100 (hyper's bound), else 431; a request hyper cannot parse is a 400 with no body; pipelined requests
+    are read into that same buffer and answered one at a time, in order. granian serves at most
+    ``backpressure`` connections at once and leaves the rest unaccepted, so with a small one a few silent
+    connections would keep every new client out until the timeout closed them; here it is the process's
+    file limit, the bound aiohttp has too.
+    """
+
+    def __init__(self, app: App, host: str, port: int, idle_timeout_s: float) -> None:
+        from granian.constants import HTTPModes, Interfaces
+        from granian.http import HTTP1Settings
+        from granian.server.embed import Server
+
+        self.host, self.port, self.app = host, port, app
+        settings = HTTP1Settings(header_read_timeout=max(1, round(idle_timeout_s * 1000)),
+                                 max_buffer_size=READ_BUFFER_BYTES)
+        self.server = Server(app, address=host, port=port, interface=Interfaces.RSGI, runtime_threads=1,
+                             http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings,
+                             backpressure=connection_limit())
+        self._serving: asyncio.Task | None = None
+
+    async def start(self, timeout: float = 30.0) -> None:
+        """Returns once the port accepts connections; raises what stopped the server from listening."""
+        _check_free(self.host, self.port)
+        self._serving = asyncio.get_running_loop().create_task(self.server.serve())
+        probe = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        async with asyncio.timeout(timeout):
+            while True:
+                if self._serving.done():
+                    self._serving.result()
+                    raise OSError(f"granian stopped before listening on {self.host}:{self.port}")
+                try:
+                    _, writer = await asyncio.open_connection(probe, self.port)
+                except OSError:
+                    await asyncio.sleep(0.02)
+                    continue
+                writer.close()
+                return
+
+    async def stop(self) -> None:
+        self.app.deadlines.close()
+        if self._serving is None:
+            return
+        if not self._serving.done():
+            self.server.stop()
+        try:
+            await self._serving
+        except Exception as exc:
+            log.warning("granian stopped with an error: %s", exc)
