@@ -23,7 +23,8 @@ from gepool.scheduler.states import WorkerState
 from gepool.scheduler.stats import failure_reason
 
 READY = WorkerState.READY
-# reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot
+# reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot, which they may
+# keep pointing into until ``settle()`` (the same outbox's), called before that slot is released
 Reply = Callable[[bytes, list, bool], None]
 
 log = logging.getLogger("gepool.dispatch")
@@ -42,6 +43,8 @@ class Dispatcher:
         self.polling = polling or PollPolicy()
         self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
         self.cache: ResponseCache | None = None  # the pool's response cache, when it has one
+        self.settle: Callable[[], None] = _nothing  # the outbox's, where replies may hold slot views (lanes)
+        self._answering = False  # in complete(): its settle() comes before the slot's release
 
     def schedule(self, model: Model) -> None:
         """Hands out batches while a worker can take one and the batcher says go."""
@@ -194,22 +197,27 @@ class Dispatcher:
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0
             now = self.clock()
-            for k, req in enumerate(batch.requests):
-                if k in failed:
-                    self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+            self._answering = True
+            try:
+                for k, req in enumerate(batch.requests):
+                    if k in failed:
+                        self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+                        row += req.rows
+                        continue
+                    try:
+                        if req.sink is not None:
+                            req.sink.done(model, arrays, row, t_end - t_start)
+                        else:
+                            self.respond(model, req, arrays, row)
+                        model.stats.answered(now - req.arrived, req.origin)
+                    except Exception as exc:  # one bad request must not lose the others of the batch
+                        log.exception("internal error answering request %s", req.req_id)
+                        self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
                     row += req.rows
-                    continue
-                try:
-                    if req.sink is not None:
-                        req.sink.done(model, arrays, row, t_end - t_start)
-                    else:
-                        self.respond(model, req, arrays, row)
-                    model.stats.answered(now - req.arrived, req.origin)
-                except Exception as exc:  # one bad request must not lose the others of the batch
-                    log.exception("internal error answering request %s", req.req_id)
-                    self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
-                row += req.rows
-            del arrays  # views into the slot: gone before the slot is reused
+            finally:
+                self._answering = False
+                del arrays  # views into the slot: gone before the slot is reused
+                self.settle()  # and the replies' views of it
             copy_out = time.perf_counter() - started
         slot.release()
         model.stats.computed(batch.rows, t_end - t_start, copy_out)
@@ -240,8 +248,10 @@ class Dispatcher:
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
-        # copied: the pieces are views of a slot that is reused as soon as the batch is answered
+        # the pieces may be views of a slot that is reused as soon as its batch is answered
         self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version).encode(), *pieces], True)
+        if not self._answering:
+            self.settle()
 
     def answer_cached(self, model: Model, req: Request) -> bool:
         """A request to a model whose responses are cached: answered here from the cache (True), or
@@ -304,6 +314,10 @@ class Dispatcher:
             req.sink.failed(model, err)
             return
         self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _output_mask(config, outputs: set[str] | None) -> int:

@@ -100,6 +100,7 @@ class Loop:
             self.core.peers = Peers(lanes.__len__, lanes.pids)
             self.core.arenas.peer = lanes.peer
             lanes.limit = self.core.message_limit
+            self.core.dispatch.settle = lanes.settle  # a lane's reply may view a slot until then
         for ch in self.channels.all:
             ch.on_message = self.core.on_message
         self.clients_fd = self.waiter.add_zmq(zmq_channel)
