@@ -50,7 +50,7 @@ class Lane:
     queue: collections.deque = field(default_factory=collections.deque)
     queued: int = 0
     uid: int = -1  # the client's user, from the kernel too
-    batch: list = field(default_factory=list)  # this pass's one-record replies: (buffers, length)
+    batch: list = field(default_factory=list)  # this pass's replies, as lane.frame() gives them
     batched: int = 0  # their bytes as batched (each with its length)
     listed: bool = False  # in Lanes.pending (its batch goes at the next flush)
     viewing: bool = False  # in Lanes.viewing (its batch points into a slot: it goes at the next settle)
@@ -202,17 +202,16 @@ class Lanes:
             if copy and not conn.viewing:
                 conn.viewing = True
                 self.viewing.append(conn)
-            conn.batch.append(one)
+            conn.batch.append((one, None))
             conn.batched += 4 + size
             return
         try:
-            records = lane.records(parts)
+            spans = lane.spanning(parts)
         except lane.LaneError as exc:  # the client hears why instead of waiting out its timeout
             log.error("cannot send a reply over a lane: %s", exc)
-            records = lane.records([_unframeable(parts[0], exc)])
-        if conn.batch:
-            self._send_batch(conn)
-        self._transmit(conn, records)
+            spans = lane.records([_unframeable(parts[0], exc)])
+        conn.batch.append((None, spans))
+        self._send_batch(conn)
 
     def settle(self) -> None:
         """Sends the batches that point into a slot (and what their lanes batched before): the slot is
@@ -236,7 +235,7 @@ class Lanes:
     def _send_batch(self, conn: Lane) -> None:
         batch, conn.batch, conn.batched = conn.batch, [], 0
         if conn.sock.fileno() >= 0:
-            self._transmit(conn, lane.batched(batch))
+            self._transmit(conn, lane.framed(batch))
 
     def _transmit(self, conn: Lane, records: list[list]) -> None:
         """Records now, in order; from the first the socket has no room for, a copy in the lane's queue."""

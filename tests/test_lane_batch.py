@@ -77,6 +77,59 @@ def test_a_lone_message_keeps_its_own_framing_and_batches_respect_their_limits()
     assert lane.record([bytes(lane.RECORD_MAX)]) is None  # needs two records: never batched
 
 
+def test_framed_keeps_order_across_runs_and_long_messages_and_frames_each_once(monkeypatch):
+    """lane.framed (what all three senders use): runs of one-record messages batched, longer ones as their
+    own records, in order; lane.frame calls record() once per message, long ones included."""
+    calls = [0]
+    record = lane.record
+
+    def counted(parts):
+        calls[0] += 1
+        return record(parts)
+
+    monkeypatch.setattr(lane, "record", counted)
+    messages = [[b"long %d" % i, np.full(lane.RECORD_MAX + i, i, np.uint8)] if i % 7 == 3 else m
+                for i, m in enumerate(SMALL[:60])]
+    items = [lane.frame(m) for m in messages]
+    assert calls[0] == len(messages)
+    records = lane.framed(items)
+    assert sum(lane.completes(r) for r in records) == len(messages)
+    assert len(records) < len(messages)
+    a, b = _pair()
+    try:
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(_read_all(lane.Receiver(), b, len(messages))[0]))
+        reader.start()
+        for r in records:
+            a.sendmsg(r)
+        reader.join(60)
+        assert got == [_bytes(m) for m in messages]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_long_reply_from_the_front_is_framed_once(tmp_path, monkeypatch):
+    lanes, conn, identity = _front_lanes(tmp_path)
+    calls = [0]
+    record = lane.record
+
+    def counted(parts):
+        calls[0] += 1
+        return record(parts)
+
+    monkeypatch.setattr(lane, "record", counted)
+    try:
+        parts = [b"long reply", np.full(2 * lane.RECORD_MAX, 3, np.uint8)]
+        lanes.send(identity, parts, copy=True)
+        assert calls[0] == 1
+        lanes.flush()
+        assert _read_all(conn.receiver, conn.sock, 1)[0] == [_bytes(parts)]
+    finally:
+        conn.close()
+        lanes.close()
+
+
 def _inner(parts: list[bytes], flag: int = 0) -> bytes:
     return bytes([flag]) + struct.pack(f"<I{len(parts)}Q", len(parts), *map(len, parts)) + b"".join(parts)
 
@@ -295,6 +348,38 @@ def test_replies_viewing_a_slot_survive_its_refill_before_the_pass_ends(pool):
     bad = [i for i, (x, out) in enumerate(zip(xs, outs)) if out["OUTPUT0"].tobytes() != (2 * x + 1).tobytes()]
     assert not bad, f"{len(bad)} of {len(xs)} answers changed, the first {bad[:5]}"
     assert counts["messages_read"] == len(xs) and counts["records_read"] < len(xs), counts
+
+
+def test_asyncio_and_io_thread_frame_a_long_request_once(pool, monkeypatch):
+    from gepool import Client
+
+    big = np.ones((32, 1024), np.float32)  # 128 KiB: several records
+    calls = [0]
+    record = lane.record
+
+    def counted(parts):
+        calls[0] += 1
+        return record(parts)
+
+    async def run():
+        async with AsyncClient(pool.endpoint) as c:
+            await c.infer("mlp", {"INPUT": big})
+            assert c._lane is not None
+            calls[0] = 0
+            out = await c.infer("mlp", {"INPUT": big})
+            return out, calls[0]
+
+    monkeypatch.setattr(lane, "record", counted)
+    first, framings = asyncio.run(run())
+    assert framings == 1
+    with Client(pool.endpoint) as c:
+        c.infer_async("mlp", {"INPUT": big}).result(60)
+        calls[0] = 0
+        futs = [c.infer_async("mlp", {"INPUT": big}) for _ in range(4)]
+        outs = [f.result(60) for f in futs]
+    assert calls[0] == len(futs)
+    for out in outs:
+        np.testing.assert_array_equal(out["LOGITS"], first["LOGITS"])
 
 
 def test_asyncio_sends_queued_when_the_lane_dies_go_by_zmq(pool):
