@@ -313,7 +313,12 @@ class Dispatcher:
         if req.sink is not None:
             req.sink.failed(model, err)
             return
-        self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+        send_error(self.reply, req, err)
+
+
+def send_error(reply: Reply, req: Request, err: errors.GepoolError) -> None:
+    """``err`` to the client of ``req``, as its answer: every error reply to a request is this one."""
+    reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
 
 
 def _nothing() -> None:

@@ -19,6 +19,7 @@ from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler import handoff
 from gepool.scheduler.calls import Calls
+from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import Request, admit
@@ -359,7 +360,7 @@ class Ensembles:
             run.finished = True
             run.model.stats.failed(CANCELED, run.req.origin)
             if not isinstance(run.req.sink, StepSink):
-                self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+                send_error(self.reply, run.req, err)
                 return
             run = run.req.sink.run
 
@@ -377,7 +378,7 @@ class Ensembles:
         if run.req.sink is not None:  # a sub-pipeline: the ensemble above names its step, and fails too
             run.req.sink.failed(run.model, err)
             return
-        self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+        send_error(self.reply, run.req, err)
 
     def _answer(self, run: Run) -> None:
         run.finished = True
