@@ -284,8 +284,8 @@ class AsyncClient(ClientCore):
             except (EOFError, OSError, _lane.LaneError) as exc:
                 self._lose_lane(exc)
                 return
+            counts["records_read"] += 1  # each take() reads one record, a message's middle ones included
             if messages is not None:
-                counts["records_read"] += 1
                 counts["messages_read"] += len(messages)
                 for parts in messages:
                     self._deliver(parts)

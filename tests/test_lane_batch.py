@@ -382,6 +382,21 @@ def test_asyncio_and_io_thread_frame_a_long_request_once(pool, monkeypatch):
         np.testing.assert_array_equal(out["LOGITS"], first["LOGITS"])
 
 
+def test_asyncio_lane_counts_count_records_of_long_messages_each(pool):
+    """One mlp request of 128 KiB (three records) and its 125 KiB answer (two): the counters say so."""
+    big = np.ones((32, 1024), np.float32)
+
+    async def run():
+        async with AsyncClient(pool.endpoint) as c:
+            await c.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})
+            before = dict(c.lane_counts)
+            await c.infer("mlp", {"INPUT": big})
+            return {k: v - before[k] for k, v in c.lane_counts.items()}
+
+    counts = asyncio.run(run())
+    assert counts == {"records_sent": 3, "messages_sent": 1, "records_read": 2, "messages_read": 1}
+
+
 def test_asyncio_sends_queued_when_the_lane_dies_go_by_zmq(pool):
     x = np.arange(16, dtype=np.float32).reshape(1, 16)
 
