@@ -9,8 +9,10 @@ import zmq
 from gepool.ipc import lane, zmqio
 from gepool.ipc.sockets import ipc_path
 from gepool.scheduler.lanes import Lanes
+from gepool.scheduler.lograte import Limited
 
 log = logging.getLogger("gepool.channels")
+limited = Limited(log)
 
 # on_message(identity, parts): a client's message as buffers, the header first; each view keeps
 # what it was received into alive
@@ -37,8 +39,8 @@ class ZmqChannel:
     """A ROUTER socket: the one on the pool's endpoint (any client, any host the endpoint admits), or the
     workers' (their identities, their messages)."""
 
-    def __init__(self, sock: zmq.Socket, on_message: OnMessage) -> None:
-        self.sock, self.on_message = sock, on_message
+    def __init__(self, sock: zmq.Socket, on_message: OnMessage, peer: str = "a client") -> None:
+        self.sock, self.on_message, self.peer = sock, on_message, peer
         self.stale = True  # set by the front's Waiter.add_zmq too: the one that reads ZMQ_EVENTS
 
     def fileno(self) -> int:
@@ -52,6 +54,9 @@ class ZmqChannel:
             frames = recv(sock, zmqio.NOBLOCK)
             if len(frames) >= 2:
                 self.on_message(frames[0].bytes, [f.buffer for f in frames[1:]])
+            else:
+                limited.log(logging.WARNING, "short", frames[0].bytes if frames else b"",
+                            "dropping a message of %d frames from %s", len(frames), self.peer)
         self.stale = True  # stopped at its budget: what is left will not signal
 
     def owns(self, identity: bytes) -> bool:

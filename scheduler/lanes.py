@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 from gepool.common import errors
 from gepool.ipc import lane, protocol
+from gepool.scheduler.lograte import Limited
 
 log = logging.getLogger("gepool.lanes")
+limited = Limited(log)  # what a client's bytes make the front say: bounded per client
 
 MARK = 1  # first byte of a lane identity; ZMQ's own identities start with 0
 _ID = struct.Struct("<BQ")
@@ -162,11 +164,12 @@ class Lanes:
                 self._drop(conn)
                 break
             except lane.Oversized as exc:  # its records are dropped as they come; the client hears why now
-                log.warning("refusing a lane message: %s", exc)
+                limited.log(logging.WARNING, "oversized", conn.uid, "refusing a message on the lane of pid %d: %s",
+                            conn.pid, exc)
                 self.send(identity, [_too_large(exc)])
                 continue
             except (lane.LaneError, MemoryError, OSError) as exc:
-                log.warning("closing a lane: %s", exc)
+                limited.log(logging.WARNING, "framing", conn.uid, "closing the lane of pid %d: %s", conn.pid, exc)
                 self._drop(conn)
                 break
             if messages is not None:
@@ -258,7 +261,8 @@ class Lanes:
             conn.queue.append(data)
             conn.queued += len(data)
         if conn.queued > QUEUE_LIMIT:
-            log.warning("a lane's client has not read %d bytes of replies; closing it", conn.queued)
+            limited.log(logging.WARNING, "unread", conn.uid, "the client on the lane of pid %d has not read %d bytes "
+                        "of replies; closing it", conn.pid, conn.queued)
             self._drop(conn)
 
     def _drain(self, conn: Lane) -> None:
