@@ -30,7 +30,8 @@ class Channel(Protocol):
         """A client identity this channel minted."""
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
-        """One reply; ``copy``: the parts point into a slot that is reused once this returns."""
+        """One reply; ``copy``: the parts point into a slot, reused once this returns or, for the lanes,
+        once their ``settle()`` returns (the dispatcher's call before it releases the slot)."""
 
     def close(self) -> None: ...
 
@@ -99,7 +100,7 @@ class Channels:
 
     def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
         if self.lanes.owns(identity):
-            self.lanes.send(identity, parts, copy)  # sent now, or queued as a copy
+            self.lanes.send(identity, parts, copy)  # batched, sent now, or queued as a copy
         else:
             self.zmq.send(identity, parts, copy)
 
