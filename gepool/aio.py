@@ -158,7 +158,8 @@ class AsyncClient(ClientCore):
         """False: no lane (ZMQ carries this one). True: the lane has it, and sends it or, if the lane dies
         first, hands it to ZMQ. A message that fits one record joins the queue that the flush it (or the
         one before it) scheduled sends; a longer one goes now, behind the queue, and its sender waits
-        while the socket is full. The frames are read when sent, not before (as ZMQ's copy=False)."""
+        while the socket is full. The frames are read when sent, not before (as ZMQ's copy=False).
+        With the lane open, the caller has tried ``_queue_one`` already (its ``record`` is not redone)."""
         if self._lane is None:
             if not self._dialer.due():
                 return False
@@ -167,10 +168,10 @@ class AsyncClient(ClientCore):
                     await self._connect_lane()
             if self._lane is None:
                 return False
-        if self._queue_one(frames, req_id):
-            return True
+            if self._queue_one(frames, req_id):
+                return True
         try:
-            records = _lane.records(frames)
+            records = _lane.spanning(frames)
         except _lane.LaneError:  # more parts than a lane frames: ZMQ takes it
             return False
         self._outq.append((frames, req_id, None, records))
@@ -283,8 +284,8 @@ class AsyncClient(ClientCore):
             except (EOFError, OSError, _lane.LaneError) as exc:
                 self._lose_lane(exc)
                 return
+            counts["records_read"] += 1  # each take() reads one record, a message's middle ones included
             if messages is not None:
-                counts["records_read"] += 1
                 counts["messages_read"] += len(messages)
                 for parts in messages:
                     self._deliver(parts)
@@ -371,19 +372,8 @@ class AsyncClient(ClientCore):
 
 
 def _framed(queue: list) -> list[list]:
-    """The queue's records in order: each run of one-record messages batched, longer messages as they are."""
-    out, run = [], []
-    for _, _, one, records in queue:
-        if one is not None:
-            run.append(one)
-            continue
-        if run:
-            out += _lane.batched(run)
-            run = []
-        out += records
-    if run:
-        out += _lane.batched(run)
-    return out
+    """The queue's records in order (lane.framed)."""
+    return _lane.framed([(one, records) for _, _, one, records in queue])
 
 
 def _quiet(fut: asyncio.Future) -> None:

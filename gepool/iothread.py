@@ -118,55 +118,46 @@ class IoThread(threading.Thread):
                 self.lane.close()
 
     def _flush(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        """The outbox, over the lane as few records as hold it (lane.framed), or by ZMQ: with no lane,
+        for a message of more parts than a lane frames, and for what a lost lane did not send."""
         if not self.outbox:
             return
         with self.send_lock:
             if self.lane is None:
                 self._connect_lane(poller)
-            pending, outbox = self.pending, self.outbox
+            pending, outbox, run, framed = self.pending, self.outbox, [], []
             while outbox:
-                if self.lane is not None and len(outbox) > 1 and self._send_run(sock, poller):
-                    continue
                 out, fut, deadline = outbox.popleft()
                 if self.lane is not None:
-                    pending[out.req_id] = (out, fut, deadline, True)
                     try:
-                        self.lane.send(out.frames, None)
+                        framed.append(_lane.frame(out.frames))
+                        pending[out.req_id] = (out, fut, deadline, True)
+                        run.append(out)
                         continue
-                    except OSError as exc:  # the pool behind it is gone and never saw this one
-                        # out of pending first: the lane's requests fail, this one goes by ZMQ below
-                        del pending[out.req_id]
-                        self._lose_lane(poller, exc)
-                    except _lane.LaneError:  # more parts than a lane frames: nothing went
+                    except _lane.LaneError:
                         pass
                 pending[out.req_id] = (out, fut, deadline, False)
                 zmqio.send_parts(sock, out.frames)  # the next poll's wait includes a look at the endpoint
+            if run:
+                self._send_run(sock, poller, run, _lane.framed(framed))
 
-    def _send_run(self, sock: zmq.Socket, poller: zmq.Poller) -> bool:
-        """The outbox's leading requests that fit one record each, as few lane records as hold them (False:
-        the first needs more). Those a lost lane did not send go by ZMQ. Called holding ``send_lock``."""
-        outbox, pending, run = self.outbox, self.pending, []
-        while outbox and (one := _lane.record(outbox[0][0].frames)) is not None:
-            out, fut, deadline = outbox.popleft()
-            pending[out.req_id] = (out, fut, deadline, True)
-            run.append((out, one))
-        if not run:
-            return False
-        lane_sock, sent = self.lane.sock, 0
+    def _send_run(self, sock: zmq.Socket, poller: zmq.Poller, run: list, records: list[list]) -> None:
+        """``run``'s requests, as ``records``, over the lane; those a lost lane did not send go by ZMQ.
+        Called holding ``send_lock``."""
+        pending, lane_sock, sent = self.pending, self.lane.sock, 0
         try:
             lane_sock.settimeout(None)
-            for record in _lane.batched([one for _, one in run]):
+            for record in records:
                 lane_sock.sendmsg(record)
                 n = _lane.completes(record)
                 sent += n
                 self.batched += n if n > 1 else 0
-        except OSError as exc:
-            unsent = [pending.pop(out.req_id) for out, _ in run[sent:]]
+        except OSError as exc:  # the pool behind it is gone, or a record cut: the lane cannot go on
+            unsent = [pending.pop(out.req_id) for out in run[sent:]]
             self._lose_lane(poller, exc)
             for out, fut, deadline, _ in unsent:
                 pending[out.req_id] = (out, fut, deadline, False)
                 zmqio.send_parts(sock, out.frames)
-        return True
 
     def _connect_lane(self, poller: zmq.Poller) -> None:
         self.lane = self.core._dialer.connect()

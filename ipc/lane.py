@@ -21,7 +21,7 @@ import mmap
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 RECORD_MAX = 64 * 1024  # fits the default socket buffer (212992 bytes) on any Linux host
 SOCKET_BUFFER = 1 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
@@ -120,11 +120,24 @@ def record(parts: list) -> tuple[list, int] | None:
 
 def records(parts: list) -> list[list]:
     """The message as records, each a list of buffers for one ``sendmsg`` (nothing is joined)."""
-    if len(parts) > MAX_PARTS:
-        raise LaneError(f"a message has at most {MAX_PARTS} parts, not {len(parts)}")
     one = record(parts)
     if one is not None:
         return [_joined(one[0])]
+    return spanning(parts)
+
+
+def frame(parts: list) -> tuple[tuple[list, int] | None, list[list] | None]:
+    """What ``framed`` takes: (``record(parts)``, None) for a message that fits one record, else (None, its
+    records); ``record`` runs once either way."""
+    one = record(parts)
+    return (one, None) if one is not None else (None, spanning(parts))
+
+
+def spanning(parts: list) -> list[list]:
+    """``records`` for a message ``record`` found too long for one record (one that fits comes out as one
+    record too, framed as ``record`` frames it)."""
+    if len(parts) > MAX_PARTS:
+        raise LaneError(f"a message has at most {MAX_PARTS} parts, not {len(parts)}")
     views = [_flat(p) for p in parts]
     header = struct.pack(f"<I{len(views)}Q", len(views), *[v.nbytes for v in views])
     out, rec, room = [], [_MORE, header], RECORD_MAX - 1 - len(header)
@@ -157,6 +170,24 @@ def batched(messages: list[tuple[list, int]]) -> list[list]:
         count += 1
     if count:
         out.append(_batch(run, count))
+    return out
+
+
+def framed(messages: Iterable[tuple[tuple[list, int] | None, list[list] | None]]) -> list[list]:
+    """Messages (``frame``'s results), in order, as records: each run of one-record messages ``batched``, a
+    longer message's records as they are."""
+    out: list[list] = []
+    run: list = []
+    for one, spans in messages:
+        if one is not None:
+            run.append(one)
+            continue
+        if run:
+            out += batched(run)
+            run = []
+        out += spans
+    if run:
+        out += batched(run)
     return out
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gepool.common import errors
 from gepool.ipc import protocol
+from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.requests import dispatched
 from gepool.scheduler.states import WorkerState
 from gepool.scheduler.stats import CANCELED
@@ -196,7 +197,7 @@ class Calls:
                                   f"'{call.worker.model.name}' that made it is gone ({call.gone})")
 
     def send_error(self, req: Request, err: errors.GepoolError) -> None:
-        self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+        send_error(self.reply, req, err)
 
     # -- the wait-for graph ----------------------------------------------------------------
     def _running(self, w: Worker, key: tuple[int, int]) -> bool:

@@ -9,8 +9,10 @@ import zmq
 from gepool.ipc import lane, zmqio
 from gepool.ipc.sockets import ipc_path
 from gepool.scheduler.lanes import Lanes
+from gepool.scheduler.lograte import Limited
 
 log = logging.getLogger("gepool.channels")
+limited = Limited(log)
 
 # on_message(identity, parts): a client's message as buffers, the header first; each view keeps
 # what it was received into alive
@@ -28,7 +30,8 @@ class Channel(Protocol):
         """A client identity this channel minted."""
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
-        """One reply; ``copy``: the parts point into a slot that is reused once this returns."""
+        """One reply; ``copy``: the parts point into a slot, reused once this returns or, for the lanes,
+        once their ``settle()`` returns (the dispatcher's call before it releases the slot)."""
 
     def close(self) -> None: ...
 
@@ -37,8 +40,8 @@ class ZmqChannel:
     """A ROUTER socket: the one on the pool's endpoint (any client, any host the endpoint admits), or the
     workers' (their identities, their messages)."""
 
-    def __init__(self, sock: zmq.Socket, on_message: OnMessage) -> None:
-        self.sock, self.on_message = sock, on_message
+    def __init__(self, sock: zmq.Socket, on_message: OnMessage, peer: str = "a client") -> None:
+        self.sock, self.on_message, self.peer = sock, on_message, peer
         self.stale = True  # set by the front's Waiter.add_zmq too: the one that reads ZMQ_EVENTS
 
     def fileno(self) -> int:
@@ -52,6 +55,9 @@ class ZmqChannel:
             frames = recv(sock, zmqio.NOBLOCK)
             if len(frames) >= 2:
                 self.on_message(frames[0].bytes, [f.buffer for f in frames[1:]])
+            else:
+                limited.log(logging.WARNING, "short", frames[0].bytes if frames else b"",
+                            "dropping a message of %d frames from %s", len(frames), self.peer)
         self.stale = True  # stopped at its budget: what is left will not signal
 
     def owns(self, identity: bytes) -> bool:
@@ -94,7 +100,7 @@ class Channels:
 
     def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
         if self.lanes.owns(identity):
-            self.lanes.send(identity, parts, copy)  # sent now, or queued as a copy
+            self.lanes.send(identity, parts, copy)  # batched, sent now, or queued as a copy
         else:
             self.zmq.send(identity, parts, copy)
 

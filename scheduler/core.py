@@ -15,6 +15,7 @@ from gepool.scheduler.calls import Calls
 from gepool.scheduler.control import ModelControl
 from gepool.scheduler.dispatch import Dispatcher
 from gepool.scheduler.ensemble import Ensembles
+from gepool.scheduler.lograte import Limited
 from gepool.scheduler.models import Model
 from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
@@ -26,6 +27,7 @@ from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
 
 log = logging.getLogger("gepool.front")
+limited = Limited(log)  # what a client's bytes make the front say: bounded per client
 
 SERVER_NAME = "gepool"
 MAX_HEADER_BYTES = 256 << 10  # a message's msgpack header (names, shapes, fields): far more than any request needs
@@ -79,7 +81,7 @@ class Core:
         try:
             msg = protocol.decode(parts[0])
         except protocol.ProtocolError as exc:
-            log.warning("dropping a bad message: %s", exc)
+            limited.log(logging.WARNING, "bad", identity, "dropping a bad message: %s", exc)
             self.out.reply(identity, [protocol.Error(0, errors.ProtocolMismatch.code, str(exc)).encode()])
             return
         req_id = getattr(msg, "req_id", 0)

@@ -23,7 +23,8 @@ from gepool.scheduler.states import WorkerState
 from gepool.scheduler.stats import CANCELED, failure_reason
 
 READY = WorkerState.READY
-# reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot
+# reply(identity, parts, copy): the outbox's; ``copy`` says the parts point into a slot, which they may
+# keep pointing into until ``settle()`` (the same outbox's), called before that slot is released
 Reply = Callable[[bytes, list, bool], None]
 
 log = logging.getLogger("gepool.dispatch")
@@ -42,6 +43,8 @@ class Dispatcher:
         self.polling = polling or PollPolicy()
         self.last_batch_requests = 0  # requests in the batch dispatched last, of any model
         self.cache: ResponseCache | None = None  # the pool's response cache, when it has one
+        self.settle: Callable[[], None] = _nothing  # the outbox's, where replies may hold slot views (lanes)
+        self._answering = False  # in complete(): its settle() comes before the slot's release
 
     def schedule(self, model: Model) -> None:
         """Hands out batches while a worker can take one and the batcher says go."""
@@ -194,24 +197,29 @@ class Dispatcher:
             arrays = {t.name: slot.array(d) for t, d in zip(model.config.outputs, outs, strict=True)}
             row = 0
             now = self.clock()
-            for k, req in enumerate(batch.requests):
-                if k in failed:
-                    self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+            self._answering = True
+            try:
+                for k, req in enumerate(batch.requests):
+                    if k in failed:
+                        self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+                        row += req.rows
+                        continue
+                    try:
+                        if req.sink is None:
+                            self.respond(model, req, arrays, row)
+                            model.stats.answered(now - req.arrived, req.origin)
+                        elif req.sink.done(model, arrays, row, t_end - t_start):
+                            model.stats.answered(now - req.arrived, req.origin)
+                        else:
+                            model.stats.failed(CANCELED, req.origin)
+                    except Exception as exc:  # one bad request must not lose the others of the batch
+                        log.exception("internal error answering request %s", req.req_id)
+                        self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
                     row += req.rows
-                    continue
-                try:
-                    if req.sink is None:
-                        self.respond(model, req, arrays, row)
-                        model.stats.answered(now - req.arrived, req.origin)
-                    elif req.sink.done(model, arrays, row, t_end - t_start):
-                        model.stats.answered(now - req.arrived, req.origin)
-                    else:
-                        model.stats.failed(CANCELED, req.origin)
-                except Exception as exc:  # one bad request must not lose the others of the batch
-                    log.exception("internal error answering request %s", req.req_id)
-                    self.reply_error(model, req, errors.Internal(f"internal error: {exc}"))
-                row += req.rows
-            del arrays  # views into the slot: gone before the slot is reused
+            finally:
+                self._answering = False
+                del arrays  # views into the slot: gone before the slot is reused
+                self.settle()  # and the replies' views of it
             copy_out = time.perf_counter() - started
         slot.release()
         model.stats.computed(batch.rows, t_end - t_start, copy_out)
@@ -242,8 +250,10 @@ class Dispatcher:
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
-        # copied: the pieces are views of a slot that is reused as soon as the batch is answered
+        # the pieces may be views of a slot that is reused as soon as its batch is answered
         self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version).encode(), *pieces], True)
+        if not self._answering:
+            self.settle()
 
     def answer_cached(self, model: Model, req: Request) -> bool:
         """A request to a model whose responses are cached: answered here from the cache (True), or
@@ -305,7 +315,16 @@ class Dispatcher:
         if req.sink is not None:
             req.sink.failed(model, err)
             return
-        self.reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+        send_error(self.reply, req, err)
+
+
+def send_error(reply: Reply, req: Request, err: errors.GepoolError) -> None:
+    """``err`` to the client of ``req``, as its answer: every error reply to a request is this one."""
+    reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _output_mask(config, outputs: set[str] | None) -> int:

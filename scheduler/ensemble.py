@@ -19,6 +19,7 @@ from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler import handoff
 from gepool.scheduler.calls import Call, Calls
+from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import Request, admit
@@ -350,7 +351,7 @@ class Ensembles:
             r.finished = True
             r.model.stats.failed(CANCELED, r.req.origin)
             if not isinstance(r.req.sink, StepSink):
-                self.reply(r.req.identity, [protocol.Error(r.req.req_id, err.code, err.message).encode()], False)
+                send_error(self.reply, r.req, err)
 
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
@@ -368,7 +369,7 @@ class Ensembles:
         if run.req.sink is not None:  # a sub-pipeline: the ensemble above names its step, and fails too
             run.req.sink.failed(run.model, err)
             return
-        self.reply(run.req.identity, [protocol.Error(run.req.req_id, err.code, err.message).encode()], False)
+        send_error(self.reply, run.req, err)
 
     def _withdraw(self, run: Run) -> None:
         """A run that failed: each of its steps still queued leaves its queue unrun, and each sub-pipeline it

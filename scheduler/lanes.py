@@ -3,12 +3,13 @@ endpoint, and one connection per client thread, all behind one epoll whose descr
 front's poll like any socket. A lane's messages go through the same handler as the ZMQ socket's;
 its identity is minted here, and replies to it go back over the lane.
 
-Replies made in one pass of the front's loop wait in their lane's batch (copied, since they may point
-into a slot) until the loop calls ``flush()`` before it waits again: a lane's replies of one pass go as
-one BATCH record (or as few as hold them) instead of one record each. The front never blocks on a
-client: a record that finds the client's socket buffer full waits in that lane's queue until the
-socket drains. A client that breaks the framing loses its lane; one that closed it loses the replies
-still due, as with ZMQ.
+Replies made in one pass of the front's loop wait in their lane's batch until the loop calls ``flush()``
+before it waits again: a lane's replies of one pass go as one BATCH record (or as few as hold them)
+instead of one record each. A reply that points into a slot waits uncopied, so its lane's batch goes
+out at ``settle()``, which the dispatcher calls before it releases that slot: a batch's replies to one
+lane still share a record. The front never blocks on a client: a record that finds the client's socket
+buffer full is copied into that lane's queue and waits there until the socket drains. A client that
+breaks the framing loses its lane; one that closed it loses the replies still due, as with ZMQ.
 """
 
 import collections
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 
 from gepool.common import errors
 from gepool.ipc import lane, protocol
+from gepool.scheduler.lograte import Limited
 
 log = logging.getLogger("gepool.lanes")
+limited = Limited(log)  # what a client's bytes make the front say: bounded per client
 
 MARK = 1  # first byte of a lane identity; ZMQ's own identities start with 0
 _ID = struct.Struct("<BQ")
@@ -49,8 +52,10 @@ class Lane:
     queue: collections.deque = field(default_factory=collections.deque)
     queued: int = 0
     uid: int = -1  # the client's user, from the kernel too
-    batch: list = field(default_factory=list)  # this pass's one-record replies: (buffers, length)
+    batch: list = field(default_factory=list)  # this pass's replies, as lane.frame() gives them
     batched: int = 0  # their bytes as batched (each with its length)
+    listed: bool = False  # in Lanes.pending (its batch goes at the next flush)
+    viewing: bool = False  # in Lanes.viewing (its batch points into a slot: it goes at the next settle)
 
 
 class Lanes:
@@ -77,6 +82,7 @@ class Lanes:
         self._scratch = bytearray(lane.RECORD_MAX)  # every lane's: one thread reads them, one record at a time
         self.limit: Callable[[], int] = lambda: lane.MAX_MESSAGE_BYTES  # the front sets its own
         self.pending: list[Lane] = []  # lanes with a batch to flush
+        self.viewing: list[Lane] = []  # lanes whose batch points into a slot, to send at settle()
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -158,11 +164,12 @@ class Lanes:
                 self._drop(conn)
                 break
             except lane.Oversized as exc:  # its records are dropped as they come; the client hears why now
-                log.warning("refusing a lane message: %s", exc)
+                limited.log(logging.WARNING, "oversized", conn.uid, "refusing a message on the lane of pid %d: %s",
+                            conn.pid, exc)
                 self.send(identity, [_too_large(exc)])
                 continue
             except (lane.LaneError, MemoryError, OSError) as exc:
-                log.warning("closing a lane: %s", exc)
+                limited.log(logging.WARNING, "framing", conn.uid, "closing the lane of pid %d: %s", conn.pid, exc)
                 self._drop(conn)
                 break
             if messages is not None:
@@ -181,44 +188,57 @@ class Lanes:
         return len(identity) == _ID.size and identity[0] == MARK and _ID.unpack(identity)[1] <= self._minted
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
-        """A reply that fits one record joins its lane's batch (its parts copied when ``copy`` says they
-        point into a slot), sent by ``flush()``; a longer one goes now, after the batch, or queues a copy.
-        A closed lane's replies are dropped (its client is gone)."""
+        """A reply that fits one record joins its lane's batch, sent by ``flush()``, or by ``settle()``
+        when ``copy`` says its parts point into a slot; a longer one goes now, after the batch, or queues
+        a copy. A closed lane's replies are dropped (its client is gone)."""
         conn = self.by_identity.get(identity)
         if conn is None:
             return
         one = lane.record(parts)
         if one is not None:
-            buffers, size = one
-            if copy:
-                buffers = [b"".join(buffers)]
-            if not conn.batch:
+            size = one[1]
+            if conn.batch and (conn.batched + 4 + size > lane.BATCH_ROOM or len(conn.batch) == lane.MAX_BATCH):
+                self._send_batch(conn)  # full: it goes now
+            if not conn.listed:
+                conn.listed = True
                 self.pending.append(conn)
-            elif conn.batched + 4 + size > lane.BATCH_ROOM or len(conn.batch) == lane.MAX_BATCH:
-                self._send_batch(conn)  # full: it goes now (the lane stays pending for what follows)
-            conn.batch.append((buffers, size))
+            if copy and not conn.viewing:
+                conn.viewing = True
+                self.viewing.append(conn)
+            conn.batch.append((one, None))
             conn.batched += 4 + size
             return
         try:
-            records = lane.records(parts)
+            spans = lane.spanning(parts)
         except lane.LaneError as exc:  # the client hears why instead of waiting out its timeout
             log.error("cannot send a reply over a lane: %s", exc)
-            records = lane.records([_unframeable(parts[0], exc)])
-        if conn.batch:
-            self._send_batch(conn)
-        self._transmit(conn, records)
+            spans = lane.records([_unframeable(parts[0], exc)])
+        conn.batch.append((None, spans))
+        self._send_batch(conn)
+
+    def settle(self) -> None:
+        """Sends the batches that point into a slot (and what their lanes batched before): the slot is
+        about to be released, and may be refilled before the next flush. A record the socket has no
+        room for is queued as a copy."""
+        viewing, self.viewing = self.viewing, []
+        for conn in viewing:
+            conn.viewing = False
+            if conn.batch:
+                self._send_batch(conn)
 
     def flush(self) -> None:
         """Sends every lane's batch: the front's loop calls it once a pass, before it waits."""
+        self.settle()
         pending, self.pending = self.pending, []
         for conn in pending:
+            conn.listed = False
             if conn.batch:
                 self._send_batch(conn)
 
     def _send_batch(self, conn: Lane) -> None:
         batch, conn.batch, conn.batched = conn.batch, [], 0
         if conn.sock.fileno() >= 0:
-            self._transmit(conn, lane.batched(batch))
+            self._transmit(conn, lane.framed(batch))
 
     def _transmit(self, conn: Lane, records: list[list]) -> None:
         """Records now, in order; from the first the socket has no room for, a copy in the lane's queue."""
@@ -241,7 +261,8 @@ class Lanes:
             conn.queue.append(data)
             conn.queued += len(data)
         if conn.queued > QUEUE_LIMIT:
-            log.warning("a lane's client has not read %d bytes of replies; closing it", conn.queued)
+            limited.log(logging.WARNING, "unread", conn.uid, "the client on the lane of pid %d has not read %d bytes "
+                        "of replies; closing it", conn.pid, conn.queued)
             self._drop(conn)
 
     def _drain(self, conn: Lane) -> None:

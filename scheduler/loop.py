@@ -16,12 +16,14 @@ from gepool.ipc.sockets import make_socket, runtime_dir
 from gepool.scheduler.books import Worker
 from gepool.scheduler.channels import Channels, ZmqChannel, open_lanes
 from gepool.scheduler.core import MESSAGE_HEADROOM, Core
+from gepool.scheduler.lograte import Limited
 from gepool.scheduler.options import FrontOptions, queued_bytes_limit
 from gepool.scheduler.status import Peers
 from gepool.scheduler.supervisor import StartWorker, Supervisor
 from gepool.scheduler.wait import Waiter
 
 log = logging.getLogger("gepool.front")
+limited = Limited(log)  # what another process's bytes make the front say
 
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
 TICK_S = 0.01  # housekeeping cadence while requests and completions keep the loop busy
@@ -93,13 +95,14 @@ class Loop:
             raise
         self.channels = Channels(zmq_channel, lanes)
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=self.worker_endpoint)
-        self.worker_channel = ZmqChannel(self.workers, self._on_worker_message)
+        self.worker_channel = ZmqChannel(self.workers, self._on_worker_message, "a worker")
         self.reply = self.channels.reply  # the outbox's reply, one call on the hot path
         self.core = Core(self.opts, self)
         if lanes is not None:
             self.core.peers = Peers(lanes.__len__, lanes.pids)
             self.core.arenas.peer = lanes.peer
             lanes.limit = self.core.message_limit
+            self.core.dispatch.settle = lanes.settle  # a lane's reply may view a slot until then
         for ch in self.channels.all:
             ch.on_message = self.core.on_message
         self.clients_fd = self.waiter.add_zmq(zmq_channel)
@@ -196,7 +199,7 @@ class Loop:
         try:
             msg = protocol.decode(parts[0])
         except protocol.ProtocolError as exc:
-            log.error("bad message from a worker: %s", exc)
+            limited.log(logging.ERROR, "bad", identity, "bad message from a worker: %s", exc)
             return
         try:
             w = self.core.workers.get(getattr(msg, "worker", None))

@@ -14,7 +14,8 @@ class Outbox(Protocol):
 
     def reply(self, identity: bytes, parts: list, copy: bool = False) -> None:
         """A message to a client, over the channel its identity came by; ``copy``: the parts point into
-        a slot, reused once this returns."""
+        a slot, reused once this returns (the lanes may hold them until the dispatcher's ``settle()``,
+        which the loop binds to theirs)."""
 
     def spawn(self, w: Worker) -> None:
         """Starts the process of a worker the books hold as STARTING, with a fresh ring and doorbell

@@ -4,6 +4,7 @@ of one pass, the asyncio client's sends of one loop pass, and a real sidecar und
 import asyncio
 import http.client
 import json
+import select
 import socket
 import struct
 import threading
@@ -74,6 +75,59 @@ def test_a_lone_message_keeps_its_own_framing_and_batches_respect_their_limits()
     wide = lane.batched([lane.record([bytes(20_000)]) for _ in range(7)])
     assert [lane.completes(r) for r in wide] == [3, 3, 1]  # 3 x 20 KiB fit under RECORD_MAX, 4 do not
     assert lane.record([bytes(lane.RECORD_MAX)]) is None  # needs two records: never batched
+
+
+def test_framed_keeps_order_across_runs_and_long_messages_and_frames_each_once(monkeypatch):
+    """lane.framed (what all three senders use): runs of one-record messages batched, longer ones as their
+    own records, in order; lane.frame calls record() once per message, long ones included."""
+    calls = [0]
+    record = lane.record
+
+    def counted(parts):
+        calls[0] += 1
+        return record(parts)
+
+    monkeypatch.setattr(lane, "record", counted)
+    messages = [[b"long %d" % i, np.full(lane.RECORD_MAX + i, i, np.uint8)] if i % 7 == 3 else m
+                for i, m in enumerate(SMALL[:60])]
+    items = [lane.frame(m) for m in messages]
+    assert calls[0] == len(messages)
+    records = lane.framed(items)
+    assert sum(lane.completes(r) for r in records) == len(messages)
+    assert len(records) < len(messages)
+    a, b = _pair()
+    try:
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(_read_all(lane.Receiver(), b, len(messages))[0]))
+        reader.start()
+        for r in records:
+            a.sendmsg(r)
+        reader.join(60)
+        assert got == [_bytes(m) for m in messages]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_long_reply_from_the_front_is_framed_once(tmp_path, monkeypatch):
+    lanes, conn, identity = _front_lanes(tmp_path)
+    calls = [0]
+    record = lane.record
+
+    def counted(parts):
+        calls[0] += 1
+        return record(parts)
+
+    monkeypatch.setattr(lane, "record", counted)
+    try:
+        parts = [b"long reply", np.full(2 * lane.RECORD_MAX, 3, np.uint8)]
+        lanes.send(identity, parts, copy=True)
+        assert calls[0] == 1
+        lanes.flush()
+        assert _read_all(conn.receiver, conn.sock, 1)[0] == [_bytes(parts)]
+    finally:
+        conn.close()
+        lanes.close()
 
 
 def _inner(parts: list[bytes], flag: int = 0) -> bytes:
@@ -170,45 +224,69 @@ def _front_lanes(tmp_path):
     return lanes, conn, identity
 
 
-def test_the_fronts_replies_of_one_pass_go_as_one_record_in_order_and_copied(tmp_path):
-    """Replies made before a flush arrive as few records as hold them, in the order made; a long reply
-    among them keeps its place; a reply pointing into memory that is reused right after send() (a slot)
-    arrives as it was when sent."""
+def test_the_fronts_replies_of_one_pass_go_as_few_records_in_order_and_survive_their_slot(tmp_path):
+    """Replies made before a flush arrive as few records as hold them, in the order made; replies viewing a
+    slot (``copy``) go at settle(), with what their lane batched before them, and arrive as they were
+    though the slot is refilled right after; a long reply keeps its place; the rest waits for the flush."""
     lanes, conn, identity = _front_lanes(tmp_path)
     try:
-        slot = bytearray(64)
+        slot = bytearray(64 * 10)
         sent = []
-        for i in range(40):
-            slot[:] = bytes([i]) * 64
-            parts = [b"reply %d" % i, memoryview(slot)]
-            if i == 20:
-                parts = [b"long reply", np.full(lane.RECORD_MAX, 7, np.uint8)]
+        for i in range(10):
+            parts = [b"reply %d" % i, bytes([i]) * 64]
+            lanes.send(identity, parts)
+            sent.append(_bytes(parts))
+        assert not _readable(conn.sock)  # they wait for the flush
+        for i in range(10):  # a completion's replies, each viewing its rows of the slot
+            slot[64 * i:64 * i + 64] = bytes([100 + i]) * 64
+            parts = [b"view %d" % i, memoryview(slot)[64 * i:64 * i + 64]]
             lanes.send(identity, parts, copy=True)
             sent.append(_bytes(parts))
-        slot[:] = bytes(64)  # the slot is reused before the flush
-        assert conn.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)  # the first 20 went before the long one
+        lanes.settle()  # before the slot is released: these 20 go now, in one record
+        assert _readable(conn.sock)
+        slot[:] = bytes(len(slot))  # the slot refilled before the pass ends
+        parts = [b"long reply", np.full(lane.RECORD_MAX, 7, np.uint8)]
+        lanes.send(identity, parts)
+        sent.append(_bytes(parts))
+        for i in range(10):
+            parts = [b"after %d" % i, bytes([200 + i]) * 64]
+            lanes.send(identity, parts)
+            sent.append(_bytes(parts))
         lanes.flush()
         got, records = _read_all(conn.receiver, conn.sock, len(sent))
         assert got == sent
-        assert records == 2 + 2  # a batch, the long reply's two records, a batch
+        assert records == 1 + 2 + 1  # a batch at settle, the long reply's two records, a batch at the flush
     finally:
         conn.close()
         lanes.close()
 
 
-def test_replies_that_find_the_socket_full_wait_and_arrive_in_order(tmp_path):
+def _readable(sock) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_replies_that_find_the_socket_full_wait_as_copies_and_arrive_in_order(tmp_path):
+    """~3 MiB of replies, far past the socket buffer: what finds it full waits in the lane's queue, each a
+    copy of what the reply viewed at settle() (the slot is rewritten by the next completion)."""
     lanes, conn, identity = _front_lanes(tmp_path)
     try:
         sent = []
-        for i in range(3000):  # ~3 MiB: far past the socket buffer
-            parts = [b"reply %d" % i, bytes([i % 251]) * (1000 + i % 50)]
+        slot = bytearray(10 * 1050)
+        for i in range(3000):
+            k = i % 10
+            n = 1000 + i % 50
+            slot[1050 * k:1050 * k + n] = bytes([i % 251]) * n
+            parts = [b"reply %d" % i, memoryview(slot)[1050 * k:1050 * k + n]]
             if i % 500 == 250:
                 parts.append(np.full(3 * lane.RECORD_MAX, i % 7, np.uint8))
             lanes.send(identity, parts, copy=True)
             sent.append(_bytes(parts))
+            if k == 9:
+                lanes.settle()  # a completion's replies, before its slot is refilled
             if i % 100 == 99:
                 lanes.flush()  # a pass of the front's loop
         lanes.flush()
+        slot[:] = bytes(len(slot))
         (front,) = lanes.by_fd.values()
         assert front.queue  # the socket is full: the rest waits in the lane's queue
         got: list = []
@@ -249,6 +327,74 @@ def test_asyncio_requests_of_one_pass_share_records_both_ways_and_each_gets_its_
     assert counts["messages_sent"] == counts["messages_read"] == len(xs)
     assert counts["records_sent"] < counts["messages_sent"] // 4, counts
     assert counts["records_read"] < counts["messages_read"], counts
+
+
+def test_replies_viewing_a_slot_survive_its_refill_before_the_pass_ends(pool):
+    """Hundreds of requests of 1-8 rows at once on one lane, to tiny (max_batch 8, one worker, 2 slots): a
+    completion's replies view its slot, which the same pass releases and refills with the next batch (of
+    another size, so its inputs cover where the last outputs were) before the loop's flush. Every answer
+    is 2x + 1 of its own input, bit for bit."""
+    xs = [(np.arange(16 * (1 + i % 8), dtype=np.float32).reshape(-1, 16) + 1000 * i) for i in range(600)]
+
+    async def run():
+        async with AsyncClient(pool.endpoint) as c:
+            await c.infer("tiny", {"INPUT0": xs[0]})
+            assert c._lane is not None
+            before = dict(c.lane_counts)
+            outs = await asyncio.gather(*[c.infer("tiny", {"INPUT0": x}) for x in xs])
+            return outs, {k: v - before[k] for k, v in c.lane_counts.items()}
+
+    outs, counts = asyncio.run(run())
+    bad = [i for i, (x, out) in enumerate(zip(xs, outs)) if out["OUTPUT0"].tobytes() != (2 * x + 1).tobytes()]
+    assert not bad, f"{len(bad)} of {len(xs)} answers changed, the first {bad[:5]}"
+    assert counts["messages_read"] == len(xs) and counts["records_read"] < len(xs), counts
+
+
+def test_asyncio_and_io_thread_frame_a_long_request_once(pool, monkeypatch):
+    from gepool import Client
+
+    big = np.ones((32, 1024), np.float32)  # 128 KiB: several records
+    calls = [0]
+    record = lane.record
+
+    def counted(parts):
+        calls[0] += 1
+        return record(parts)
+
+    async def run():
+        async with AsyncClient(pool.endpoint) as c:
+            await c.infer("mlp", {"INPUT": big})
+            assert c._lane is not None
+            calls[0] = 0
+            out = await c.infer("mlp", {"INPUT": big})
+            return out, calls[0]
+
+    monkeypatch.setattr(lane, "record", counted)
+    first, framings = asyncio.run(run())
+    assert framings == 1
+    with Client(pool.endpoint) as c:
+        c.infer_async("mlp", {"INPUT": big}).result(60)
+        calls[0] = 0
+        futs = [c.infer_async("mlp", {"INPUT": big}) for _ in range(4)]
+        outs = [f.result(60) for f in futs]
+    assert calls[0] == len(futs)
+    for out in outs:
+        np.testing.assert_array_equal(out["LOGITS"], first["LOGITS"])
+
+
+def test_asyncio_lane_counts_count_records_of_long_messages_each(pool):
+    """One mlp request of 128 KiB (three records) and its 125 KiB answer (two): the counters say so."""
+    big = np.ones((32, 1024), np.float32)
+
+    async def run():
+        async with AsyncClient(pool.endpoint) as c:
+            await c.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})
+            before = dict(c.lane_counts)
+            await c.infer("mlp", {"INPUT": big})
+            return {k: v - before[k] for k, v in c.lane_counts.items()}
+
+    counts = asyncio.run(run())
+    assert counts == {"records_sent": 3, "messages_sent": 1, "records_read": 2, "messages_read": 1}
 
 
 def test_asyncio_sends_queued_when_the_lane_dies_go_by_zmq(pool):
