@@ -270,3 +270,29 @@ def test_a_withdrawn_request_leaves_its_queue_its_rows_its_bytes_and_its_deadlin
     assert b.timeout_deadline() == 0.001  # x's deadline no longer counts
     assert b.withdraw(a) and b.withdraw(y) and len(b) == 0 and b.rows == 0 and budget.used == 0
     assert b.timeout_deadline() is None
+
+
+def test_a_restarted_workers_old_key_is_refused_and_its_new_one_served(tmp_path, front):
+    """a's worker dies and is restarted: a call naming its new process's batch with the old process's key is
+    refused (PermissionDenied, b runs nothing), the same call with the new key is served."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    h.ready_all()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    old = wa.key
+    h.exit(wa, -9)
+    h.tick(1.0)
+    assert wa.state == WorkerState.STARTING and wa.key != old
+    h.ready(wa)
+    h.tick()
+    ra, from_a = _running(h, wa, 1.0)
+    stale = _call(h, "b", [*from_a[:3], old])
+    err = results(h.out.take())[stale]
+    assert err.code == errors.PermissionDenied.code and "key" in err.message, err.message
+    assert not wb.bell.rung and len(_model(h, "b").batcher) == 0 and not h.core.calls.by_worker
+    fresh = _call(h, "b", from_a)
+    assert h.compute(wb) == [1]
+    np.testing.assert_array_equal(results(h.out.take())[fresh], np.full((1, 4), -2.0, np.float32))
+    h.compute(wa)
+    assert isinstance(results(h.out.take())[ra], np.ndarray) and not h.core.calls.by_worker
