@@ -75,13 +75,13 @@ class Call:
 
     def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool:
         self.calls.forget(self)
-        if self.gone is None:
-            if self.step is not None:
-                return self.step.done(model, arrays, row, compute_s)
-            self.calls.respond(model, self.req, arrays, row)
-        elif self.step is None:  # its answer is thrown away: nobody waits for it (a step's run has stopped)
-            self.calls.send_error(self.req, self.calls.canceled(self))
+        if self.gone is not None:  # its answer is thrown away: nobody waits for it (a step's run has stopped)
+            if self.step is None:
+                self.calls.send_error(self.req, self.calls.canceled(self))
             return False
+        if self.step is not None:
+            return self.step.done(model, arrays, row, compute_s)
+        self.calls.respond(model, self.req, arrays, row)
         return True
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:

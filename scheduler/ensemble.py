@@ -52,8 +52,7 @@ class StepSink:
     started: float = field(default=0.0)
 
     def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool:
-        self.ensembles.step_done(self, model, arrays, row, compute_s)
-        return True
+        return self.ensembles.step_done(self, model, arrays, row, compute_s)
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
         self.ensembles.fail(self.run, self.index, err)
@@ -253,15 +252,15 @@ class Ensembles:
                                                  if run.tensors[step.input_map[t.name]].view]))
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float,
-                  queue_s: float | None = None) -> None:
+                  queue_s: float | None = None) -> bool:
         """Step ``sink.index`` ran: its outputs are rows ``row``.. of ``arrays``, views of its slot; or, for
         a step that is an ensemble (``queue_s`` given: its steps' queue time, summed), the arrays that
-        sub-pipeline owns and is done with."""
+        sub-pipeline owns and is done with. False: the run had stopped, and the answer is dropped."""
         run = sink.run
         run.running -= 1
         run.steps.pop(sink.index, None)
         if run.finished:
-            return
+            return False
         steps = run.model.config.ensemble.steps
         step = steps[sink.index]
         self._prewake_ready(run, step.output_map.values())  # before the copies: the worker wakes meanwhile
@@ -302,6 +301,7 @@ class Ensembles:
             # after a sibling step of the same batch): its links must reach hand_over too
             if links or any(t.view for t in fresh):
                 self._pending.append((run, model, links))
+        return True
 
     def hand_over(self) -> None:
         """After a completion's requests were all answered, before anything can refill its slot: the step
