@@ -79,6 +79,12 @@ def _up(sink: object) -> Iterator[StepSink]:
         sink = sink.run.req.sink
 
 
+def _step_sink(req: Request) -> StepSink:
+    """The sink of an ensemble's step request, under the BLS call that may wrap it."""
+    sink = req.sink
+    return sink.step if isinstance(sink, Call) else sink
+
+
 class Ensembles:
     """Runs the ensembles' requests, and keeps each ensemble's state that of its steps' models.
     ``respond`` answers a client from arrays (the dispatcher's), ``reply`` sends a client a message (the
@@ -307,11 +313,12 @@ class Ensembles:
         """After a completion's requests were all answered, before anything can refill its slot: the step
         requests submitted then that read the slot's views go out now if their model's queue holds nothing
         else (the batch copies them slot to slot) and are rebound to their own slot's copy, or are rebound
-        to the run's copies to wait; the views still needed later are copied out, the others dropped."""
+        to the run's copies to wait; the views still needed later are copied out, the others dropped. A step
+        of a run that stopped meanwhile was withdrawn from its queue: it is neither counted nor rebound."""
         pending, self._pending = self._pending, []
         if not pending:
             return
-        links = [link for _, _, ls in pending for link in ls]
+        links = [link for _, _, ls in pending for link in ls if not _step_sink(link.req).run.finished]
         try:
             producers = {id(producer) for _, producer, _ in pending}
             for model in {id(link.model): link.model for link in links if link.inputs}.values():
