@@ -28,6 +28,17 @@ def _mint_key() -> bytes:
     return secrets.token_bytes(protocol.CALLER_KEY_BYTES)
 
 
+def dispatched(model: Model, req: Request) -> tuple[Worker, int, Batch, int] | None:
+    """(worker, slot index, batch, place in it) of the batch of ``model`` that ``req`` was dispatched in;
+    None while it is queued (or once it is answered)."""
+    for w in model.workers:
+        for index, batch in w.inflight.items():
+            for k, r in enumerate(batch.requests):
+                if r is req:
+                    return w, index, batch, k
+    return None
+
+
 def device_sample(raw: object) -> dict:
     """What the front keeps of a worker's DeviceStats sample: the known readings, each a finite number
     >= 0 (a ratio at most 1), and a known health word; anything else is dropped, never passed on."""

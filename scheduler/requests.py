@@ -15,7 +15,7 @@ from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
 
 if TYPE_CHECKING:
-    from gepool.scheduler.books import Worker, Workers
+    from gepool.scheduler.books import Workers
 
 
 class Sink(Protocol):
@@ -196,17 +196,6 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
 def _deadline(msg: protocol.Infer, now: float) -> float | None:
     limits = [us for us in (msg.timeout_us, msg.deadline_us) if us]
     return now + min(limits) / 1e6 if limits else None
-
-
-def dispatched(model, req: Request) -> tuple[Worker, int, int] | None:
-    """(worker, slot index, place in the batch) of the batch of ``model`` that ``req`` was dispatched in;
-    None while it is queued (or once it is answered)."""
-    for w in model.workers:
-        for index, batch in w.inflight.items():
-            for k, r in enumerate(batch.requests):
-                if r is req:
-                    return w, index, k
-    return None
 
 
 _NO_WORKER = bytes(protocol.CALLER_KEY_BYTES)  # compared against when the caller names no worker
