@@ -36,7 +36,6 @@ class Run:
     # for the whole pipeline
     tensors: dict[str, Tensor]
     waiting: set[int]  # steps not started
-    running: int = 0
     # the steps started and not done: each one's request in its model's queue or batch, or its sub-pipeline
     steps: dict[int, tuple[Model, Request] | Run] = field(default_factory=dict)
     finished: bool = False
@@ -178,9 +177,16 @@ class Ensembles:
         """An admitted ensemble request: its first steps enter their queues now (raising, as admission
         does, when one cannot). Its timeout and its client's deadline, whichever ends first, bound the
         whole pipeline."""
-        ens = model.config.ensemble
+        run = self._run(model, req)
+        self._begin(run)
+        return run
+
+    @staticmethod
+    def _run(model: Model, req: Request) -> Run:
         tensors = {t.name: Tensor(t.datatype, req.shapes[i], req.inputs[i]) for i, t in enumerate(model.config.inputs)}
-        run = Run(model, req, tensors, set(range(len(ens.steps))))
+        return Run(model, req, tensors, set(range(len(model.config.ensemble.steps))))
+
+    def _begin(self, run: Run) -> None:
         self._prewake_ready(run, ())
         try:
             self._advance(run)
@@ -188,7 +194,6 @@ class Ensembles:
             run.finished = True
             self._withdraw(run)  # the steps it queued before the one refused
             raise
-        return run
 
     def _advance(self, run: Run) -> None:
         """Starts every waiting step whose inputs exist, in the ensemble's order; answers when all ran."""
@@ -200,8 +205,7 @@ class Ensembles:
                     self._submit(run, i)
                 except errors.GepoolError as exc:
                     raise type(exc)(f"ensemble '{run.model.name}' {steps[i].label(i)}: {exc.message}") from None
-                run.running += 1
-        if not run.waiting and not run.running:
+        if not run.waiting and not run.steps:
             self._answer(run)
 
     def _prewake_ready(self, run: Run, coming: Iterable[str]) -> None:
@@ -243,15 +247,24 @@ class Ensembles:
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
-                run.steps[i] = self.start(model, req)
+                sub = run.steps[i] = self._run(model, req)  # recorded before it starts: it may end at once
+                try:
+                    self._begin(sub)
+                except errors.GepoolError:
+                    run.steps.pop(i, None)
+                    raise
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
         # a BLS call's step is booked, as a call, under the batch that made it (refused if it never could run)
-        self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
         run.steps[i] = (model, req)
+        try:
+            self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
+        except errors.GepoolError:
+            run.steps.pop(i, None)
+            raise
         if self._links is not None:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
                                                  for k, t in enumerate(model.config.inputs)
@@ -263,7 +276,6 @@ class Ensembles:
         a step that is an ensemble (``queue_s`` given: its steps' queue time, summed), the arrays that
         sub-pipeline owns and is done with. False: the run had stopped, and the answer is dropped."""
         run = sink.run
-        run.running -= 1
         run.steps.pop(sink.index, None)
         if run.finished:
             return False
@@ -352,16 +364,13 @@ class Ensembles:
         """The batch whose BLS call started ``run``'s pipeline is gone: it and the runs above it stop unanswered
         (CANCELED in each ensemble's statistics), and the call hears ``err``."""
         for r in (run, *(s.run for s in _up(run.req.sink))):
-            if r.finished:
+            if not self._stop(r):
                 return
-            r.finished = True
-            r.model.stats.failed(CANCELED, r.req.origin)
             if not isinstance(r.req.sink, StepSink):
                 self.reply(r.req.identity, [protocol.Error(r.req.req_id, err.code, err.message).encode()], False)
 
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
-        run.running -= 1
         run.steps.pop(index, None)
         if run.finished:
             return
@@ -384,9 +393,7 @@ class Ensembles:
         steps, run.steps = run.steps, {}
         for step in steps.values():
             if isinstance(step, Run):
-                if not step.finished:
-                    step.finished = True
-                    step.model.stats.failed(CANCELED, step.req.origin)
+                if self._stop(step):
                     self._withdraw(step)
                 continue
             model, req = step
@@ -394,6 +401,16 @@ class Ensembles:
                 model.stats.failed(CANCELED, req.origin)
                 if isinstance(req.sink, Call):  # a BLS call's step: out of the calling batch's books
                     self.calls.forget(req.sink)
+
+    @staticmethod
+    def _stop(run: Run) -> bool:
+        """``run`` stops unanswered, nobody waiting for it (CANCELED in its ensemble's statistics); False when
+        it had finished already."""
+        if run.finished:
+            return False
+        run.finished = True
+        run.model.stats.failed(CANCELED, run.req.origin)
+        return True
 
     def _answer(self, run: Run) -> None:
         run.finished = True
