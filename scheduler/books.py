@@ -23,6 +23,22 @@ SAMPLE_NUMBERS = ("rss_bytes", "cpu_seconds", "memory_used_bytes", "memory_total
 HEALTH_WORDS = ("HEALTHY", "ABNORMAL", "LOST")
 
 
+def _mint_key() -> bytes:
+    """A worker process's BLS caller key: fresh for each process the front starts."""
+    return secrets.token_bytes(protocol.CALLER_KEY_BYTES)
+
+
+def dispatched(model: Model, req: Request) -> tuple[Worker, int, Batch, int] | None:
+    """(worker, slot index, batch, place in it) of the batch of ``model`` that ``req`` was dispatched in;
+    None while it is queued (or once it is answered)."""
+    for w in model.workers:
+        for index, batch in w.inflight.items():
+            for k, r in enumerate(batch.requests):
+                if r is req:
+                    return w, index, batch, k
+    return None
+
+
 def device_sample(raw: object) -> dict:
     """What the front keeps of a worker's DeviceStats sample: the known readings, each a finite number
     >= 0 (a ratio at most 1), and a known health word; anything else is dropped, never passed on."""
@@ -80,7 +96,7 @@ class Worker:
     load_failed: bool = False  # it reported that its model cannot load, or did not load in time
     sample: dict = field(default_factory=dict)  # its process's latest DeviceStats (device_sample); {} when none
     # handed to its process at spawn, fresh for each process: a BLS call naming one of its batches carries it
-    key: bytes = field(default_factory=lambda: secrets.token_bytes(protocol.CALLER_KEY_BYTES))
+    key: bytes = field(default_factory=_mint_key, repr=False)
 
     def move(self, state: WorkerState) -> None:
         self.state = check_worker(self.state, state)
@@ -91,7 +107,7 @@ class Worker:
         self.move(WorkerState.STARTING)
         self.free, self.inflight, self.rows, self.restart_at = [], {}, 0, None
         self.spawned_at, self.sample = now, {}
-        self.key = secrets.token_bytes(protocol.CALLER_KEY_BYTES)
+        self.key = _mint_key()
 
     def ready(self, msg: protocol.WorkerReady, now: float) -> None:
         self.move(WorkerState.READY)

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from gepool.common import errors
 from gepool.ipc import protocol
+from gepool.scheduler.books import dispatched
 from gepool.scheduler.dispatch import send_error
-from gepool.scheduler.requests import dispatched
+from gepool.scheduler.requests import Sink
 from gepool.scheduler.states import WorkerState
 from gepool.scheduler.stats import CANCELED
 
@@ -39,17 +40,12 @@ if TYPE_CHECKING:
     from gepool.scheduler.models import Model
     from gepool.scheduler.requests import Request
 
-WARMUP = protocol.WARMUP_SLOT  # the caller's slot while it warms up: no batch of the front's
 OK, NEVER = "ok", "never"  # the graph's leaves: finishes on its own; never will (a worker failed for good)
 ALL, ANY = "all", "any"
 
 
-class Step(Protocol):
+class Step(Sink, Protocol):
     """The sink of an ensemble's step request that a BLS call started: the call wraps it."""
-
-    def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool: ...
-
-    def failed(self, model: Model, err: errors.GepoolError) -> None: ...
 
     def cancel(self, err: errors.GepoolError) -> None:
         """The batch that made the call is gone: the run stops, its client hears ``err``."""
@@ -76,13 +72,13 @@ class Call:
 
     def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool:
         self.calls.forget(self)
-        if self.gone is None:
-            if self.step is not None:
-                return self.step.done(model, arrays, row, compute_s)
-            self.calls.respond(model, self.req, arrays, row)
-        elif self.step is None:  # its answer is thrown away: nobody waits for it (a step's run has stopped)
-            self.calls.send_error(self.req, self.calls.canceled(self))
+        if self.gone is not None:  # its answer is thrown away: nobody waits for it (a step's run has stopped)
+            if self.step is None:
+                self.calls.send_error(self.req, self.calls.canceled(self))
             return False
+        if self.step is not None:
+            return self.step.done(model, arrays, row, compute_s)
+        self.calls.respond(model, self.req, arrays, row)
         return True
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
@@ -115,7 +111,7 @@ class Calls:
         booked) for a warmup's call from a worker already serving."""
         w = self.workers.get(caller[0])
         slot, seq = caller[1], caller[2]
-        if slot == WARMUP:
+        if slot == protocol.WARMUP_SLOT:
             if w.state != WorkerState.STARTING:
                 return None
             seq = 0
@@ -201,7 +197,7 @@ class Calls:
 
     # -- the wait-for graph ----------------------------------------------------------------
     def _running(self, w: Worker, key: tuple[int, int]) -> bool:
-        if key[0] == WARMUP:
+        if key[0] == protocol.WARMUP_SLOT:
             return w.state == WorkerState.STARTING
         batch = w.inflight.get(key[0])
         return batch is not None and batch.seq == key[1]
@@ -211,7 +207,7 @@ class Calls:
         batches = self.by_worker.get(w.id)
         if not batches:
             return None
-        keys = [k for k in batches if k[0] != WARMUP and self._running(w, k)]
+        keys = [k for k in batches if k[0] != protocol.WARMUP_SLOT and self._running(w, k)]
         return max(keys, key=lambda k: k[1]) if keys else None
 
     def _worker_node(self, w: Worker):
@@ -221,7 +217,7 @@ class Calls:
         if w.state == WorkerState.STARTING:
             if w.load_failed:
                 return NEVER
-            return (w.id, WARMUP, 0) if (WARMUP, 0) in self.by_worker.get(w.id, {}) else OK
+            return (w.id, protocol.WARMUP_SLOT, 0) if (protocol.WARMUP_SLOT, 0) in self.by_worker.get(w.id, {}) else OK
         return OK if w.state == WorkerState.DEAD and w.restart_at is not None else NEVER
 
     def _edges(self, node) -> tuple[str, tuple]:
@@ -234,9 +230,9 @@ class Calls:
         call: Call = node
         placed = dispatched(call.model, call.req)
         if placed is not None:
-            w, index, _ = placed
+            w, _, batch, _ = placed
             head = self._head(w)
-            return ALL, () if head is None or w.inflight[index].seq < head[1] else ((w.id, *head),)
+            return ALL, () if head is None or batch.seq < head[1] else ((w.id, *head),)
         return ANY, tuple(dict.fromkeys(self._worker_node(w) for w in call.model.workers))
 
     def _stuck(self, starts: list) -> dict:
@@ -295,4 +291,4 @@ class Calls:
         w = self.workers.get(node[0])
         if w is None:
             return f"worker {node[0]}"
-        return f"{w.model.name} (worker {w.id}{', warming up' if node[1] == WARMUP else ''})"
+        return f"{w.model.name} (worker {w.id}{', warming up' if node[1] == protocol.WARMUP_SLOT else ''})"

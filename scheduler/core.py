@@ -173,12 +173,12 @@ class Core:
         refused (Unavailable) if it could never run."""
         call = None
         try:
-            if req.caller is not None:
-                call = self.calls.enter(req, model, req.caller)
             budget = self.control.budget
             if budget.used + req.nbytes > budget.limit:
                 raise errors.Unavailable(f"the pool's queues hold {budget.used} bytes of requests; this one's "
                                          f"{req.nbytes} would pass max_queued_bytes ({budget.limit})")
+            if req.caller is not None:  # after the cheap check: entering walks the wait-for graph
+                call = self.calls.enter(req, model, req.caller)
             busy = any(w.inflight for w in model.workers)
             if not model.batcher.add(req, req.rows, req.key, priority, timeout_us, busy, req.nbytes, deadline_us):
                 raise errors.Unavailable(f"Exceeds maximum queue size (model '{model.name}')")

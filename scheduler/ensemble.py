@@ -37,7 +37,6 @@ class Run:
     # for the whole pipeline
     tensors: dict[str, Tensor]
     waiting: set[int]  # steps not started
-    running: int = 0
     # the steps started and not done: each one's request in its model's queue or batch, or its sub-pipeline
     steps: dict[int, tuple[Model, Request] | Run] = field(default_factory=dict)
     finished: bool = False
@@ -53,8 +52,7 @@ class StepSink:
     started: float = field(default=0.0)
 
     def done(self, model: Model, arrays: dict, row: int, compute_s: float) -> bool:
-        self.ensembles.step_done(self, model, arrays, row, compute_s)
-        return True
+        return self.ensembles.step_done(self, model, arrays, row, compute_s)
 
     def failed(self, model: Model, err: errors.GepoolError) -> None:
         self.ensembles.fail(self.run, self.index, err)
@@ -79,6 +77,12 @@ def _up(sink: object) -> Iterator[StepSink]:
     while isinstance(sink, StepSink):
         yield sink
         sink = sink.run.req.sink
+
+
+def _step_sink(req: Request) -> StepSink:
+    """The sink of an ensemble's step request, under the BLS call that may wrap it."""
+    sink = req.sink
+    return sink.step if isinstance(sink, Call) else sink
 
 
 class Ensembles:
@@ -174,9 +178,16 @@ class Ensembles:
         """An admitted ensemble request: its first steps enter their queues now (raising, as admission
         does, when one cannot). Its timeout and its client's deadline, whichever ends first, bound the
         whole pipeline."""
-        ens = model.config.ensemble
+        run = self._run(model, req)
+        self._begin(run)
+        return run
+
+    @staticmethod
+    def _run(model: Model, req: Request) -> Run:
         tensors = {t.name: Tensor(t.datatype, req.shapes[i], req.inputs[i]) for i, t in enumerate(model.config.inputs)}
-        run = Run(model, req, tensors, set(range(len(ens.steps))))
+        return Run(model, req, tensors, set(range(len(model.config.ensemble.steps))))
+
+    def _begin(self, run: Run) -> None:
         self._prewake_ready(run, ())
         try:
             self._advance(run)
@@ -184,7 +195,6 @@ class Ensembles:
             run.finished = True
             self._withdraw(run)  # the steps it queued before the one refused
             raise
-        return run
 
     def _advance(self, run: Run) -> None:
         """Starts every waiting step whose inputs exist, in the ensemble's order; answers when all ran."""
@@ -196,8 +206,7 @@ class Ensembles:
                     self._submit(run, i)
                 except errors.GepoolError as exc:
                     raise type(exc)(f"ensemble '{run.model.name}' {steps[i].label(i)}: {exc.message}") from None
-                run.running += 1
-        if not run.waiting and not run.running:
+        if not run.waiting and not run.steps:
             self._answer(run)
 
     def _prewake_ready(self, run: Run, coming: Iterable[str]) -> None:
@@ -239,30 +248,38 @@ class Ensembles:
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
-                run.steps[i] = self.start(model, req)
+                sub = run.steps[i] = self._run(model, req)  # recorded before it starts: it may end at once
+                try:
+                    self._begin(sub)
+                except errors.GepoolError:
+                    run.steps.pop(i, None)
+                    raise
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
                 return
         except errors.GepoolError as exc:  # refused as a client's request would be, and counted so
             model.stats.failed(failure_reason(exc), run.req.origin)
             raise
         # a BLS call's step is booked, as a call, under the batch that made it (refused if it never could run)
-        self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
         run.steps[i] = (model, req)
+        try:
+            self.enqueue(group, model, req, run.req.priority, timeout_us, timeout_us)
+        except errors.GepoolError:
+            run.steps.pop(i, None)
+            raise
         if self._links is not None:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
                                                  for k, t in enumerate(model.config.inputs)
                                                  if run.tensors[step.input_map[t.name]].view]))
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float,
-                  queue_s: float | None = None) -> None:
+                  queue_s: float | None = None) -> bool:
         """Step ``sink.index`` ran: its outputs are rows ``row``.. of ``arrays``, views of its slot; or, for
         a step that is an ensemble (``queue_s`` given: its steps' queue time, summed), the arrays that
-        sub-pipeline owns and is done with."""
+        sub-pipeline owns and is done with. False: the run had stopped, and the answer is dropped."""
         run = sink.run
-        run.running -= 1
         run.steps.pop(sink.index, None)
         if run.finished:
-            return
+            return False
         steps = run.model.config.ensemble.steps
         step = steps[sink.index]
         self._prewake_ready(run, step.output_map.values())  # before the copies: the worker wakes meanwhile
@@ -303,16 +320,18 @@ class Ensembles:
             # after a sibling step of the same batch): its links must reach hand_over too
             if links or any(t.view for t in fresh):
                 self._pending.append((run, model, links))
+        return True
 
     def hand_over(self) -> None:
         """After a completion's requests were all answered, before anything can refill its slot: the step
         requests submitted then that read the slot's views go out now if their model's queue holds nothing
         else (the batch copies them slot to slot) and are rebound to their own slot's copy, or are rebound
-        to the run's copies to wait; the views still needed later are copied out, the others dropped."""
+        to the run's copies to wait; the views still needed later are copied out, the others dropped. A step
+        of a run that stopped meanwhile was withdrawn from its queue: it is neither counted nor rebound."""
         pending, self._pending = self._pending, []
         if not pending:
             return
-        links = [link for _, _, ls in pending for link in ls]
+        links = [link for _, _, ls in pending for link in ls if not _step_sink(link.req).run.finished]
         try:
             producers = {id(producer) for _, producer, _ in pending}
             for model in {id(link.model): link.model for link in links if link.inputs}.values():
@@ -346,16 +365,13 @@ class Ensembles:
         """The batch whose BLS call started ``run``'s pipeline is gone: it and the runs above it stop unanswered
         (CANCELED in each ensemble's statistics), and the call hears ``err``."""
         for r in (run, *(s.run for s in _up(run.req.sink))):
-            if r.finished:
+            if not self._stop(r):
                 return
-            r.finished = True
-            r.model.stats.failed(CANCELED, r.req.origin)
             if not isinstance(r.req.sink, StepSink):
                 send_error(self.reply, r.req, err)
 
     def fail(self, run: Run, index: int, err: errors.GepoolError) -> None:
         """A step that will not run, or that its model failed: the ensemble request fails, the step named."""
-        run.running -= 1
         run.steps.pop(index, None)
         if run.finished:
             return
@@ -378,9 +394,7 @@ class Ensembles:
         steps, run.steps = run.steps, {}
         for step in steps.values():
             if isinstance(step, Run):
-                if not step.finished:
-                    step.finished = True
-                    step.model.stats.failed(CANCELED, step.req.origin)
+                if self._stop(step):
                     self._withdraw(step)
                 continue
             model, req = step
@@ -388,6 +402,16 @@ class Ensembles:
                 model.stats.failed(CANCELED, req.origin)
                 if isinstance(req.sink, Call):  # a BLS call's step: out of the calling batch's books
                     self.calls.forget(req.sink)
+
+    @staticmethod
+    def _stop(run: Run) -> bool:
+        """``run`` stops unanswered, nobody waiting for it (CANCELED in its ensemble's statistics); False when
+        it had finished already."""
+        if run.finished:
+            return False
+        run.finished = True
+        run.model.stats.failed(CANCELED, run.req.origin)
+        return True
 
     def _answer(self, run: Run) -> None:
         run.finished = True

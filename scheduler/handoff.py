@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gepool.scheduler.requests import dispatched
+from gepool.scheduler.books import dispatched
 
 if TYPE_CHECKING:
     from gepool.scheduler.models import Model
@@ -71,8 +71,8 @@ def in_flight(model: Model, req: Request):
     placed = dispatched(model, req)
     if placed is None:
         return None
-    w, index, k = placed
-    return w.ring.slots[index], w.inflight[index], k
+    w, index, batch, k = placed
+    return w.ring.slots[index], batch, k
 
 
 def rebind_to_slot(link: Link, placed, copies: Copies) -> None:

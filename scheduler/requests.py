@@ -15,7 +15,7 @@ from gepool.scheduler.arenas import Arena, Arenas
 from gepool.scheduler.classify import requested_outputs
 
 if TYPE_CHECKING:
-    from gepool.scheduler.books import Worker, Workers
+    from gepool.scheduler.books import Workers
 
 
 class Sink(Protocol):
@@ -198,17 +198,7 @@ def _deadline(msg: protocol.Infer, now: float) -> float | None:
     return now + min(limits) / 1e6 if limits else None
 
 
-def dispatched(model, req: Request) -> tuple[Worker, int, int] | None:
-    """(worker, slot index, place in the batch) of the batch of ``model`` that ``req`` was dispatched in;
-    None while it is queued (or once it is answered)."""
-    for w in model.workers:
-        for index, batch in w.inflight.items():
-            for k, r in enumerate(batch.requests):
-                if r is req:
-                    return w, index, k
-    return None
-
-
+_NO_WORKER = bytes(protocol.CALLER_KEY_BYTES)  # compared against when the caller names no worker
 MAX_BLS_DEPTH = 8  # models in one BLS call chain, the outermost caller included
 
 
@@ -225,11 +215,10 @@ def bls_chain(msg: protocol.Infer, target: str, workers: Workers, now: float) ->
         raise InvalidArgument(f"caller must be [worker, slot, seq, key] (three integers and the worker's key), "
                               f"got {_shown(caller)}")
     w = workers.get(caller[0])
-    if w is None:
-        raise InvalidArgument(f"the BLS caller names worker {caller[0]}, which this pool does not have")
-    if not w.key or not hmac.compare_digest(caller[3], w.key):
-        raise PermissionDenied(f"caller names a batch of worker {caller[0]} (model '{w.model.name}') without that "
-                               f"worker's key: only a python model's own worker may make BLS calls as its batch")
+    # one refusal, and one comparison, whether or not the worker exists: ids do not map to models
+    if not hmac.compare_digest(caller[3], _NO_WORKER if w is None else w.key) or w is None:
+        raise PermissionDenied("the BLS caller names no worker of this pool, or not with that worker's key: "
+                               "only a python model's own worker may make BLS calls as its batch")
     chain: dict[str, None] = {}
     if caller[1] != protocol.WARMUP_SLOT:  # the caller is warming up, with no request behind it
         batch = w.inflight.get(caller[1])

@@ -38,7 +38,10 @@ class Supervisor:
         w.process = self.start_worker(
             worker_id=w.id, config=model.config, version_dir=model.source.version_dir, device=w.device,
             threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level, bell=paths,
-            bls_key=w.key)  # through the spawn's pipe, which no other process reads
+            bls_key=w.key)
+        # the key goes through the spawn's pipe, which a process of the pool's own user can still open through
+        # /proc/<pid>/fd: with the client endpoint owner-only, the key keeps out other users, remote CURVE clients
+        # and careless clients, not a hostile process of the pool's own user
         log.info("worker %d (%s v%s on %s) started, pid %d", w.id, model.name, model.version, w.device,
                  w.process.pid)
 

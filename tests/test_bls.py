@@ -516,7 +516,7 @@ def test_the_front_derives_the_chain_from_the_calling_batch_and_limits_its_depth
     assert bls_chain(warmup, "m3x", workers, 0.0) == ("m3",)
     with pytest.raises(errors.Unavailable, match="no longer running"):
         bls_chain(_call([ws[3].id, 1, 8, ws[3].key]), "m9", workers, 0.0)  # a batch since answered (or its worker dead)
-    for bad in ([ws[0].id, 1, 7], ["w", 1, 7, ws[0].key], None, [999, 1, 7, ws[0].key], [ws[0].id, 1, 7, "k"]):
+    for bad in ([ws[0].id, 1, 7], ["w", 1, 7, ws[0].key], None, [ws[0].id, 1, 7, "k"]):
         with pytest.raises(errors.InvalidArgument):
             bls_chain(_call(bad), "m1", workers, 0.0)
 
@@ -541,7 +541,9 @@ def test_a_call_gets_the_calling_requests_deadline_as_its_own_at_the_latest():
 
 def test_a_caller_without_its_workers_key_is_refused_naming_the_field():
     """Only a worker's own process knows the key it was started with: a caller naming a live batch of that
-    worker with no key, another worker's key, or none at all is refused as such, before anything else."""
+    worker with no key, another worker's key, or none at all is refused as such, before anything else. A
+    caller naming a worker the pool does not have gets the same refusal, word for word (and neither names the
+    worker's model), so worker ids cannot be mapped to models by asking; the keys are in no repr."""
     from gepool.ipc import protocol
     from gepool.scheduler.books import Workers
     from gepool.scheduler.requests import Request, bls_chain
@@ -551,16 +553,29 @@ def test_a_caller_without_its_workers_key_is_refused_naming_the_field():
     a.free = [0, 1]
     a.take(7, [Request(b"c", 0, "a", [], [], 1, 0, None, -1, 0, 0, 0.0)], 1, False, 0.0)
     assert bls_chain(_call([a.id, 1, 7, a.key]), "x", workers, 0.0) == ("a",)
-    for key in (b.key, bytes(len(a.key)), a.key[:-1], b""):
-        with pytest.raises(errors.PermissionDenied, match=f"caller names a batch of worker {a.id} .*without that "
-                                                          f"worker's key") as exc:
-            bls_chain(_call([a.id, 1, 7, key]), "x", workers, 0.0)
-        assert a.key.hex() not in exc.value.message
+    messages = set()
+    for caller in ([a.id, 1, 7, b.key], [a.id, 1, 7, bytes(len(a.key))], [a.id, 1, 7, a.key[:-1]], [a.id, 1, 7, b""],
+                   [999, 1, 7, a.key], [999, 1, 7, bytes(protocol.CALLER_KEY_BYTES)], [-1, 1, 7, b""]):
+        with pytest.raises(errors.PermissionDenied, match="caller names no worker of this pool, or not with that "
+                                                          "worker's key") as exc:
+            bls_chain(_call(caller), "x", workers, 0.0)
+        assert a.key.hex() not in exc.value.message and "'a'" not in exc.value.message
+        messages.add(exc.value.message)
+    assert len(messages) == 1, messages
+    assert a.key.hex() not in repr(a) and repr(a.key) not in repr(a)
     restarted = a.key
     a.started(1.0)  # a new process, a new key: the old one names nothing
     assert a.key != restarted and len(a.key) == protocol.CALLER_KEY_BYTES
     with pytest.raises(errors.PermissionDenied):
         bls_chain(_call([a.id, -1, 0, restarted]), "x", workers, 0.0)
+
+
+def test_a_workers_spec_shows_no_key():
+    from gepool.workers.main import WorkerSpec
+
+    key = os.urandom(16)
+    spec = WorkerSpec(1, None, "", "cpu", 1, None, "ipc://x", 1, bls_key=key)
+    assert spec.bls_key == key and key.hex() not in repr(spec) and repr(key) not in repr(spec)
 
 
 def _worker(workers, name: str):

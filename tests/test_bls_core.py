@@ -7,7 +7,7 @@ import pytest
 from gepool.common import errors
 from gepool.ipc import protocol
 from gepool.scheduler.states import WorkerState
-from tests.test_core import echo_model, results
+from tests.test_core import echo_model, harness, results  # noqa: F401  (harness: the fixture)
 
 ONE = "preferred_batch_size: [ 1 ]"  # a one-row batch is full: the front hands it even to a busy worker's ring
 
@@ -270,3 +270,51 @@ def test_a_withdrawn_request_leaves_its_queue_its_rows_its_bytes_and_its_deadlin
     assert b.timeout_deadline() == 0.001  # x's deadline no longer counts
     assert b.withdraw(a) and b.withdraw(y) and len(b) == 0 and b.rows == 0 and budget.used == 0
     assert b.timeout_deadline() is None
+
+
+def test_a_restarted_workers_old_key_is_refused_and_its_new_one_served(tmp_path, front):
+    """a's worker dies and is restarted: a call naming its new process's batch with the old process's key is
+    refused (PermissionDenied, b runs nothing), the same call with the new key is served."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    h.ready_all()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    old = wa.key
+    h.exit(wa, -9)
+    h.tick(1.0)
+    assert wa.state == WorkerState.STARTING and wa.key != old
+    h.ready(wa)
+    h.tick()
+    ra, from_a = _running(h, wa, 1.0)
+    stale = _call(h, "b", [*from_a[:3], old])
+    err = results(h.out.take())[stale]
+    assert err.code == errors.PermissionDenied.code and "key" in err.message, err.message
+    assert not wb.bell.rung and len(_model(h, "b").batcher) == 0 and not h.core.calls.by_worker
+    fresh = _call(h, "b", from_a)
+    assert h.compute(wb) == [1]
+    np.testing.assert_array_equal(results(h.out.take())[fresh], np.full((1, 4), -2.0, np.float32))
+    h.compute(wa)
+    assert isinstance(results(h.out.take())[ra], np.ndarray) and not h.core.calls.by_worker
+
+
+def test_a_call_over_the_pools_queued_bytes_is_refused_by_the_budget_before_the_wait_for_check(
+        tmp_path, harness):  # noqa: F811
+    """The two batches' cycle of the first test, with the pool's queues full: the call that would close the
+    cycle is refused by the cheap check (max_queued_bytes), before its wait-for walk, and books nothing."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = harness(max_queued_bytes=100)  # a one-row request holds 32 bytes
+    h.ready_all()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    _, from_a = _running(h, wa, 1.0)
+    _, from_b = _running(h, wb, 1.0)
+    _call(h, "b", from_a)
+    for _ in range(2):
+        _call(h, "b", from_a)
+    assert h.out.take() == [] and h.core.control.budget.used == 96
+    ba = _call(h, "a", from_b)
+    err = results(h.out.take())[ba]
+    assert err.code == errors.Unavailable.code and "max_queued_bytes (100)" in err.message, err.message
+    assert "cannot take this BLS call" not in err.message
+    assert len(_model(h, "a").batcher) == 0 and wb.id not in h.core.calls.by_worker

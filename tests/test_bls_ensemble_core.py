@@ -161,6 +161,8 @@ def test_an_ensemble_whose_caller_finished_starts_none_of_its_later_steps(tmp_pa
     got = results(h.out.take())
     assert set(got) == {ra, ae} and "(it finished)" in got[ae].message and "canceled" in got[ae].message
     assert h.compute(wb) == [1] and h.out.take() == []  # its answer goes nowhere
+    b = _stats(h, "b")
+    assert b.rows == 1 and b.requests == 0 and b.failure_reasons["CANCELED"] == 1  # dropped: not answered
     assert not wc.bell.rung and not len(_model(h, "c").batcher) and _stats(h, "c").requests == 0
     assert _stats(h, "e").failure_reasons["CANCELED"] == 1 and _stats(h, "e").requests == 0
     assert not h.core.calls.by_worker and not h.core.calls.orphans
@@ -188,7 +190,8 @@ def test_a_warmups_call_into_an_ensemble_stops_when_the_warmup_ends(tmp_path, fr
 def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_unrun(tmp_path, front, nested, queued):
     """outer runs inner (b) and c side by side; c's step fails: the outer fails at once, and inner stops with
     it, a failure (CANCELED) of 'inner'. Inner's step queued behind b's held batch leaves b's queue unrun
-    (CANCELED in b's statistics, b runs only the held batch); one already running is run, its answer dropped.
+    (CANCELED in b's statistics, b runs only the held batch); one already running is run, its answer dropped
+    (CANCELED in b's statistics too, never counted answered).
     Not nested (outer runs b itself beside c): b's queued step leaves likewise."""
     echo_model(tmp_path, "b")
     echo_model(tmp_path, "c")
@@ -225,7 +228,9 @@ def test_an_inner_pipeline_stops_with_its_failed_outer_its_queued_step_unrun(tmp
     got = results(h.out.take())
     assert list(got) == ([held_b] if queued else []), got
     inner, b = _stats(h, "inner"), _stats(h, "b")
-    assert inner.failures == int(nested) and inner.requests == 0 and b.rows == b.requests == 1
+    assert inner.failures == int(nested) and inner.requests == 0 and b.rows == 1
+    # the held batch answered (queued), or inner's running step's answer dropped: CANCELED, not answered
+    assert b.requests == int(queued) and b.failure_reasons["CANCELED"] == 1
 
 
 def test_a_call_into_an_ensemble_whose_step_is_the_caller_is_refused_by_the_chain_and_books_nothing(tmp_path, front):

@@ -469,3 +469,38 @@ def test_a_tensor_both_handed_on_and_answered_is_copied_out_once_for_the_answer(
     assert np.frombuffer(frames[0], np.float32).tolist() == [6.0] * 4
     assert np.frombuffer(frames[1], np.float32).tolist() == [3.0] * 4
     assert copies(h) == (16, 16, 16)
+
+
+def test_a_step_withdrawn_in_the_completion_that_started_it_is_not_handed_over(tmp_path, harness):  # noqa: F811
+    """a's output T feeds b and c, started in that order when a's step is done; c's model went for good, so
+    c's step is refused and the run fails, withdrawing b's step from b's queue in the same completion. The
+    hand-over then copies nothing for it (the run is over: its tensors are dropped, not copied out for a
+    request nobody will run), and b's queue is left empty."""
+    for name in "abc":
+        echo_model(tmp_path, name)
+    write(f"{tmp_path}/e/config.pbtxt", """
+        platform: "ensemble"
+        max_batch_size: 8
+        input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "Y1" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "Y2" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        ensemble_scheduling { step [
+          { model_name: "a" input_map { key: "INPUT" value: "X" } output_map { key: "OUTPUT" value: "T" } },
+          { model_name: "b" input_map { key: "INPUT" value: "T" } output_map { key: "OUTPUT" value: "Y1" } },
+          { model_name: "c" input_map { key: "INPUT" value: "T" } output_map { key: "OUTPUT" value: "Y2" } } ] }
+    """)
+    write(f"{tmp_path}/e/1/.keep", "")
+    h = harness()
+    h.ready_all()
+    wa, wb, wc = sorted(h.out.spawned, key=lambda w: w.model.name)
+    rid = ens_infer(h, 1.0, model="e")
+    assert len(wa.bell.rung) == 1
+    wc.load_failed = True  # c goes for good while a runs
+    h.exit(wc, 1)
+    copies = h.core.ensembles.copies
+    before = copies.out_bytes
+    h.compute(wa)
+    err = results(h.out.take())[rid]
+    assert "ensemble 'e' step 3 ('c')" in err.message, err.message
+    b = h.core.control.group("b").default()
+    assert len(b.batcher) == 0 and b.stats.failure_reasons["CANCELED"] == 1 and not wb.bell.rung
+    assert copies.out_bytes == before, (before, copies.out_bytes)  # nothing copied out for the withdrawn step

@@ -7,7 +7,7 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -47,7 +47,8 @@ class WorkerSpec:
     bell: BellPaths | None = None
     pool_endpoint: str = ""  # the pool's client endpoint, for a python model's BLS calls
     pool_curve_key: str | None = None  # the pool's CURVE certificate, when its endpoint needs one
-    bls_key: bytes = b""  # what this process's BLS calls carry to name its batches (Infer.caller)
+    # what this process's BLS calls carry to name its batches (Infer.caller)
+    bls_key: bytes = field(default=b"", repr=False)
 
 
 def run_worker(spec: WorkerSpec) -> None:
