@@ -270,3 +270,26 @@ def test_a_request_without_parameters_gets_what_check_makes_of_none():
     body = b'{"inputs":[{"name":"X","datatype":"FP32","shape":[1],"data":[1]}]}'
     assert kserve.NO_PARAMETERS == kserve.request_parameters.check({}, kserve.request_parameters.HTTP)
     assert kserve.parse_request(body, None).timeout_s is None and kserve.parse_request(body, None).priority == 0
+
+
+def _wrapping_fromiter(values, dtype, count=-1):
+    """numpy 1.x's fromiter: an integer out of the dtype's range wraps (numpy 2 raises OverflowError)."""
+    bits = np.dtype(dtype).itemsize * 8
+    return np.array([v % 2**bits for v in values], np.uint64).astype(dtype)
+
+
+@pytest.mark.parametrize("datatype,bad", [("INT8", 200), ("INT8", -129), ("UINT8", -1), ("UINT8", 256),
+                                          ("INT64", 2**63), ("UINT64", -1), ("UINT64", 2**64)])
+def test_an_integer_out_of_range_is_refused_before_numpy_could_wrap_it(datatype, bad):
+    info = np.iinfo(kserve.numpy_dtype(datatype))
+    data = [1, 2] * kserve.NUMERIC_MIN + [bad]
+    assert not kserve._in_range(kserve.numpy_dtype(datatype), data)
+    assert kserve._in_range(kserve.numpy_dtype(datatype), [int(info.min), 3, int(info.max)])
+    want = f"input 'X': value {bad} is out of range for {datatype} [{info.min}, {info.max}]"
+    fits = data[:-1]
+    with mock.patch.object(np, "fromiter", mock.Mock(wraps=_wrapping_fromiter)) as fromiter:
+        assert kserve._from_json("X", datatype, [len(fits)], fits).tolist() == fits
+        assert fromiter.call_count == 1  # the fast path's conversion is the wrapping stand-in
+        with pytest.raises(InvalidArgument) as caught:
+            kserve._from_json("X", datatype, [len(data)], data)
+    assert caught.value.message == want
