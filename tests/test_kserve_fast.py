@@ -1,6 +1,7 @@
 """kserve's C-speed paths (numeric JSON data read in C calls, the answer's null scan) against the implementation
 they replace (tests/kserve_prev.py), on random nested data of every kind and on the cases that must be refused."""
 
+import dataclasses
 import json
 import math
 import tracemalloc
@@ -266,10 +267,19 @@ def test_floats_past_float32s_range_are_infinity_without_a_warning(edge, n):
     assert got[0] == "array"
 
 
-def test_a_request_without_parameters_gets_what_check_makes_of_none():
+def test_no_parameters_are_the_shared_frozen_defaults_on_both_surfaces():
+    rp = kserve.request_parameters
+    for protocol in (rp.HTTP, rp.GRPC):
+        assert rp.check({}, protocol) is rp.DEFAULTS
+    assert rp.DEFAULTS == rp.RequestParameters() == rp.check({"priority": 0}, rp.HTTP)
+    assert rp.check({"priority": 2}, rp.GRPC) == rp.RequestParameters(priority=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rp.DEFAULTS.priority = 1  # shared by every request without parameters: none may change it
     body = b'{"inputs":[{"name":"X","datatype":"FP32","shape":[1],"data":[1]}]}'
-    assert kserve.NO_PARAMETERS == kserve.request_parameters.check({}, kserve.request_parameters.HTTP)
-    assert kserve.parse_request(body, None).timeout_s is None and kserve.parse_request(body, None).priority == 0
+    req = kserve.parse_request(body, None)
+    assert (req.timeout_s, req.priority) == (None, 0)
+    with pytest.raises(InvalidArgument, match="'binary_data_output' must be a bool"):
+        kserve.parse_request(body.replace(b'{"inputs"', b'{"parameters":{"binary_data_output":1},"inputs"'), None)
 
 
 def _wrapping_fromiter(values, dtype, count=-1):

@@ -295,14 +295,11 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
     return _parse(body, hlen, exact, regions, max_input)
 
 
-NO_PARAMETERS = request_parameters.RequestParameters()  # frozen: what check() makes of none, made once
-
-
 def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None) -> InferRequest:
     if not isinstance(header.get("inputs"), list):
         raise InvalidArgument("the request JSON must be an object with an 'inputs' list")
     params = _params("the request", header)
-    checked = request_parameters.check(params, request_parameters.HTTP) if params else NO_PARAMETERS
+    checked = request_parameters.check(params, request_parameters.HTTP)
     if header.get("id") is not None and not isinstance(header["id"], str):
         raise InvalidArgument("'id' must be a string")
     limit = len(body) if max_input is None else max_input
