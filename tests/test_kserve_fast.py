@@ -149,6 +149,20 @@ def test_the_numpy_path_reads_what_it_can_read(monkeypatch):
     assert calls == ["INT8", "BOOL", "FP32"]
 
 
+@pytest.mark.parametrize("datatype", ["FP32", "INT64", "UINT8"])
+@pytest.mark.parametrize("zeros_and_ones", [0, 1, 40, 1000])
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_is_found_among_few_or_many_zeros_and_ones(datatype, zeros_and_ones, flag):
+    """Few 0s and 1s: only those are looked at; many (past an eighth): every element's type is."""
+    n = 1000
+    data = [2 + i % 100 for i in range(n - zeros_and_ones)] + [i % 2 for i in range(zeros_and_ones)]
+    assert same(datatype, [n], data)[0] == "array"
+    for at in (0, n // 2, n - 1):
+        bad = data[:at] + [flag] + data[at + 1:]
+        assert same(datatype, [n], bad)[1] == f"input 'X': {datatype} data must be " + (
+            "numbers" if datatype == "FP32" else "integers")
+
+
 def test_strings_among_numbers_are_refused_without_a_string_array():
     """numpy would size a string array by the longest string: one long string and many short ones must not
     allocate (count x longest) before the refusal."""
