@@ -1,6 +1,7 @@
 """kserve's C-speed paths (numeric JSON data read in C calls, the answer's null scan) against the implementation
 they replace (tests/kserve_prev.py), on random nested data of every kind and on the cases that must be refused."""
 
+import dataclasses
 import json
 import math
 import tracemalloc
@@ -148,6 +149,20 @@ def test_the_numpy_path_reads_what_it_can_read(monkeypatch):
     assert calls == ["INT8", "BOOL", "FP32"]
 
 
+@pytest.mark.parametrize("datatype", ["FP32", "INT64", "UINT8"])
+@pytest.mark.parametrize("zeros_and_ones", [0, 1, 40, 1000])
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_is_found_among_few_or_many_zeros_and_ones(datatype, zeros_and_ones, flag):
+    """Few 0s and 1s: only those are looked at; many (past an eighth): every element's type is."""
+    n = 1000
+    data = [2 + i % 100 for i in range(n - zeros_and_ones)] + [i % 2 for i in range(zeros_and_ones)]
+    assert same(datatype, [n], data)[0] == "array"
+    for at in (0, n // 2, n - 1):
+        bad = data[:at] + [flag] + data[at + 1:]
+        assert same(datatype, [n], bad)[1] == f"input 'X': {datatype} data must be " + (
+            "numbers" if datatype == "FP32" else "integers")
+
+
 def test_strings_among_numbers_are_refused_without_a_string_array():
     """numpy would size a string array by the longest string: one long string and many short ones must not
     allocate (count x longest) before the refusal."""
@@ -266,7 +281,39 @@ def test_floats_past_float32s_range_are_infinity_without_a_warning(edge, n):
     assert got[0] == "array"
 
 
-def test_a_request_without_parameters_gets_what_check_makes_of_none():
+def test_no_parameters_are_the_shared_frozen_defaults_on_both_surfaces():
+    rp = kserve.request_parameters
+    for protocol in (rp.HTTP, rp.GRPC):
+        assert rp.check({}, protocol) is rp.DEFAULTS
+    assert rp.DEFAULTS == rp.RequestParameters() == rp.check({"priority": 0}, rp.HTTP)
+    assert rp.check({"priority": 2}, rp.GRPC) == rp.RequestParameters(priority=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rp.DEFAULTS.priority = 1  # shared by every request without parameters: none may change it
     body = b'{"inputs":[{"name":"X","datatype":"FP32","shape":[1],"data":[1]}]}'
-    assert kserve.NO_PARAMETERS == kserve.request_parameters.check({}, kserve.request_parameters.HTTP)
-    assert kserve.parse_request(body, None).timeout_s is None and kserve.parse_request(body, None).priority == 0
+    req = kserve.parse_request(body, None)
+    assert (req.timeout_s, req.priority) == (None, 0)
+    with pytest.raises(InvalidArgument, match="'binary_data_output' must be a bool"):
+        kserve.parse_request(body.replace(b'{"inputs"', b'{"parameters":{"binary_data_output":1},"inputs"'), None)
+
+
+def _wrapping_fromiter(values, dtype, count=-1):
+    """numpy 1.x's fromiter: an integer out of the dtype's range wraps (numpy 2 raises OverflowError)."""
+    bits = np.dtype(dtype).itemsize * 8
+    return np.array([v % 2**bits for v in values], np.uint64).astype(dtype)
+
+
+@pytest.mark.parametrize("datatype,bad", [("INT8", 200), ("INT8", -129), ("UINT8", -1), ("UINT8", 256),
+                                          ("INT64", 2**63), ("UINT64", -1), ("UINT64", 2**64)])
+def test_an_integer_out_of_range_is_refused_before_numpy_could_wrap_it(datatype, bad):
+    info = np.iinfo(kserve.numpy_dtype(datatype))
+    data = [1, 2] * kserve.NUMERIC_MIN + [bad]
+    assert not kserve._in_range(kserve.numpy_dtype(datatype), data)
+    assert kserve._in_range(kserve.numpy_dtype(datatype), [int(info.min), 3, int(info.max)])
+    want = f"input 'X': value {bad} is out of range for {datatype} [{info.min}, {info.max}]"
+    fits = data[:-1]
+    with mock.patch.object(np, "fromiter", mock.Mock(wraps=_wrapping_fromiter)) as fromiter:
+        assert kserve._from_json("X", datatype, [len(fits)], fits).tolist() == fits
+        assert fromiter.call_count == 1  # the fast path's conversion is the wrapping stand-in
+        with pytest.raises(InvalidArgument) as caught:
+            kserve._from_json("X", datatype, [len(data)], data)
+    assert caught.value.message == want

@@ -22,6 +22,9 @@ class RequestParameters:
     final_response: bool = False  # mark the (only) response as the final one
 
 
+DEFAULTS = RequestParameters()  # shared by every request without parameters: frozen, so none can change it
+
+
 def _non_negative_int(key: str, value: object, unit: str = "") -> int:
     if type(value) is not int or value < 0:  # bool is an int subclass, and no count
         raise InvalidArgument(f"parameter '{key}' must be a non-negative integer, got {value!r}{unit}")
@@ -39,6 +42,8 @@ def check(params: Mapping[str, object], protocol: str) -> RequestParameters:
     ``protocol`` (HTTP or GRPC): what gepool does with them, or InvalidArgument naming the first it would
     otherwise ignore. ``timeout`` is Triton's, in microseconds; ``priority`` is Triton's uint64 (a level
     past the model's priority_levels runs at the default level, as Triton does)."""
+    if not params:
+        return DEFAULTS
     supported = SUPPORTED[protocol]
     timeout, priority, binary, final = None, 0, False, False
     for key, value in params.items():

@@ -122,8 +122,8 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
     size, limit)`` reads a system shared-memory input of at most ``limit`` bytes."""
     if not request.model_name:
         raise InvalidArgument("the request names no model (model_name is empty)")
-    checked = (request_parameters.check({k: param_value(p) for k, p in request.parameters.items()},
-                                        request_parameters.GRPC) if request.parameters else kserve.NO_PARAMETERS)
+    checked = request_parameters.check({k: param_value(p) for k, p in request.parameters.items()},
+                                       request_parameters.GRPC)
     raw = request.raw_input_contents
     raw_used = 0
     inputs: dict[str, np.ndarray] = {}
