@@ -525,6 +525,36 @@ def test_a_chunked_body_is_bounded_while_it_arrives(restricted):
     assert code == 200, data[:300]
 
 
+def test_bytes_after_the_end_of_a_compressed_body_are_refused(hpool, restricted):
+    """Junk after a gzip stream's end decompresses to nothing: it is refused 400 as it arrives, not read
+    uncounted until the timeout; on granian a deflate stream of empty blocks is bounded by its raw size (413;
+    aiohttp reads it until the body timeout, holding nothing)."""
+    import zlib
+
+    port = restricted
+    head = (b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Encoding: %s\r\n\r\n")
+    gz = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    tiny = gz.compress(json.dumps(GOOD).encode()) + gz.flush()
+    endless, flushes = b"\x78\x9c", b"\x00\x00\x00\xff\xff" * ((64 << 10) // 5)  # zlib header, empty blocks
+    cases = [(b"gzip", tiny, b"j" * (64 << 10), b"Content-Encoding" if hpool.http_server == "aiohttp" else
+              b"after the end of the compressed stream")]
+    if hpool.http_server == "granian":
+        cases.append((b"deflate", endless, flushes, b"--http-max-body-bytes"))
+    for encoding, first, more, words in cases:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(head % encoding + b"%x\r\n%s\r\n" % (len(first), first))
+            try:
+                for _ in range(8 * RESTRICTED_MAX_BODY // len(more)):  # 8 MiB, unless the sidecar stops reading
+                    s.sendall(b"%x\r\n%s\r\n" % (len(more), more))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            reply = s.recv(65536)
+        assert reply.split()[1] in (b"400", b"413") and words in reply, (encoding, reply[:300])
+    code, data = _raw(port, head % b"gzip", b"%x\r\n%s\r\n0\r\n\r\n" % (len(tiny), tiny))
+    assert code == 200, data[:300]
+
+
 def test_idle_connections_are_closed_and_pipelined_requests_answered_in_order(restricted):
     """A connection that never sends a byte, and one idle after its answer, are closed within the body
     timeout (2 s); two requests sent in one write are both answered, in order, on the connection."""

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from gepool.http import limits
 from gepool.http.limits import BodyTimeout, BodyTooLarge
 
 log = logging.getLogger("gepool.http")
@@ -143,8 +144,7 @@ class Request:
         # granian's HTTP/1 parser refuses a Content-Length that is not a number before the app is called
         length = int(declared) if declared is not None and declared.isdecimal() else None
         if length is not None and length > max_body:
-            raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
-                               f"(--http-max-body-bytes)")
+            raise BodyTooLarge(limits.too_large(max_body, length))
         encoding = (headers.get("content-encoding") or "identity").strip().lower()
         if encoding not in _DECODERS and encoding != "identity":
             raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
@@ -156,33 +156,44 @@ class Request:
         try:
             return await self._deadlines.run(reading, timeout)
         except TimeoutError:
-            raise BodyTimeout(f"the request body did not arrive within {timeout:g} s (it declared {length} "
-                              f"bytes)") from None
+            raise BodyTimeout(limits.too_slow(timeout, length)) from None
 
     async def _chunks(self, max_body: int, wbits: int | None) -> bytes:
-        """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it."""
-        over = BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)")
+        """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it,
+        nor reading more than ``max_body`` bytes off the wire (an endless run of empty deflate blocks)."""
+        over = BodyTooLarge(limits.too_large(max_body))
         decoder = zlib.decompressobj(wbits) if wbits is not None else None
-        parts, size = [], 0
+        parts, size, raw = [], 0, 0
         async for chunk in self._proto:
+            raw += len(chunk)
+            if raw > max_body:
+                raise over
             if decoder is not None:
+                if decoder.eof:
+                    if chunk:
+                        raise web.HTTPBadRequest(reason=limits.AFTER_END)
+                    continue
                 try:
                     chunk = decoder.decompress(chunk, max_body - size + 1)
                 except zlib.error as exc:
-                    raise web.HTTPBadRequest(reason=f"the request body is not valid for its Content-Encoding: "
-                                                    f"{exc}") from None
+                    raise web.HTTPBadRequest(reason=f"{limits.NOT_DECODABLE}: {exc}") from None
                 if decoder.unconsumed_tail:
                     raise over
+                if decoder.unused_data:
+                    raise web.HTTPBadRequest(reason=limits.AFTER_END)
             size += len(chunk)
             if size > max_body:
                 raise over
             parts.append(chunk)
         if decoder is not None:
             try:
-                parts.append(decoder.flush())
+                tail = decoder.flush()
             except zlib.error as exc:
-                raise web.HTTPBadRequest(reason=f"the request body is not valid for its Content-Encoding: "
-                                                f"{exc}") from None
+                raise web.HTTPBadRequest(reason=f"{limits.NOT_DECODABLE}: {exc}") from None
+            size += len(tail)
+            if size > max_body:
+                raise over
+            parts.append(tail)
             if not decoder.eof:
                 raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
         return b"".join(parts)
