@@ -238,6 +238,50 @@ def test_the_peer_of_a_closed_connection_is_not_root():
         peer.peer_uid(("10.1.2.3", 5000), ("127.0.0.1", 8000))
 
 
+def test_a_wildcard_listener_identifies_the_one_socket_its_peer_has():
+    """A listener on 0.0.0.0 knows its port but not the connection's local address: the peer is the one
+    established socket at the client's address connected to that port; a second one from the same source
+    address and port (to another loopback address) makes both unidentified."""
+    with socket.socket() as srv:
+        srv.bind(("0.0.0.0", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        first = socket.socket()
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.bind(("127.0.0.1", 0))
+        first.connect(("127.0.0.1", port))
+        conn, peername = srv.accept()
+        with first, conn:
+            assert peer.peer_uid(peername, ("0.0.0.0", port)) == os.geteuid()
+            assert peer.peer_uid(("::ffff:" + peername[0], peername[1]), ("::", port)) == os.geteuid()
+            with pytest.raises(peer.Unidentified, match="not on this host's loopback"):
+                peer.peer_uid(("10.1.2.3", peername[1]), ("0.0.0.0", port))
+            with socket.socket() as twin:
+                twin.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                twin.bind(first.getsockname())
+                twin.connect(("127.0.0.2", port))
+                other, _ = srv.accept()
+                with other, pytest.raises(peer.Unidentified, match="more than one socket"):
+                    peer.peer_uid(peername, ("0.0.0.0", port))
+
+
+@pytest.mark.parametrize("server", SIDECAR_SERVERS)
+def test_the_owner_is_identified_on_a_wildcard_bind(tmp_path, server):
+    """--http-host 0.0.0.0: the owner's shared-memory register and model unload are served, not refused."""
+    repo = str(tmp_path / "models")
+    test_repo.make_models.make_tiny(repo)
+    key = f"/wild_{os.getpid()}_{server}"
+    segment(key[1:], b"\0" * 64)
+    try:
+        with Pool(repo, http_host="0.0.0.0", http_port=free_port(), http_server=server,
+                  model_control_mode="explicit", load_models=("tiny",)) as pool:
+            port = pool.http_port
+            assert post(port, "/v2/systemsharedmemory/region/w/register", {"key": key, "byte_size": 64}) == (200, {})
+            assert post(port, "/v2/repository/models/tiny/unload", b"")[0] == 200
+    finally:
+        os.unlink(f"/dev/shm/{key[1:]}")
+
+
 def _unidentified(conn) -> bool:
     try:
         peer.peer_uid(conn.getpeername(), conn.getsockname())
