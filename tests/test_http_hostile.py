@@ -507,6 +507,13 @@ def test_restricted_apis_need_their_header(restricted):
     assert request(port, "GET", "/v2/health/ready")[0] == 200
 
 
+def test_a_repeated_header_counts_by_its_first_copy(restricted):
+    """Two copies of the restriction header: the first decides, on both servers (aiohttp's get)."""
+    head = b"GET /v2/systemsharedmemory/status HTTP/1.1\r\nHost: x\r\nadmin-key: %s\r\nadmin-key: %s\r\n\r\n"
+    assert _raw(restricted, head % (b"wrong", b"s3cret"), b"")[0] == 403
+    assert _raw(restricted, head % (b"s3cret", b"wrong"), b"")[0] == 200
+
+
 @pytest.mark.parametrize("group, words", [
     ("model-repository", "option format is '<config name>:<setting>=<value>'. Got model-repository"),
     ("model-reposit:k=v", "unknown restricted api 'model-reposit'"),

@@ -41,7 +41,8 @@ def _address(text: str) -> tuple[str, int] | None:
 
 
 class Headers:
-    """The request's headers, looked up case-insensitively as aiohttp's are."""
+    """The request's headers, looked up case-insensitively as aiohttp's are; of a repeated one, the first copy
+    (granian's own get gives the last)."""
 
     __slots__ = ("_raw",)
 
@@ -49,13 +50,14 @@ class Headers:
         self._raw = raw
 
     def get(self, key: str, default=None):
-        return self._raw.get(key.lower(), default)
+        values = self._raw.get_all(key.lower())
+        return values[0] if values else default
 
     def __contains__(self, key: str) -> bool:
         return key.lower() in self._raw
 
     def __getitem__(self, key: str) -> str:
-        value = self._raw.get(key.lower())
+        value = self.get(key)
         if value is None:
             raise KeyError(key)
         return value
@@ -139,7 +141,7 @@ class Request:
     async def read_body(self, max_body: int, timeout: float) -> bytes:
         """The whole body, decompressed as its Content-Encoding says; 413 by its declared size before a byte is
         read and as it arrives past ``max_body``; 408 when it is not all here within ``timeout`` seconds."""
-        headers = self._scope.headers
+        headers = self.headers
         declared = headers.get("content-length")
         # granian's HTTP/1 parser refuses a Content-Length that is not a number before the app is called
         length = int(declared) if declared is not None and declared.isdecimal() else None
