@@ -313,11 +313,13 @@ class Listener:
     are read into that same buffer and answered one at a time, in order. granian serves at most
     ``backpressure`` connections at once and leaves the rest unaccepted, so with a small one a few silent
     connections would keep every new client out until the timeout closed them; here it is the process's
-    file limit, the bound aiohttp has too.
+    file limit, the bound aiohttp has too. Each request must run as its own asyncio task (``task_impl``
+    asyncio, named, not left to granian's default): Deadlines ends a body read by cancelling that task,
+    which under granian's rust tasks is one shared object whose cancel() does nothing.
     """
 
     def __init__(self, app: App, host: str, port: int, idle_timeout_s: float) -> None:
-        from granian.constants import HTTPModes, Interfaces
+        from granian.constants import HTTPModes, Interfaces, TaskImpl
         from granian.http import HTTP1Settings
         from granian.server.embed import Server
 
@@ -326,7 +328,7 @@ class Listener:
                                  max_buffer_size=READ_BUFFER_BYTES)
         self.server = Server(app, address=host, port=port, interface=Interfaces.RSGI, runtime_threads=1,
                              http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings,
-                             backpressure=connection_limit())
+                             backpressure=connection_limit(), task_impl=TaskImpl.asyncio)
         self._serving: asyncio.Task | None = None
 
     async def start(self, timeout: float = 30.0) -> None:
