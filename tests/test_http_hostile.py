@@ -606,6 +606,20 @@ def test_bytes_after_the_end_of_a_compressed_body_are_refused(hpool, restricted)
     assert code == 200, data[:300]
 
 
+def test_both_servers_decode_the_same_encodings(hpool):
+    """One policy for Content-Encoding: an unknown one is a 415 naming it, deflate may be raw or zlib-wrapped,
+    and an empty body is empty whatever its encoding."""
+    import zlib
+
+    port, good = hpool.http_port, json.dumps(GOOD).encode()
+    code, reply = post(port, "/v2/models/tiny/infer", good, {"Content-Encoding": "compress"})
+    assert code == 415 and "Content-Encoding 'compress'" in reply["error"], reply
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    for body in (zlib.compress(good), raw.compress(good) + raw.flush()):
+        assert post(port, "/v2/models/tiny/infer", body, {"Content-Encoding": "deflate"})[0] == 200
+    assert post(port, "/v2/repository/index", b"", {"Content-Encoding": "gzip"})[0] == 200
+
+
 def test_idle_connections_are_closed_and_pipelined_requests_answered_in_order(restricted):
     """A connection that never sends a byte, and one idle after its answer, are closed within the body
     timeout (2 s); two requests sent in one write are both answered, in order, on the connection."""

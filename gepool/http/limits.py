@@ -26,6 +26,7 @@ class BodyTimeout(errors.GepoolError):
     code, http_status = "TIMEOUT", 408
 
 
+ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
 NOT_DECODABLE = "the request body is not valid for its Content-Encoding"
 AFTER_END = "the request body has data after the end of the compressed stream"
 
@@ -39,10 +40,21 @@ def too_slow(timeout: float, declared: int | None) -> str:
     return f"the request body did not arrive within {timeout:g} s (it declared {declared} bytes)"
 
 
+def content_encoding(headers) -> str:
+    """The body's Content-Encoding, lowercased: identity, gzip, x-gzip or deflate (zlib or raw), else 415."""
+    encoding = (headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding not in ENCODINGS:
+        raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
+                                                  f"(gzip, deflate or identity)")
+    return encoding
+
+
 async def read_body(request: web.Request, max_body: int, timeout: float) -> bytes:
-    """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds."""
+    """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds; both
+    servers decode the same encodings, and an empty body is empty whatever its Content-Encoding."""
     if not isinstance(request, web.BaseRequest):  # granian's (rsgi.Request) bounds its own reads
         return await request.read_body(max_body, timeout)
+    content_encoding(request.headers)  # aiohttp would pass an unknown one through undecoded
     length = request.content_length
     if length is not None and length > max_body:
         raise BodyTooLarge(too_large(max_body, length))

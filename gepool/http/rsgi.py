@@ -147,10 +147,7 @@ class Request:
         length = int(declared) if declared is not None and declared.isdecimal() else None
         if length is not None and length > max_body:
             raise BodyTooLarge(limits.too_large(max_body, length))
-        encoding = (headers.get("content-encoding") or "identity").strip().lower()
-        if encoding not in _DECODERS and encoding != "identity":
-            raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
-                                                      f"(gzip, deflate or identity)")
+        encoding = limits.content_encoding(headers)
         if length is not None and encoding == "identity":
             reading = self._proto()
         else:
@@ -171,6 +168,8 @@ class Request:
             if raw > max_body:
                 raise over
             if decoder is not None:
+                if chunk and raw == len(chunk) and wbits == zlib.MAX_WBITS and chunk[0] & 0xF != 8:
+                    decoder = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, without zlib's header, as aiohttp
                 if decoder.eof:
                     if chunk:
                         raise web.HTTPBadRequest(reason=limits.AFTER_END)
@@ -187,7 +186,7 @@ class Request:
             if size > max_body:
                 raise over
             parts.append(chunk)
-        if decoder is not None:
+        if decoder is not None and raw:  # an empty body is empty, as on aiohttp
             try:
                 tail = decoder.flush()
             except zlib.error as exc:
