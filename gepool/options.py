@@ -71,8 +71,9 @@ class PoolOptions:
         from gepool.http.access import Restrictions
 
         Restrictions.parse(self.http_restricted_api)  # ValueError in Triton's words
-        if self.http_port and servers.refusal(self.http_server):
-            raise ValueError(f"http_server: {servers.refusal(self.http_server)}")
+        refusal = servers.refusal(self.http_server) if self.http_port else None
+        if refusal:
+            raise ValueError(f"http_server: {refusal}")
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -238,6 +238,50 @@ def test_the_peer_of_a_closed_connection_is_not_root():
         peer.peer_uid(("10.1.2.3", 5000), ("127.0.0.1", 8000))
 
 
+def test_a_wildcard_listener_identifies_the_one_socket_its_peer_has():
+    """A listener on 0.0.0.0 knows its port but not the connection's local address: the peer is the one
+    established socket at the client's address connected to that port; a second one from the same source
+    address and port (to another loopback address) makes both unidentified."""
+    with socket.socket() as srv:
+        srv.bind(("0.0.0.0", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        first = socket.socket()
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.bind(("127.0.0.1", 0))
+        first.connect(("127.0.0.1", port))
+        conn, peername = srv.accept()
+        with first, conn:
+            assert peer.peer_uid(peername, ("0.0.0.0", port)) == os.geteuid()
+            assert peer.peer_uid(("::ffff:" + peername[0], peername[1]), ("::", port)) == os.geteuid()
+            with pytest.raises(peer.Unidentified, match="not on this host's loopback"):
+                peer.peer_uid(("10.1.2.3", peername[1]), ("0.0.0.0", port))
+            with socket.socket() as twin:
+                twin.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                twin.bind(first.getsockname())
+                twin.connect(("127.0.0.2", port))
+                other, _ = srv.accept()
+                with other, pytest.raises(peer.Unidentified, match="more than one socket"):
+                    peer.peer_uid(peername, ("0.0.0.0", port))
+
+
+@pytest.mark.parametrize("server", SIDECAR_SERVERS)
+def test_the_owner_is_identified_on_a_wildcard_bind(tmp_path, server):
+    """--http-host 0.0.0.0: the owner's shared-memory register and model unload are served, not refused."""
+    repo = str(tmp_path / "models")
+    test_repo.make_models.make_tiny(repo)
+    key = f"/wild_{os.getpid()}_{server}"
+    segment(key[1:], b"\0" * 64)
+    try:
+        with Pool(repo, http_host="0.0.0.0", http_port=free_port(), http_server=server,
+                  model_control_mode="explicit", load_models=("tiny",)) as pool:
+            port = pool.http_port
+            assert post(port, "/v2/systemsharedmemory/region/w/register", {"key": key, "byte_size": 64}) == (200, {})
+            assert post(port, "/v2/repository/models/tiny/unload", b"")[0] == 200
+    finally:
+        os.unlink(f"/dev/shm/{key[1:]}")
+
+
 def _unidentified(conn) -> bool:
     try:
         peer.peer_uid(conn.getpeername(), conn.getsockname())
@@ -463,6 +507,13 @@ def test_restricted_apis_need_their_header(restricted):
     assert request(port, "GET", "/v2/health/ready")[0] == 200
 
 
+def test_a_repeated_header_counts_by_its_first_copy(restricted):
+    """Two copies of the restriction header: the first decides, on both servers (aiohttp's get)."""
+    head = b"GET /v2/systemsharedmemory/status HTTP/1.1\r\nHost: x\r\nadmin-key: %s\r\nadmin-key: %s\r\n\r\n"
+    assert _raw(restricted, head % (b"wrong", b"s3cret"), b"")[0] == 403
+    assert _raw(restricted, head % (b"s3cret", b"wrong"), b"")[0] == 200
+
+
 @pytest.mark.parametrize("group, words", [
     ("model-repository", "option format is '<config name>:<setting>=<value>'. Got model-repository"),
     ("model-reposit:k=v", "unknown restricted api 'model-reposit'"),
@@ -523,6 +574,50 @@ def test_a_chunked_body_is_bounded_while_it_arrives(restricted):
     good = json.dumps(GOOD).encode()
     code, data = _raw(port, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good))
     assert code == 200, data[:300]
+
+
+def test_bytes_after_the_end_of_a_compressed_body_are_refused(hpool, restricted):
+    """Junk after a gzip stream's end decompresses to nothing: it is refused 400 as it arrives, not read
+    uncounted until the timeout; on granian a deflate stream of empty blocks is bounded by its raw size (413;
+    aiohttp reads it until the body timeout, holding nothing)."""
+    import zlib
+
+    port = restricted
+    head = (b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Encoding: %s\r\n\r\n")
+    gz = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    tiny = gz.compress(json.dumps(GOOD).encode()) + gz.flush()
+    endless, flushes = b"\x78\x9c", b"\x00\x00\x00\xff\xff" * ((64 << 10) // 5)  # zlib header, empty blocks
+    cases = [(b"gzip", tiny, b"j" * (64 << 10), b"Content-Encoding" if hpool.http_server == "aiohttp" else
+              b"after the end of the compressed stream")]
+    if hpool.http_server == "granian":
+        cases.append((b"deflate", endless, flushes, b"--http-max-body-bytes"))
+    for encoding, first, more, words in cases:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(head % encoding + b"%x\r\n%s\r\n" % (len(first), first))
+            try:
+                for _ in range(8 * RESTRICTED_MAX_BODY // len(more)):  # 8 MiB, unless the sidecar stops reading
+                    s.sendall(b"%x\r\n%s\r\n" % (len(more), more))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            reply = s.recv(65536)
+        assert reply.split()[1] in (b"400", b"413") and words in reply, (encoding, reply[:300])
+    code, data = _raw(port, head % b"gzip", b"%x\r\n%s\r\n0\r\n\r\n" % (len(tiny), tiny))
+    assert code == 200, data[:300]
+
+
+def test_both_servers_decode_the_same_encodings(hpool):
+    """One policy for Content-Encoding: an unknown one is a 415 naming it, deflate may be raw or zlib-wrapped,
+    and an empty body is empty whatever its encoding."""
+    import zlib
+
+    port, good = hpool.http_port, json.dumps(GOOD).encode()
+    code, reply = post(port, "/v2/models/tiny/infer", good, {"Content-Encoding": "compress"})
+    assert code == 415 and "Content-Encoding 'compress'" in reply["error"], reply
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    for body in (zlib.compress(good), raw.compress(good) + raw.flush()):
+        assert post(port, "/v2/models/tiny/infer", body, {"Content-Encoding": "deflate"})[0] == 200
+    assert post(port, "/v2/repository/index", b"", {"Content-Encoding": "gzip"})[0] == 200
 
 
 def test_idle_connections_are_closed_and_pipelined_requests_answered_in_order(restricted):

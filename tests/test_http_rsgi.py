@@ -158,3 +158,19 @@ def _live(port: int) -> bool:
         return _send(port, "GET", "/v2/health/live")[0] == 200
     except OSError:
         return False
+
+
+def test_the_server_choice_is_checked_without_importing_granian_and_helped_once():
+    """Checking that granian is installed does not import it into the front; both command lines carry the one
+    help text for --http-server, and the sidecar's --http-body-timeout-s says it also closes idle connections."""
+    check = ("import sys; from gepool.options import PoolOptions; "
+             "PoolOptions('/tmp', http_port=8000, http_server='granian').check(); "
+             "print('granian' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+    for command in (["-c", "from gepool.cli import main; main()", "start", "--help"],
+                    ["-m", "gepool.http.server", "--help"]):
+        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=60)
+        words = " ".join(proc.stdout.split())
+        assert proc.returncode == 0 and servers.HELP in words, (command, proc.stdout[-3000:])
+    assert "also the idle timeout of keep-alive connections" in words

@@ -7,7 +7,8 @@ import sys
 
 from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, verbosity
 from gepool.http.access import API_NAMES
-from gepool.http.servers import HTTP_SERVERS
+from gepool.http.servers import DEFAULT_HTTP_SERVER, HTTP_SERVERS
+from gepool.http.servers import HELP as HTTP_SERVER_HELP
 from gepool.options import DEFAULT, MODEL_CONTROL_MODES, OPTION_NAMES, PoolOptions
 
 log = logging.getLogger("gepool.cli")
@@ -45,9 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest HTTP request body, in bytes (413 above it; default: the largest slot of "
                         "the repository's models plus 1 MiB for the JSON header; --http-max-input-size: the "
                         "same, as tritonserver's)")
-    p.add_argument("--http-server", choices=HTTP_SERVERS, default=DEFAULT.http_server,
-                   help=f"what serves the KServe HTTP port: granian (HTTP parsed in Rust; the package granian) "
-                        f"or aiohttp (default {DEFAULT.http_server}); /metrics is served by aiohttp either way")
+    p.add_argument("--http-server", choices=HTTP_SERVERS, default=DEFAULT_HTTP_SERVER, help=HTTP_SERVER_HELP)
     p.add_argument("--allow-grpc", type=boolean, default=True, metavar="BOOL",
                    help="serve Triton's KServe v2 gRPC protocol (default true)")
     p.add_argument("--grpc-port", type=int, default=8001,

@@ -26,27 +26,52 @@ class BodyTimeout(errors.GepoolError):
     code, http_status = "TIMEOUT", 408
 
 
+ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
+NOT_DECODABLE = "the request body is not valid for its Content-Encoding"
+AFTER_END = "the request body has data after the end of the compressed stream"
+
+
+def too_large(max_body: int, declared: int | None = None) -> str:
+    size = "" if declared is None else f" of {declared} bytes"
+    return f"the request body{size} is over the {max_body}-byte limit (--http-max-body-bytes)"
+
+
+def too_slow(timeout: float, declared: int | None) -> str:
+    return f"the request body did not arrive within {timeout:g} s (it declared {declared} bytes)"
+
+
+def content_encoding(headers) -> str:
+    """The body's Content-Encoding, lowercased: identity, gzip, x-gzip or deflate (zlib or raw), else 415."""
+    encoding = (headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding not in ENCODINGS:
+        raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
+                                                  f"(gzip, deflate or identity)")
+    return encoding
+
+
 async def read_body(request: web.Request, max_body: int, timeout: float) -> bytes:
-    """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds."""
+    """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds; both
+    servers decode the same encodings, and an empty body is empty whatever its Content-Encoding."""
     if not isinstance(request, web.BaseRequest):  # granian's (rsgi.Request) bounds its own reads
         return await request.read_body(max_body, timeout)
+    content_encoding(request.headers)  # aiohttp would pass an unknown one through undecoded
     length = request.content_length
     if length is not None and length > max_body:
-        raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
-                           f"(--http-max-body-bytes)")
-    if request.content.is_eof():  # all of it came with the headers: nothing to wait for, no timer to set
-        body = request.content.read_nowait()
-        if len(body) > max_body:  # a compressed body is counted as it was decompressed, as read() does
-            raise BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)")
-        return body
+        raise BodyTooLarge(too_large(max_body, length))
     try:
+        if request.content.is_eof():  # all of it came with the headers: nothing to wait for, no timer to set
+            body = request.content.read_nowait()
+            if len(body) > max_body:  # a compressed body is counted as it was decompressed, as read() does
+                raise BodyTooLarge(too_large(max_body))
+            return body
         async with asyncio.timeout(timeout):
             return await request.read()
     except TimeoutError:
-        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s (it declared {length} "
-                          f"bytes)") from None
+        raise BodyTimeout(too_slow(timeout, length)) from None
     except web.HTTPRequestEntityTooLarge:
-        raise BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)") from None
+        raise BodyTooLarge(too_large(max_body)) from None
+    except web.RequestPayloadError:  # aiohttp's decoder failed: bad compressed data, or data after its end
+        raise web.HTTPBadRequest(reason=NOT_DECODABLE) from None
 
 
 def version(text: str | None) -> int | None:

@@ -36,6 +36,10 @@ def peer_uid(peername, sockname) -> int:
         raise Unidentified("the connection is not TCP")
     peer_ip, peer_port = _ip(peername[0]), int(peername[1])
     local_ip, local_port = _ip(sockname[0]), int(sockname[1])
+    if local_ip.is_unspecified:  # the listener's wildcard address, not the connection's local one
+        if not peer_ip.is_loopback:
+            raise Unidentified(f"the peer {peer_ip} is not on this host's loopback")
+        return _proc_any_local(peer_ip, peer_port, local_port)
     if not (peer_ip.is_loopback or peer_ip == local_ip):
         raise Unidentified(f"the peer {peer_ip} is not on this host's loopback")
     if peer_ip.version != local_ip.version:
@@ -85,6 +89,31 @@ def _proc_hex(ip, port: int) -> str:
     """An address as /proc/net/tcp prints it: the address in host-order 32-bit words, then the port."""
     words = struct.unpack(f"={len(ip.packed) // 4}I", ip.packed)
     return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+
+
+def _proc_any_local(peer_ip, peer_port: int, local_port: int) -> int:
+    """The uid of the one socket of this host at ``peer_ip:peer_port`` connected to port ``local_port`` of any
+    address. Two such sockets (one source port reused towards two of the listener's addresses) could be
+    another user's and the caller's: then neither is trusted."""
+    table = "/proc/net/tcp" if peer_ip.version == 4 else "/proc/net/tcp6"
+    want_local, want_port = _proc_hex(peer_ip, peer_port), f":{local_port:04X}"
+    found = []
+    try:
+        with open(table) as f:
+            next(f, None)
+            for line in f:
+                cols = line.split()
+                if (len(cols) > 9 and cols[1] == want_local and cols[2].endswith(want_port)
+                        and int(cols[3], 16) == TCP_ESTABLISHED):
+                    found.append(cols)
+    except OSError as exc:
+        raise Unidentified(f"cannot read {table}: {exc.strerror}") from None
+    if not found:
+        raise Unidentified("no open socket of this host is the peer of the connection")
+    if len(found) > 1:
+        raise Unidentified("more than one socket of this host could be the peer of the connection")
+    cols = found[0]
+    return _checked(int(cols[3], 16), int(cols[7]), int(cols[9]))
 
 
 def _proc(peer_ip, peer_port: int, local_ip, local_port: int) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from gepool.http import limits
 from gepool.http.limits import BodyTimeout, BodyTooLarge
 
 log = logging.getLogger("gepool.http")
@@ -40,7 +41,8 @@ def _address(text: str) -> tuple[str, int] | None:
 
 
 class Headers:
-    """The request's headers, looked up case-insensitively as aiohttp's are."""
+    """The request's headers, looked up case-insensitively as aiohttp's are; of a repeated one, the first copy
+    (granian's own get gives the last)."""
 
     __slots__ = ("_raw",)
 
@@ -48,13 +50,14 @@ class Headers:
         self._raw = raw
 
     def get(self, key: str, default=None):
-        return self._raw.get(key.lower(), default)
+        values = self._raw.get_all(key.lower())
+        return values[0] if values else default
 
     def __contains__(self, key: str) -> bool:
         return key.lower() in self._raw
 
     def __getitem__(self, key: str) -> str:
-        value = self._raw.get(key.lower())
+        value = self.get(key)
         if value is None:
             raise KeyError(key)
         return value
@@ -138,17 +141,13 @@ class Request:
     async def read_body(self, max_body: int, timeout: float) -> bytes:
         """The whole body, decompressed as its Content-Encoding says; 413 by its declared size before a byte is
         read and as it arrives past ``max_body``; 408 when it is not all here within ``timeout`` seconds."""
-        headers = self._scope.headers
+        headers = self.headers
         declared = headers.get("content-length")
         # granian's HTTP/1 parser refuses a Content-Length that is not a number before the app is called
         length = int(declared) if declared is not None and declared.isdecimal() else None
         if length is not None and length > max_body:
-            raise BodyTooLarge(f"the request body of {length} bytes is over the {max_body}-byte limit "
-                               f"(--http-max-body-bytes)")
-        encoding = (headers.get("content-encoding") or "identity").strip().lower()
-        if encoding not in _DECODERS and encoding != "identity":
-            raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
-                                                      f"(gzip, deflate or identity)")
+            raise BodyTooLarge(limits.too_large(max_body, length))
+        encoding = limits.content_encoding(headers)
         if length is not None and encoding == "identity":
             reading = self._proto()
         else:
@@ -156,33 +155,46 @@ class Request:
         try:
             return await self._deadlines.run(reading, timeout)
         except TimeoutError:
-            raise BodyTimeout(f"the request body did not arrive within {timeout:g} s (it declared {length} "
-                              f"bytes)") from None
+            raise BodyTimeout(limits.too_slow(timeout, length)) from None
 
     async def _chunks(self, max_body: int, wbits: int | None) -> bytes:
-        """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it."""
-        over = BodyTooLarge(f"the request body is over the {max_body}-byte limit (--http-max-body-bytes)")
+        """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it,
+        nor reading more than ``max_body`` bytes off the wire (an endless run of empty deflate blocks)."""
+        over = BodyTooLarge(limits.too_large(max_body))
         decoder = zlib.decompressobj(wbits) if wbits is not None else None
-        parts, size = [], 0
+        parts, size, raw = [], 0, 0
         async for chunk in self._proto:
+            raw += len(chunk)
+            if raw > max_body:
+                raise over
             if decoder is not None:
+                if chunk and raw == len(chunk) and wbits == zlib.MAX_WBITS and chunk[0] & 0xF != 8:
+                    decoder = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, without zlib's header, as aiohttp
+                if decoder.eof:
+                    if chunk:
+                        raise web.HTTPBadRequest(reason=limits.AFTER_END)
+                    continue
                 try:
                     chunk = decoder.decompress(chunk, max_body - size + 1)
                 except zlib.error as exc:
-                    raise web.HTTPBadRequest(reason=f"the request body is not valid for its Content-Encoding: "
-                                                    f"{exc}") from None
+                    raise web.HTTPBadRequest(reason=f"{limits.NOT_DECODABLE}: {exc}") from None
                 if decoder.unconsumed_tail:
                     raise over
+                if decoder.unused_data:
+                    raise web.HTTPBadRequest(reason=limits.AFTER_END)
             size += len(chunk)
             if size > max_body:
                 raise over
             parts.append(chunk)
-        if decoder is not None:
+        if decoder is not None and raw:  # an empty body is empty, as on aiohttp
             try:
-                parts.append(decoder.flush())
+                tail = decoder.flush()
             except zlib.error as exc:
-                raise web.HTTPBadRequest(reason=f"the request body is not valid for its Content-Encoding: "
-                                                f"{exc}") from None
+                raise web.HTTPBadRequest(reason=f"{limits.NOT_DECODABLE}: {exc}") from None
+            size += len(tail)
+            if size > max_body:
+                raise over
+            parts.append(tail)
             if not decoder.eof:
                 raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
         return b"".join(parts)
@@ -300,11 +312,13 @@ class Listener:
     are read into that same buffer and answered one at a time, in order. granian serves at most
     ``backpressure`` connections at once and leaves the rest unaccepted, so with a small one a few silent
     connections would keep every new client out until the timeout closed them; here it is the process's
-    file limit, the bound aiohttp has too.
+    file limit, the bound aiohttp has too. Each request must run as its own asyncio task (``task_impl``
+    asyncio, named, not left to granian's default): Deadlines ends a body read by cancelling that task,
+    which under granian's rust tasks is one shared object whose cancel() does nothing.
     """
 
     def __init__(self, app: App, host: str, port: int, idle_timeout_s: float) -> None:
-        from granian.constants import HTTPModes, Interfaces
+        from granian.constants import HTTPModes, Interfaces, TaskImpl
         from granian.http import HTTP1Settings
         from granian.server.embed import Server
 
@@ -313,7 +327,7 @@ class Listener:
                                  max_buffer_size=READ_BUFFER_BYTES)
         self.server = Server(app, address=host, port=port, interface=Interfaces.RSGI, runtime_threads=1,
                              http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings,
-                             backpressure=connection_limit())
+                             backpressure=connection_limit(), task_impl=TaskImpl.asyncio)
         self._serving: asyncio.Task | None = None
 
     async def start(self, timeout: float = 30.0) -> None:

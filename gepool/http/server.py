@@ -479,15 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-max-body-bytes", "--http-max-input-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="the largest request body accepted (413 above it)")
     p.add_argument("--http-body-timeout-s", type=float, default=BODY_TIMEOUT_S,
-                   help="a request body not complete this long after its headers is answered 408; a connection "
-                        "whose headers take this long, or that stays idle this long, is closed")
+                   help="a request body not complete this long after its headers is answered 408; it is also "
+                        "the idle timeout of keep-alive connections and the time a request's headers may take "
+                        "(on both servers): a connection idle, or sending its headers, this long is closed")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
     p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
                    help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
     p.add_argument("--http-server", choices=servers.HTTP_SERVERS, default=servers.DEFAULT_HTTP_SERVER,
-                   help=f"what serves the HTTP port: granian (Rust HTTP/1.1 parsing, RSGI) or aiohttp "
-                        f"(default {servers.DEFAULT_HTTP_SERVER}); /metrics is served by aiohttp either way")
+                   help=servers.HELP)
     p.add_argument("--front-ready", action="store_true",
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
@@ -498,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if args.http_max_body_bytes <= 0:
         p.error(f"--http-max-body-bytes must be positive, got {args.http_max_body_bytes}")
-    if servers.refusal(args.http_server):
-        p.error(f"--http-server: {servers.refusal(args.http_server)}")
+    refusal = servers.refusal(args.http_server)
+    if refusal:
+        p.error(f"--http-server: {refusal}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
         import uvloop

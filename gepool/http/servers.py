@@ -1,23 +1,27 @@
 """Which HTTP server may serve the sidecar's KServe port, and whether this host has it installed."""
 
+import importlib.util
+
 HTTP_SERVERS = ("aiohttp", "granian")
 DEFAULT_HTTP_SERVER = "aiohttp"
 GRANIAN_REQUIREMENT = "granian>=2.5,<3"
+HELP = (f"what serves the KServe HTTP port: granian (HTTP parsed in Rust; the package granian, "
+        f"gepool[granian]) or aiohttp (default {DEFAULT_HTTP_SERVER}); /metrics is served by aiohttp either way")
 
 
 def refusal(name: str) -> str | None:
     """Why ``name`` cannot serve here (an unknown name, or its package missing), or None when it can."""
     if name not in HTTP_SERVERS:
         return f"the HTTP server must be one of {', '.join(HTTP_SERVERS)}, not '{name}'"
-    if name == "granian" and not _importable("granian"):
+    if name == "granian" and not _installed("granian"):
         return f"the HTTP server granian needs the package granian, which is not installed " \
                f"(pip install '{GRANIAN_REQUIREMENT}', or gepool[granian])"
     return None
 
 
-def _importable(module: str) -> bool:
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
     try:
-        __import__(module)
-    except ImportError:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # sys.modules[module] is None (hidden), or has no spec
         return False
-    return True
