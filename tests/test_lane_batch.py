@@ -77,9 +77,8 @@ def test_a_lone_message_keeps_its_own_framing_and_batches_respect_their_limits()
     assert lane.record([bytes(lane.RECORD_MAX)]) is None  # needs two records: never batched
 
 
-def test_framed_keeps_order_across_runs_and_long_messages_and_frames_each_once(monkeypatch):
-    """lane.framed (what all three senders use): runs of one-record messages batched, longer ones as their
-    own records, in order; lane.frame calls record() once per message, long ones included."""
+def _count_framings(monkeypatch) -> list[int]:
+    """lane.record counted from now on: [calls so far] (the test may reset it)."""
     calls = [0]
     record = lane.record
 
@@ -88,6 +87,13 @@ def test_framed_keeps_order_across_runs_and_long_messages_and_frames_each_once(m
         return record(parts)
 
     monkeypatch.setattr(lane, "record", counted)
+    return calls
+
+
+def test_framed_keeps_order_across_runs_and_long_messages_and_frames_each_once(monkeypatch):
+    """lane.framed (what all three senders use): runs of one-record messages batched, longer ones as their
+    own records, in order; lane.frame calls record() once per message, long ones included."""
+    calls = _count_framings(monkeypatch)
     messages = [[b"long %d" % i, np.full(lane.RECORD_MAX + i, i, np.uint8)] if i % 7 == 3 else m
                 for i, m in enumerate(SMALL[:60])]
     items = [lane.frame(m) for m in messages]
@@ -111,14 +117,7 @@ def test_framed_keeps_order_across_runs_and_long_messages_and_frames_each_once(m
 
 def test_a_long_reply_from_the_front_is_framed_once(tmp_path, monkeypatch):
     lanes, conn, identity = _front_lanes(tmp_path)
-    calls = [0]
-    record = lane.record
-
-    def counted(parts):
-        calls[0] += 1
-        return record(parts)
-
-    monkeypatch.setattr(lane, "record", counted)
+    calls = _count_framings(monkeypatch)
     try:
         parts = [b"long reply", np.full(2 * lane.RECORD_MAX, 3, np.uint8)]
         lanes.send(identity, parts, copy=True)
@@ -210,10 +209,12 @@ def test_the_front_takes_a_batch_whole_and_a_hostile_one_closes_only_that_lane(p
     assert client.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})["OUTPUT0"][0, 0] == 1.0
 
 
-def _front_lanes(tmp_path):
+def _front_lanes(tmp_path, limit: int | None = None):
     from gepool.scheduler.lanes import Lanes
 
     lanes = Lanes(str(tmp_path / "f.lane"), lambda identity, parts: None)
+    if limit is not None:
+        lanes.limit = lambda: limit
     got: list = []
     t = threading.Thread(target=lambda: got.append(lane.Connection(lanes.path)))
     t.start()
@@ -354,12 +355,7 @@ def test_asyncio_and_io_thread_frame_a_long_request_once(pool, monkeypatch):
     from gepool import Client
 
     big = np.ones((32, 1024), np.float32)  # 128 KiB: several records
-    calls = [0]
-    record = lane.record
-
-    def counted(parts):
-        calls[0] += 1
-        return record(parts)
+    calls = _count_framings(monkeypatch)
 
     async def run():
         async with AsyncClient(pool.endpoint) as c:
@@ -369,7 +365,6 @@ def test_asyncio_and_io_thread_frame_a_long_request_once(pool, monkeypatch):
             out = await c.infer("mlp", {"INPUT": big})
             return out, calls[0]
 
-    monkeypatch.setattr(lane, "record", counted)
     first, framings = asyncio.run(run())
     assert framings == 1
     with Client(pool.endpoint) as c:

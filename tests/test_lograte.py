@@ -3,7 +3,6 @@ what was held back counted; bounded for many peers too; and a hostile lane clien
 
 import logging
 import select
-import threading
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ import numpy as np
 from gepool.ipc import lane, protocol
 from gepool.scheduler import lanes as front_lanes
 from gepool.scheduler import lograte
-from tests.conftest import wait_until
+from tests.test_lane_batch import _front_lanes
 
 
 class Clock:
@@ -62,14 +61,7 @@ def test_a_lane_client_flooding_oversized_messages_costs_one_log_line_and_hears_
                                                                                               monkeypatch):
     monkeypatch.setattr(front_lanes, "limited", lograte.Limited(front_lanes.log))
     caplog.set_level(logging.INFO, "gepool.lanes")
-    lanes = front_lanes.Lanes(str(tmp_path / "f.lane"), lambda identity, parts: None)
-    lanes.limit = lambda: 1000
-    got: list = []
-    t = threading.Thread(target=lambda: got.append(lane.Connection(lanes.path)))
-    t.start()
-    assert wait_until(lambda: lanes.pump(10) or not t.is_alive(), 30)
-    t.join()
-    (conn,) = got
+    lanes, conn, _ = _front_lanes(tmp_path, limit=1000)
     try:
         big = np.zeros(lane.RECORD_MAX + 1, np.uint8)
         replies = []
