@@ -128,6 +128,15 @@ class Calls:
                                      f"refused rather than left to wait out its timeout")
         return call
 
+    def warming(self, caller: list | None) -> bool:
+        """Whether ``caller`` (checked by bls_chain) names the warmup of a worker still starting: its call
+        into a model still loading queues there until a worker of that model is ready, booked as any call,
+        so that warmups waiting on each other are refused as they close the cycle."""
+        if caller is None or caller[1] != protocol.WARMUP_SLOT:
+            return False
+        w = self.workers.get(caller[0])
+        return w is not None and w.state == WorkerState.STARTING and not w.load_failed
+
     def forget(self, call: Call) -> None:
         """Out of the books: answered, or never queued after all."""
         if call.gone is not None:
@@ -277,7 +286,8 @@ class Calls:
             path.append(node)
             node = seen[node]
         if not path:  # the wait never comes back to the caller: it ends at workers that stopped for good
-            return f"no worker of model '{call.model.name}' will ever be free to run it"
+            why = "; ".join(dict.fromkeys(w.reason for w in call.model.workers if w.reason))
+            return f"no worker of model '{call.model.name}' will ever be free to run it" + (f" ({why})" if why else "")
         hops = [self._name(start)]
         for n in reversed(path):  # the call first: each call, then the batch that waits on it
             if type(n) is tuple:
