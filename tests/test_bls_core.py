@@ -380,3 +380,27 @@ def test_a_serving_batchs_call_into_a_loading_model_is_still_refused_as_not_read
     err = results(h.out.take())[ab]
     assert err.code == errors.ModelNotReady.code and "LOADING" in err.message
     assert len(wb.model.batcher) == 0
+
+
+def test_three_warmups_in_a_ring_the_call_that_closes_it_is_refused_naming_every_hop(tmp_path, front):
+    for name in ("a", "b", "c"):
+        echo_model(tmp_path, name)
+    h = front()
+    (wa,), (wb,), (wc,) = _workers(h, "a"), _workers(h, "b"), _workers(h, "c")
+    ab = _call(h, "b", _warming(wa))
+    bc = _call(h, "c", _warming(wb))
+    assert h.out.take() == []
+    ca = _call(h, "a", _warming(wc))
+    err = results(h.out.take())[ca]
+    assert err.code == errors.Unavailable.code
+    assert (f"(c (worker {wc.id}, warming up) -> a (worker {wa.id}, warming up) -> b (worker {wb.id}, warming up) "
+            f"-> c (worker {wc.id}, warming up))") in err.message, err.message
+    h.ready(wc)  # c's warmup survived the refusal (its model caught it): c runs b's call, then b runs a's
+    h.tick()
+    assert h.compute(wc) == [1] and bc in results(h.out.take())
+    h.ready(wb)
+    h.tick()
+    assert h.compute(wb) == [1] and ab in results(h.out.take())
+    h.ready(wa)
+    h.tick()
+    assert all(w.model.state == "READY" for w in (wa, wb, wc)) and not h.core.calls.by_worker
