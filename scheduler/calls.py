@@ -14,7 +14,8 @@ batches in order, so an older one it still holds is over and only waits for its 
 What finishes is the least fixpoint of these rules; a call outside it waits on calls that wait on it, and
 only a timeout would ever end it. Such a call is refused as it arrives (it closes the cycle); after a
 worker stops for good, a queued call left outside it is failed. A call into a model that has a worker with
-no batch waiting on a call needs no graph (the fast path).
+no batch waiting on a call needs no graph (the fast path). A warmup's call into a model still loading queues
+there like any call (``warming``), so warmups that wait on each other are a cycle too.
 
 A call into an ensemble is booked as its step requests, each under the calling batch as it enters its
 model's queue: the batch waits on the steps running or queued now, and a step that would close a cycle is
