@@ -1,14 +1,11 @@
 """The pool handle a python model gets for BLS: calls to other models of its pool, from inside a worker."""
 
 import threading
-import time
 
 from gepool.common import errors
 from gepool.ipc.protocol import WARMUP_SLOT
 
 BLS_TIMEOUT_S = 60.0  # a call with no timeout of its own waits this long for its answer, then fails
-# While the caller warms up, the model it calls may still be loading: the call waits for it this often.
-LOADING_RETRY_S = 0.05
 
 
 def _caller_client(endpoint: str, caller, **kwargs):
@@ -79,19 +76,11 @@ class PoolHandle:
         the front gives the call no more time than the requests that made it have left; either way the
         call waits for its answer at most ``timeout`` or the handle's (BLS_TIMEOUT_S). A call that could
         never run (every worker of ``model`` waits, through BLS calls, on this batch) raises Unavailable at
-        once, naming the cycle; a call still queued when its batch ends never runs."""
+        once, naming the cycle; a call still queued when its batch ends never runs. A call from the warmup
+        (or ``initialize``) into a model still loading waits in the front for it to be ready; one that would
+        close a cycle of warmups waiting on each other is refused the same way."""
         client = self._connect()
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while True:
-            try:
-                return client.infer(model, inputs, outputs, version=_version(version), timeout=timeout)
-            except errors.ModelNotReady as exc:
-                # warming up, the pool is loading too: wait for the callee (not once serving: no hang)
-                if self._batch is not None or "LOADING" not in exc.message or time.monotonic() >= deadline:
-                    raise
-            time.sleep(LOADING_RETRY_S)
-            if timeout is not None:
-                timeout = max(0.001, deadline - time.monotonic())
+        return client.infer(model, inputs, outputs, version=_version(version), timeout=timeout)
 
     def infer_async(self, model: str, inputs: dict, outputs: list[str] | None = None, *,
                     version: int | None = None, timeout: float | None = None):

@@ -14,7 +14,8 @@ batches in order, so an older one it still holds is over and only waits for its 
 What finishes is the least fixpoint of these rules; a call outside it waits on calls that wait on it, and
 only a timeout would ever end it. Such a call is refused as it arrives (it closes the cycle); after a
 worker stops for good, a queued call left outside it is failed. A call into a model that has a worker with
-no batch waiting on a call needs no graph (the fast path).
+no batch waiting on a call needs no graph (the fast path). A warmup's call into a model still loading queues
+there like any call (``warming``), so warmups that wait on each other are a cycle too.
 
 A call into an ensemble is booked as its step requests, each under the calling batch as it enters its
 model's queue: the batch waits on the steps running or queued now, and a step that would close a cycle is
@@ -127,6 +128,15 @@ class Calls:
             raise errors.Unavailable(f"model '{model.name}' cannot take this BLS call: {self._why(call, stuck)}; "
                                      f"refused rather than left to wait out its timeout")
         return call
+
+    def warming(self, caller: list | None) -> bool:
+        """Whether ``caller`` (checked by bls_chain) names the warmup of a worker still starting: its call
+        into a model still loading queues there until a worker of that model is ready, booked as any call,
+        so that warmups waiting on each other are refused as they close the cycle."""
+        if caller is None or caller[1] != protocol.WARMUP_SLOT:
+            return False
+        w = self.workers.get(caller[0])
+        return w is not None and w.state == WorkerState.STARTING and not w.load_failed
 
     def forget(self, call: Call) -> None:
         """Out of the books: answered, or never queued after all."""
@@ -277,7 +287,8 @@ class Calls:
             path.append(node)
             node = seen[node]
         if not path:  # the wait never comes back to the caller: it ends at workers that stopped for good
-            return f"no worker of model '{call.model.name}' will ever be free to run it"
+            why = "; ".join(dict.fromkeys(w.reason for w in call.model.workers if w.reason))
+            return f"no worker of model '{call.model.name}' will ever be free to run it" + (f" ({why})" if why else "")
         hops = [self._name(start)]
         for n in reversed(path):  # the call first: each call, then the batch that waits on it
             if type(n) is tuple:

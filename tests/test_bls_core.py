@@ -318,3 +318,89 @@ def test_a_call_over_the_pools_queued_bytes_is_refused_by_the_budget_before_the_
     assert err.code == errors.Unavailable.code and "max_queued_bytes (100)" in err.message, err.message
     assert "cannot take this BLS call" not in err.message
     assert len(_model(h, "a").batcher) == 0 and wb.id not in h.core.calls.by_worker
+
+
+def test_two_warmups_calling_each_others_loading_model_the_second_call_is_refused_naming_the_cycle(tmp_path, front):
+    """a's warmup calls b while both load: it waits in b's queue. b's warmup then calls a: that call closes the
+    cycle and is refused at once. b's warmup fails with it, and a's call, which only b could run, fails with b's
+    reason: both models end UNAVAILABLE, as Triton fails a model whose warmup fails."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    ab = _call(h, "b", _warming(wa))
+    assert h.out.take() == [] and len(wb.model.batcher) == 1
+    ba = _call(h, "a", _warming(wb))
+    err = results(h.out.take())[ba]
+    assert err.code == errors.Unavailable.code
+    cycle = f"b (worker {wb.id}, warming up) -> a (worker {wa.id}, warming up) -> b (worker {wb.id}, warming up)"
+    assert (f"model 'a' cannot take this BLS call: every worker that could run it waits, through BLS calls, on "
+            f"the batch that made it ({cycle})") in err.message, err.message
+    assert len(wa.model.batcher) == 0 and wa.model.stats.failure_reasons["REJECTED"] == 1
+    reason = f"RuntimeError: warmup 'default1' failed: Unavailable: {err.message}"
+    h.core.on_worker_message(protocol.WorkerFailed(wb.id, reason))
+    got = results(h.out.take())[ab]
+    assert got.code == errors.Unavailable.code and "model 'b' can no longer run this BLS call" in got.message
+    assert cycle in got.message, got.message  # b's reason, named in a's error
+    assert len(wb.model.batcher) == 0 and not h.core.calls.by_worker.get(wb.id)
+    h.exit(wb, 3)
+    h.core.on_worker_message(protocol.WorkerFailed(wa.id, f"RuntimeError: warmup 'default1' failed: {got.message}"))
+    h.exit(wa, 3)
+    for w in (wa, wb):
+        assert w.model.state == "UNAVAILABLE" and cycle in w.model.reason
+    assert not h.core.calls.by_worker
+
+
+def test_a_warmups_call_into_a_loading_model_waits_and_is_served_once_that_model_is_ready(tmp_path, front):
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    ab = _call(h, "b", _warming(wa))
+    assert h.out.take() == [] and not wb.bell.rung
+    h.ready(wb)
+    h.tick()
+    assert h.compute(wb) == [1]
+    np.testing.assert_array_equal(results(h.out.take())[ab], np.full((1, 4), -2.0, np.float32))
+    h.ready(wa)
+    h.tick()
+    assert wa.model.state == "READY" and wb.model.state == "READY" and not h.core.calls.by_worker
+
+
+def test_a_serving_batchs_call_into_a_loading_model_is_still_refused_as_not_ready(tmp_path, front):
+    """Only a warmup waits for a loading callee: a serving batch that did would hold its worker meanwhile."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    h.ready(wa)
+    h.tick()
+    _, from_a = _running(h, wa, 1.0)
+    ab = _call(h, "b", from_a)
+    err = results(h.out.take())[ab]
+    assert err.code == errors.ModelNotReady.code and "LOADING" in err.message
+    assert len(wb.model.batcher) == 0
+
+
+def test_three_warmups_in_a_ring_the_call_that_closes_it_is_refused_naming_every_hop(tmp_path, front):
+    for name in ("a", "b", "c"):
+        echo_model(tmp_path, name)
+    h = front()
+    (wa,), (wb,), (wc,) = _workers(h, "a"), _workers(h, "b"), _workers(h, "c")
+    ab = _call(h, "b", _warming(wa))
+    bc = _call(h, "c", _warming(wb))
+    assert h.out.take() == []
+    ca = _call(h, "a", _warming(wc))
+    err = results(h.out.take())[ca]
+    assert err.code == errors.Unavailable.code
+    assert (f"(c (worker {wc.id}, warming up) -> a (worker {wa.id}, warming up) -> b (worker {wb.id}, warming up) "
+            f"-> c (worker {wc.id}, warming up))") in err.message, err.message
+    h.ready(wc)  # c's warmup survived the refusal (its model caught it): c runs b's call, then b runs a's
+    h.tick()
+    assert h.compute(wc) == [1] and bc in results(h.out.take())
+    h.ready(wb)
+    h.tick()
+    assert h.compute(wb) == [1] and ab in results(h.out.take())
+    h.ready(wa)
+    h.tick()
+    assert all(w.model.state == "READY" for w in (wa, wb, wc)) and not h.core.calls.by_worker

@@ -299,3 +299,55 @@ def test_the_queued_calls_of_a_batch_that_finished_without_them_never_run(deadlo
     assert (held.result(timeout=60)["OUTPUT"] == -1).all()
     np.testing.assert_array_equal(c.infer("sink", {"INPUT": _x(5)})["OUTPUT"], _x(5))
     assert _sink_counts(c) == (rows0 + 2, canceled0 + 3)
+
+
+# Its warmup's zeros call CALLEE (none: echo) with a timeout, after an initialize that takes load_s.
+WARM_CALL_PY = '''
+import time
+
+
+class Model:
+    def initialize(self, config):
+        p = config["parameters"]
+        self.pool, self.callee, self.timeout = config["pool"], p.get("callee", ""), float(p["timeout_s"])
+        time.sleep(float(p.get("load_s", "0")))
+
+    def execute(self, inputs):
+        x = inputs["INPUT"]
+        if self.callee and not x.any():
+            return {"OUTPUT": self.pool.infer(self.callee, {"INPUT": x}, ["OUTPUT"], timeout=self.timeout)["OUTPUT"]}
+        return {"OUTPUT": x.copy()}
+'''
+WARM_TIMEOUT_S = 20  # the warmups' calls: before the books saw them, the cycle ended only when this ran out
+
+
+def test_warmups_calling_each_other_are_refused_at_once_and_a_warmup_waits_for_a_merely_loading_callee(tmp_path):
+    """ring_a's and ring_b's warmups call each other while both load: the call that closes the cycle is refused
+    at once with UNAVAILABLE naming it, the warmup that made it fails, and so does the other's (its callee
+    failed to load): both models are UNAVAILABLE in the status and the index, the cycle in their reasons.
+    waiter's warmup calls slow, still in its initialize: it waits, and both come up READY."""
+    repo = str(tmp_path)
+    t = str(WARM_TIMEOUT_S)
+    _model(repo, "ring_a", WARM_CALL_PY, {"callee": "ring_b", "timeout_s": t})
+    _model(repo, "ring_b", WARM_CALL_PY, {"callee": "ring_a", "timeout_s": t})
+    _model(repo, "waiter", WARM_CALL_PY, {"callee": "slow", "timeout_s": t})
+    _model(repo, "slow", WARM_CALL_PY, {"timeout_s": t, "load_s": "1"})
+    with Pool(repo) as pool:
+        models = pool.status["models"]
+        assert models["waiter"]["state"] == "READY" and models["slow"]["state"] == "READY"
+        reasons = [models[m]["reason"] for m in ("ring_a", "ring_b")]
+        assert [models[m]["state"] for m in ("ring_a", "ring_b")] == ["UNAVAILABLE"] * 2, models
+        cycle = re.compile(r"\((ring_\w) \(worker \d+, warming up\) -> (ring_\w) \(worker \d+, warming up\) -> \1 ")
+        assert all("warmup 'default1' failed" in r and cycle.search(r) for r in reasons), reasons
+        # one warmup's call was refused; the other's failed with its callee's load, which names that refusal
+        assert sorted("can no longer run this BLS call" in r for r in reasons) == [False, True], reasons
+        assert all("cannot take this BLS call" in r for r in reasons), reasons
+        assert "is LOADING" not in " ".join(reasons), reasons  # what the handle raised once its retries ran out
+        c = pool.client()
+        index = {m["name"]: m for m in c.query("index", {"ready": False})["models"]}
+        assert index["ring_a"]["state"] == index["ring_b"]["state"] == "UNAVAILABLE"
+        assert cycle.search(index["ring_a"].get("reason", "")), index["ring_a"]
+        x = np.ones((1, WIDTH), np.float32)
+        np.testing.assert_array_equal(c.infer("waiter", {"INPUT": x})["OUTPUT"], x)
+        with pytest.raises(errors.ModelNotReady, match="ring_a"):
+            c.infer("ring_a", {"INPUT": x})

@@ -245,3 +245,48 @@ def test_a_call_into_an_ensemble_whose_step_is_the_caller_is_refused_by_the_chai
     assert err.code == errors.InvalidArgument.code
     assert err.message == "ensemble 'e' step 1 ('a'): model 'a' calls itself through BLS: a -> e -> a", err.message
     assert len(_model(h, "a").batcher) == 0 and not h.core.calls.by_worker
+
+
+def test_a_warmup_calling_its_own_model_through_a_loading_ensemble_is_refused_at_once(tmp_path, front):
+    """a's warmup calls e, whose step is a: both still load. Refused at once (before: retried until the call's
+    timeout, e being LOADING while a is)."""
+    echo_model(tmp_path, "a")
+    pipe(tmp_path, "e", ["a"])
+    h = front()
+    (wa,) = _workers(h, "a")
+    ae = ens_infer(h, -1.0, model="e", caller=_warming(wa))
+    err = results(h.out.take())[ae]
+    assert err.code == errors.InvalidArgument.code and "model 'a' calls itself through BLS: a -> e -> a" in err.message
+    assert len(wa.model.batcher) == 0 and not h.core.calls.by_worker
+
+
+def test_warmups_waiting_on_each_other_through_a_loading_ensemble_the_closing_call_is_refused(tmp_path, front):
+    """a's warmup calls e (step b) while a, b and so e load: the step waits in b's queue. b's warmup calls a:
+    refused at once, e's step named on the cycle. A warmup's call into e whose step only loads is served."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    echo_model(tmp_path, "c")
+    pipe(tmp_path, "e", ["b"])
+    pipe(tmp_path, "f", ["a"])
+    h = front()
+    (wa,), (wb,), (wc,) = _workers(h, "a"), _workers(h, "b"), _workers(h, "c")
+    ae = ens_infer(h, -1.0, model="e", caller=_warming(wa))
+    assert h.out.take() == [] and len(wb.model.batcher) == 1
+    ba = _call(h, "a", _warming(wb))
+    err = results(h.out.take())[ba]
+    assert err.code == errors.Unavailable.code
+    assert (f"(b (worker {wb.id}, warming up) -> a (worker {wa.id}, warming up) -> ensemble 'e' step 1 ('b') -> "
+            f"b (worker {wb.id}, warming up))") in err.message, err.message
+    cf = ens_infer(h, -3.0, model="f", caller=_warming(wc))  # waits on a, which waits on b: no cycle
+    assert h.out.take() == [] and len(wa.model.batcher) == 1
+    h.ready(wb)
+    h.tick()
+    assert h.compute(wb) == [1]
+    np.testing.assert_array_equal(results(h.out.take())[ae], np.full((1, 4), -2.0, np.float32))
+    h.ready(wa)
+    h.tick()
+    assert h.compute(wa) == [1]
+    np.testing.assert_array_equal(results(h.out.take())[cf], np.full((1, 4), -6.0, np.float32))
+    h.ready(wc)
+    h.tick()
+    assert not h.core.calls.by_worker
