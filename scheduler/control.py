@@ -221,10 +221,12 @@ class ModelControl:
                 self.out.kill(w)
 
     def drain(self) -> None:
-        """Generations that were replaced or unloaded stop once nothing of theirs is queued or running."""
+        """Generations that were replaced or unloaded stop once nothing of theirs is queued or running. One that
+        never finished loading stops at once: what waits in its queue (a warmup's BLS call) fails when its
+        workers have exited, instead of keeping it loading to serve after its unload."""
         for name, group in list(self.groups.items()):
             for model in list(group.draining):
-                if len(model.batcher) or any(w.inflight for w in model.workers):
+                if model.state != LOADING and (len(model.batcher) or any(w.inflight for w in model.workers)):
                     continue
                 self.retire(model)
                 if any(w.process is not None for w in model.workers):

@@ -404,3 +404,21 @@ def test_three_warmups_in_a_ring_the_call_that_closes_it_is_refused_naming_every
     h.ready(wa)
     h.tick()
     assert all(w.model.state == "READY" for w in (wa, wb, wc)) and not h.core.calls.by_worker
+
+
+def test_unloading_a_loading_model_that_holds_a_warmups_call_stops_it_and_fails_the_call(tmp_path, harness):  # noqa: F811
+    """A warmup's call waits in a loading model's queue: an unload must still stop that model (before, a
+    draining model with anything queued was left to load, then served the call after its unload)."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = harness(model_control_mode="explicit", load_models=("a", "b"))
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    ab = _call(h, "b", _warming(wa))
+    assert h.out.take() == [] and len(wb.model.batcher) == 1
+    h.send(protocol.Query(1, "unload", {"model": "b"}))
+    h.tick()
+    assert wb in h.out.stopped or wb in h.out.killed
+    h.exit(wb, 0)
+    err = results(h.out.take())[ab]
+    assert isinstance(err, protocol.Error) and "b" in err.message, err
+    assert len(wb.model.batcher) == 0 and not h.core.calls.by_worker.get(wa.id)
