@@ -2,8 +2,10 @@
 
 import itertools
 import math
+import threading
 import weakref
 
+import msgpack
 import numpy as np
 
 from gepool.arena import ArenaFull, ClientArena
@@ -19,6 +21,12 @@ ZERO_COPY_MIN = 64 << 10  # smaller arena outputs are copied out: cheaper than a
 # arena; 16 KiB: 334-372 against 391-403; they meet near 64 KiB, where the front's direct batches start).
 ARENA_MIN = 64 << 10
 MAX_PRIORITY = (1 << 64) - 1  # Triton's priority is a uint64
+# An input of at most this many bytes travels as a copy (bytes): a copy this small costs less than the
+# buffer views a frame of the array itself takes to send; a larger one travels as the array, uncopied.
+FRAME_COPY_MAX = 4096
+_DATATYPE = {dtypes.to_numpy(name): name for name in dtypes.DATATYPES if name != dtypes.BYTES}
+_INFER = int(protocol.MsgType.INFER)
+_local = threading.local()  # a Packer per thread: one is not safe to share between threads
 
 
 def next_id() -> int:
@@ -66,10 +74,13 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
     arrays, types = {}, []
     for name, value in inputs.items():
         arr = np.asarray(value)
-        try:
-            types.append(dtypes.from_numpy(arr.dtype))
-        except ValueError as exc:
-            raise errors.InvalidArgument(f"input '{name}': {exc}") from None
+        datatype = _DATATYPE.get(arr.dtype)
+        if datatype is None:
+            try:
+                datatype = dtypes.from_numpy(arr.dtype)
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"input '{name}': {exc}") from None
+        types.append(datatype)
         arrays[name] = arr
     req_id = next_id()
     ranges: list[tuple[int, int]] = []
@@ -96,16 +107,27 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                     np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
                     where, pos = pos, pos + layout.align(arr.nbytes)
                 refs.append([name, datatype, list(arr.shape), where])
-            msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                                 arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller)
-            return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
-    refs, frames = [], []
-    for i, ((name, arr), datatype) in enumerate(zip(arrays.items(), types)):
-        refs.append([name, datatype, list(arr.shape), i])
-        frames.append(dtypes.serialize_bytes(arr) if datatype == dtypes.BYTES else np.ascontiguousarray(arr))
-    msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                         protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller)
-    return Outgoing(req_id, [msg.encode(), *frames], ranges)
+            head = _pack([_INFER, req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
+                          arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller])
+            return Outgoing(req_id, [head], ranges, (base + total, out_bytes) if out_bytes else None)
+    refs, frames = [], [b""]
+    for (name, arr), datatype in zip(arrays.items(), types):
+        refs.append([name, datatype, list(arr.shape), len(refs)])
+        if datatype == dtypes.BYTES:
+            frames.append(dtypes.serialize_bytes(arr))
+        else:
+            frames.append(arr.tobytes() if arr.nbytes <= FRAME_COPY_MAX else np.ascontiguousarray(arr))
+    frames[0] = _pack([_INFER, req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
+                       protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller])
+    return Outgoing(req_id, frames, ranges)
+
+
+def _pack(items: list) -> bytes:
+    """An Infer's header as protocol.Infer(*items[1:]).encode() writes it, with this thread's Packer."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(items)
 
 
 def check_priority(priority: object) -> int:

@@ -42,3 +42,54 @@ def test_both_faces_send_their_wait_as_the_deadline_and_a_timeout_only_when_give
     given = protocol.decode(core._encode("m", x, None, None, 0.25).frames[0])
     assert (default.timeout_us, default.deadline_us) == (0, 7_500_000)
     assert (given.timeout_us, given.deadline_us) == (250_000, 250_000)
+
+
+def test_an_infer_header_is_the_bytes_protocol_infer_encodes_and_its_frames_the_inputs_bytes():
+    """encode_infer packs the header itself (a Packer per thread, no message object); it must stay the
+    message protocol.Infer encodes, field for field, for every tail (origin an IntEnum, a BLS caller);
+    small inputs travel as copies, large ones as the array, both in C order."""
+    import threading
+
+    import numpy as np
+
+    from gepool import _wire
+    from gepool.arena import ClientArena
+    from gepool.ipc import dtypes, layout, protocol
+
+    small = np.arange(12, dtype=np.float16).reshape(3, 4).T  # not C-contiguous
+    large = np.arange(_wire.FRAME_COPY_MAX, dtype=np.int64).reshape(2, -1)  # over FRAME_COPY_MAX bytes
+    names = np.array([b"a", b"bc"], dtype=object)
+    for outputs, timeout, origin, caller in ((None, None, protocol.Origin.LIBRARY, None),
+                                             (["Y", ["Z", 3]], 0.25, protocol.Origin.HTTP, [1, 2, 3, b"k"])):
+        sent = _wire.encode_infer("m", {"A": small, "B": large, "C": names}, outputs, 4, timeout, None, 0,
+                                  deadline=7.5, priority=9, origin=origin, caller=caller)
+        want = protocol.Infer(sent.req_id, "m", 4, [["A", "FP16", [4, 3], 0], ["B", "INT64", [2, 2048], 1],
+                                                    ["C", "BYTES", [2], 2]], outputs, _wire._timeout_us(timeout), 9,
+                              protocol.NO_ARENA, 0, 0, 7_500_000, int(origin), caller)
+        assert sent.frames[0] == want.encode()
+        assert sent.frames[1] == small.tobytes() and type(sent.frames[1]) is bytes
+        assert type(sent.frames[2]) is np.ndarray and sent.frames[2].tobytes() == large.tobytes()
+        assert sent.frames[3] == dtypes.serialize_bytes(names)
+    heads = []
+    threads = [threading.Thread(target=lambda: heads.append(
+        [_wire.encode_infer("m", {"A": small}, None, None, None, None, 0) for _ in range(200)])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for batch in heads:
+        for sent in batch:
+            assert protocol.decode(sent.frames[0]).req_id == sent.req_id
+    arena = ClientArena(1 << 20)
+    try:
+        sent = _wire.encode_infer("m", {"A": small, "B": large}, ["Y"], None, None, (arena, 5), 256, arena_min=0,
+                                  deadline=None, priority=0, origin=protocol.Origin.GRPC)
+        (base, total), = sent.ranges
+        refs = [["A", "FP16", [4, 3], base], ["B", "INT64", [2, 2048], base + layout.align(24)]]
+        want = protocol.Infer(sent.req_id, "m", protocol.NO_VERSION, refs, ["Y"], 0, 0, 5, base + total, 256, 0,
+                              int(protocol.Origin.GRPC), None)
+        assert sent.frames == [want.encode()] and sent.out_range == (base + total, 256)
+        assert bytes(arena.buf[base:base + 24]) == small.tobytes()
+        sent.release(arena)
+    finally:
+        arena.close()
