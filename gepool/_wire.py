@@ -24,7 +24,8 @@ MAX_PRIORITY = (1 << 64) - 1  # Triton's priority is a uint64
 # An input of at most this many bytes travels as a copy (bytes): a copy this small costs less than the
 # buffer views a frame of the array itself takes to send; a larger one travels as the array, uncopied.
 FRAME_COPY_MAX = 4096
-_DATATYPE = {dtypes.to_numpy(name): name for name in dtypes.DATATYPES if name != dtypes.BYTES}
+_NUMPY = {name: dtypes.to_numpy(name) for name in dtypes.DATATYPES if name != dtypes.BYTES}
+_DATATYPE = {dtype: name for name, dtype in _NUMPY.items()}
 _INFER = int(protocol.MsgType.INFER)
 _local = threading.local()  # a Packer per thread: one is not safe to share between threads
 
@@ -173,38 +174,47 @@ def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing 
     Outputs the front wrote into the arena (from ZERO_COPY_MIN bytes) come back as read-only views of it: the
     request's output range then belongs to the arrays and returns to the arena when the last view of
     them is collected (``sent`` gives up that range)."""
-    if isinstance(msg, protocol.Error):
-        raise errors.from_code(msg.code, msg.message)
-    if isinstance(msg, protocol.Reply):
-        return msg.body
-    if isinstance(msg, protocol.Welcome):
-        return msg
-    if not isinstance(msg, protocol.Result):
-        raise errors.Internal(f"unexpected reply {type(msg).__name__}")
+    if type(msg) is not protocol.Result:
+        if isinstance(msg, protocol.Error):
+            raise errors.from_code(msg.code, msg.message)
+        if isinstance(msg, protocol.Reply):
+            return msg.body
+        if isinstance(msg, protocol.Welcome):
+            return msg
+        if not isinstance(msg, protocol.Result):
+            raise errors.Internal(f"unexpected reply {type(msg).__name__}")
     out = Outputs()
     out.model_version = msg.version
-    region = None
-    if msg.in_arena and sent is not None and sent.out_range is not None and sent.out_range[1] >= ZERO_COPY_MIN:
+    in_arena, region = msg.in_arena, None
+    if in_arena and sent is not None and sent.out_range is not None and sent.out_range[1] >= ZERO_COPY_MIN:
         (start, size), sent.out_range = sent.out_range, None
         region = np.frombuffer(arena.buf, np.uint8, size, start)
         region.flags.writeable = False
         weakref.finalize(region, arena.give_back, start, size)
     for name, datatype, shape, where in msg.outputs:
-        if datatype == dtypes.BYTES:
-            frame = frames[where]
-            out[name] = dtypes.deserialize_bytes(frame.buffer if hasattr(frame, "buffer") else frame, tuple(shape))
-            continue
-        dtype = dtypes.to_numpy(datatype)
-        if msg.in_arena:
+        dtype = _NUMPY.get(datatype)
+        if dtype is None:
+            if datatype == dtypes.BYTES:
+                frame = frames[where]
+                out[name] = dtypes.deserialize_bytes(frame.buffer if hasattr(frame, "buffer") else frame,
+                                                     tuple(shape))
+                continue
+            dtype = dtypes.to_numpy(datatype)
+        if in_arena:
             count = math.prod(shape)
             if region is not None and start <= where and where + count * dtype.itemsize <= start + size:
                 out[name] = region[where - start:where - start + count * dtype.itemsize].view(dtype).reshape(shape)
             else:
                 out[name] = np.frombuffer(arena.buf, dtype, count, where).reshape(shape).copy()
         else:
-            # Zero-copy: the array is a read-only view that keeps the received ZMQ frame alive.
-            out[name] = np.frombuffer(frames[where].buffer if hasattr(frames[where], "buffer") else frames[where],
-                                      dtype).reshape(shape)
+            # Zero-copy: the array is a read-only view that keeps the received frame alive.
+            frame = frames[where]
+            if hasattr(frame, "buffer"):
+                frame = frame.buffer
+            if len(frame) != math.prod(shape) * dtype.itemsize:
+                raise errors.Internal(f"output '{name}': a reply frame of {len(frame)} bytes for a {datatype} "
+                                      f"tensor of shape {shape}")
+            out[name] = np.ndarray(shape, dtype, frame)
     return out
 
 

@@ -93,3 +93,23 @@ def test_an_infer_header_is_the_bytes_protocol_infer_encodes_and_its_frames_the_
         sent.release(arena)
     finally:
         arena.close()
+
+
+def test_a_reply_frame_that_does_not_hold_its_declared_tensor_is_an_error_naming_it():
+    """Outputs are read-only views of their frames, of exactly the declared shape; a frame of any other
+    size (a shorter one, or one longer than the shape, which a view would silently cut) is refused."""
+    import numpy as np
+    import pytest
+
+    from gepool import _wire
+    from gepool.common import errors
+    from gepool.ipc import protocol
+
+    data = np.arange(6, dtype=np.int32).reshape(2, 3)
+    head = protocol.Result(1, [["Y", "INT32", [2, 3], 0], ["E", "FP32", [0, 4], 1]], False, 3).encode()
+    out = _wire.result(*_wire.decode([head, memoryview(data.tobytes()), b""]), None)
+    np.testing.assert_array_equal(out["Y"], data)
+    assert not out["Y"].flags.writeable and out["E"].shape == (0, 4) and out.model_version == 3
+    for frame in (data.tobytes()[:-4], data.tobytes() + b"\0" * 4):
+        with pytest.raises(errors.Internal, match="output 'Y': a reply frame of .* INT32 tensor of shape"):
+            _wire.result(*_wire.decode([head, memoryview(frame), b""]), None)
