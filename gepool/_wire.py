@@ -27,6 +27,7 @@ FRAME_COPY_MAX = 4096
 _NUMPY = {name: dtypes.to_numpy(name) for name in dtypes.DATATYPES if name != dtypes.BYTES}
 _DATATYPE = {dtype: name for name, dtype in _NUMPY.items()}
 _INFER = int(protocol.MsgType.INFER)
+PACKER_KEEP = 64 << 10  # a thread's Packer is dropped after a header larger than this
 _local = threading.local()  # a Packer per thread: one is not safe to share between threads
 
 
@@ -128,7 +129,10 @@ def _pack(items: list) -> bytes:
     packer = getattr(_local, "packer", None)
     if packer is None:
         packer = _local.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(items)
+    head = packer.pack(items)
+    if len(head) > PACKER_KEEP:  # a Packer keeps the buffer it grew: a large header's goes with this one
+        _local.packer = None
+    return head
 
 
 def check_priority(priority: object) -> int:

@@ -113,3 +113,24 @@ def test_a_reply_frame_that_does_not_hold_its_declared_tensor_is_an_error_naming
     for frame in (data.tobytes()[:-4], data.tobytes() + b"\0" * 4):
         with pytest.raises(errors.Internal, match="output 'Y': a reply frame of .* INT32 tensor of shape"):
             _wire.result(*_wire.decode([head, memoryview(frame), b""]), None)
+
+
+def test_a_large_header_leaves_no_grown_packer_behind():
+    """A thread's Packer keeps the largest buffer it ever grew: after a header over PACKER_KEEP bytes (a
+    long outputs list, say) the thread packs with a fresh one, and the next small header is still exact."""
+    import numpy as np
+
+    from gepool import _wire
+    from gepool.ipc import protocol
+
+    x = {"X": np.ones((1, 2), np.float32)}
+    _wire.encode_infer("m", x, None, None, None, None, 0)
+    kept = _wire._local.packer
+    _wire.encode_infer("m", x, None, None, None, None, 0)
+    assert _wire._local.packer is kept  # reused while headers are small
+    names = [f"output-{i:06d}" for i in range(_wire.PACKER_KEEP // 8)]
+    big = _wire.encode_infer("m", x, names, None, None, None, 0)
+    assert len(big.frames[0]) > _wire.PACKER_KEEP and protocol.decode(big.frames[0]).outputs == names
+    assert getattr(_wire._local, "packer", None) is None
+    small = _wire.encode_infer("m", x, None, None, None, None, 0)
+    assert protocol.decode(small.frames[0]).req_id == small.req_id and _wire._local.packer is not kept
