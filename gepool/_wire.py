@@ -2,8 +2,10 @@
 
 import itertools
 import math
+import threading
 import weakref
 
+import msgpack
 import numpy as np
 
 from gepool.arena import ArenaFull, ClientArena
@@ -19,6 +21,14 @@ ZERO_COPY_MIN = 64 << 10  # smaller arena outputs are copied out: cheaper than a
 # arena; 16 KiB: 334-372 against 391-403; they meet near 64 KiB, where the front's direct batches start).
 ARENA_MIN = 64 << 10
 MAX_PRIORITY = (1 << 64) - 1  # Triton's priority is a uint64
+# An input of at most this many bytes travels as a copy (bytes): a copy this small costs less than the
+# buffer views a frame of the array itself takes to send; a larger one travels as the array, uncopied.
+FRAME_COPY_MAX = 4096
+_NUMPY = {name: dtypes.to_numpy(name) for name in dtypes.DATATYPES if name != dtypes.BYTES}
+_DATATYPE = {dtype: name for name, dtype in _NUMPY.items()}
+_INFER = int(protocol.MsgType.INFER)
+PACKER_KEEP = 64 << 10  # a thread's Packer is dropped after a header larger than this
+_local = threading.local()  # a Packer per thread: one is not safe to share between threads
 
 
 def next_id() -> int:
@@ -66,10 +76,13 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
     arrays, types = {}, []
     for name, value in inputs.items():
         arr = np.asarray(value)
-        try:
-            types.append(dtypes.from_numpy(arr.dtype))
-        except ValueError as exc:
-            raise errors.InvalidArgument(f"input '{name}': {exc}") from None
+        datatype = _DATATYPE.get(arr.dtype)
+        if datatype is None:
+            try:
+                datatype = dtypes.from_numpy(arr.dtype)
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"input '{name}': {exc}") from None
+        types.append(datatype)
         arrays[name] = arr
     req_id = next_id()
     ranges: list[tuple[int, int]] = []
@@ -96,16 +109,30 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                     np.copyto(np.frombuffer(seg.buf, arr.dtype, arr.size, pos).reshape(arr.shape), arr)
                     where, pos = pos, pos + layout.align(arr.nbytes)
                 refs.append([name, datatype, list(arr.shape), where])
-            msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                                 arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller)
-            return Outgoing(req_id, [msg.encode()], ranges, (base + total, out_bytes) if out_bytes else None)
-    refs, frames = [], []
-    for i, ((name, arr), datatype) in enumerate(zip(arrays.items(), types)):
-        refs.append([name, datatype, list(arr.shape), i])
-        frames.append(dtypes.serialize_bytes(arr) if datatype == dtypes.BYTES else np.ascontiguousarray(arr))
-    msg = protocol.Infer(req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                         protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller)
-    return Outgoing(req_id, [msg.encode(), *frames], ranges)
+            head = _pack([_INFER, req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
+                          arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller])
+            return Outgoing(req_id, [head], ranges, (base + total, out_bytes) if out_bytes else None)
+    refs, frames = [], [b""]
+    for (name, arr), datatype in zip(arrays.items(), types):
+        refs.append([name, datatype, list(arr.shape), len(refs)])
+        if datatype == dtypes.BYTES:
+            frames.append(dtypes.serialize_bytes(arr))
+        else:
+            frames.append(arr.tobytes() if arr.nbytes <= FRAME_COPY_MAX else np.ascontiguousarray(arr))
+    frames[0] = _pack([_INFER, req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
+                       protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller])
+    return Outgoing(req_id, frames, ranges)
+
+
+def _pack(items: list) -> bytes:
+    """An Infer's header as protocol.Infer(*items[1:]).encode() writes it, with this thread's Packer."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    head = packer.pack(items)
+    if len(head) > PACKER_KEEP:  # a Packer keeps the buffer it grew: a large header's goes with this one
+        _local.packer = None
+    return head
 
 
 def check_priority(priority: object) -> int:
@@ -151,38 +178,47 @@ def result(msg: object, frames: list, arena: ClientArena | None, sent: Outgoing 
     Outputs the front wrote into the arena (from ZERO_COPY_MIN bytes) come back as read-only views of it: the
     request's output range then belongs to the arrays and returns to the arena when the last view of
     them is collected (``sent`` gives up that range)."""
-    if isinstance(msg, protocol.Error):
-        raise errors.from_code(msg.code, msg.message)
-    if isinstance(msg, protocol.Reply):
-        return msg.body
-    if isinstance(msg, protocol.Welcome):
-        return msg
-    if not isinstance(msg, protocol.Result):
-        raise errors.Internal(f"unexpected reply {type(msg).__name__}")
+    if type(msg) is not protocol.Result:
+        if isinstance(msg, protocol.Error):
+            raise errors.from_code(msg.code, msg.message)
+        if isinstance(msg, protocol.Reply):
+            return msg.body
+        if isinstance(msg, protocol.Welcome):
+            return msg
+        if not isinstance(msg, protocol.Result):
+            raise errors.Internal(f"unexpected reply {type(msg).__name__}")
     out = Outputs()
     out.model_version = msg.version
-    region = None
-    if msg.in_arena and sent is not None and sent.out_range is not None and sent.out_range[1] >= ZERO_COPY_MIN:
+    in_arena, region = msg.in_arena, None
+    if in_arena and sent is not None and sent.out_range is not None and sent.out_range[1] >= ZERO_COPY_MIN:
         (start, size), sent.out_range = sent.out_range, None
         region = np.frombuffer(arena.buf, np.uint8, size, start)
         region.flags.writeable = False
         weakref.finalize(region, arena.give_back, start, size)
     for name, datatype, shape, where in msg.outputs:
-        if datatype == dtypes.BYTES:
-            frame = frames[where]
-            out[name] = dtypes.deserialize_bytes(frame.buffer if hasattr(frame, "buffer") else frame, tuple(shape))
-            continue
-        dtype = dtypes.to_numpy(datatype)
-        if msg.in_arena:
+        dtype = _NUMPY.get(datatype)
+        if dtype is None:
+            if datatype == dtypes.BYTES:
+                frame = frames[where]
+                out[name] = dtypes.deserialize_bytes(frame.buffer if hasattr(frame, "buffer") else frame,
+                                                     tuple(shape))
+                continue
+            dtype = dtypes.to_numpy(datatype)
+        if in_arena:
             count = math.prod(shape)
             if region is not None and start <= where and where + count * dtype.itemsize <= start + size:
                 out[name] = region[where - start:where - start + count * dtype.itemsize].view(dtype).reshape(shape)
             else:
                 out[name] = np.frombuffer(arena.buf, dtype, count, where).reshape(shape).copy()
         else:
-            # Zero-copy: the array is a read-only view that keeps the received ZMQ frame alive.
-            out[name] = np.frombuffer(frames[where].buffer if hasattr(frames[where], "buffer") else frames[where],
-                                      dtype).reshape(shape)
+            # Zero-copy: the array is a read-only view that keeps the received frame alive.
+            frame = frames[where]
+            if hasattr(frame, "buffer"):
+                frame = frame.buffer
+            if len(frame) != math.prod(shape) * dtype.itemsize:
+                raise errors.Internal(f"output '{name}': a reply frame of {len(frame)} bytes for a {datatype} "
+                                      f"tensor of shape {shape}")
+            out[name] = np.ndarray(shape, dtype, frame)
     return out
 
 
