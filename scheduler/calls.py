@@ -33,7 +33,7 @@ from gepool.ipc import protocol
 from gepool.scheduler.books import dispatched
 from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.requests import Sink
-from gepool.scheduler.states import WorkerState
+from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import CANCELED
 
 if TYPE_CHECKING:
@@ -136,7 +136,13 @@ class Calls:
         if caller is None or caller[1] != protocol.WARMUP_SLOT:
             return False
         w = self.workers.get(caller[0])
-        return w is not None and w.state == WorkerState.STARTING and not w.load_failed
+        return w is not None and self._running(w, (protocol.WARMUP_SLOT, 0)) and not w.load_failed
+
+    def check_servable(self, model: Model, caller: list | None) -> None:
+        """``model.check_servable()``, except for a warmup's call into a model still loading (``warming``),
+        which may queue there."""
+        if not (model.state == ModelState.LOADING and self.warming(caller)):
+            model.check_servable()
 
     def forget(self, call: Call) -> None:
         """Out of the books: answered, or never queued after all."""

@@ -150,8 +150,7 @@ class Core:
             # a call on itself is refused even while the model loads (its warmup would wait for itself)
             chain = () if msg.caller is None else bls_chain(msg, model.name, self.workers, self.clock())
             # a warmup's call into a model still loading waits in its queue, where the BLS books see the wait
-            if not (model.state == ModelState.LOADING and self.calls.warming(msg.caller)):
-                model.check_servable()
+            self.calls.check_servable(model, msg.caller)
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
             req.chain, req.caller = chain, None if msg.caller is None else msg.caller[:3]
             if model.config.ensemble is not None:  # its steps are booked as the caller's calls

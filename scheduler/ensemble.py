@@ -233,8 +233,10 @@ class Ensembles:
         if model.name in run.req.chain:  # a BLS caller's own model as a step: it would wait on itself
             loop = " -> ".join([*run.req.chain[run.req.chain.index(model.name):], run.model.name, model.name])
             raise errors.InvalidArgument(f"model '{model.name}' calls itself through BLS: {loop}")
-        if not (model.state == LOADING and self.calls is not None and self.calls.warming(run.req.caller)):
-            model.check_servable()  # a warmup's step waits for its model to load, as the warmup's call would
+        if self.calls is None:
+            model.check_servable()
+        else:  # a warmup's step waits for its model to load, as the warmup's call would
+            self.calls.check_servable(model, run.req.caller)
         refs, frames = [], []
         for inp, name in step.input_map.items():
             t = run.tensors[name]
