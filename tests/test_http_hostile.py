@@ -370,6 +370,17 @@ def _length(data: bytes) -> int:
     return 0
 
 
+@pytest.mark.parametrize("path", ["/v2/models/tiny/infer", "/v2/systemsharedmemory/region/r/register"])
+def test_a_json_body_declared_over_the_json_limit_is_refused_unread(hpool, path):
+    from gepool.http.limits import MAX_JSON_BYTES
+
+    # no byte of the body is sent: a sidecar that waited for it would answer 408 after its body timeout
+    code, data = _raw(hpool.http_port, b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                      % (path.encode(), MAX_JSON_BYTES + 1), b"")
+    assert code == 413, data[:300]
+    assert b"the request JSON of %d bytes is over the %d-byte limit" % (MAX_JSON_BYTES + 1, MAX_JSON_BYTES) in data
+
+
 def test_oversized_declarations_cost_no_memory_and_stall_no_one(hpool):
     port = hpool.http_port
     pid = sidecar_pid(hpool)

@@ -27,6 +27,11 @@ class JSONTooLarge(RequestTooLarge):
     http_status = 413
 
 
+def json_too_large(size: int, max_json: int) -> str:
+    return (f"the request JSON of {size} bytes is over the {max_json}-byte limit for JSON; send large tensors "
+            f"as binary data (binary_data=True) or through shared memory")
+
+
 @dataclass
 class OutputRequest:
     name: str
@@ -288,8 +293,7 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
     float where an integer belongs)."""
     hlen = header_length(body, header_length_text)
     if max_json is not None and hlen > max_json:
-        raise JSONTooLarge(f"the request JSON of {hlen} bytes is over the {max_json}-byte limit for JSON; send "
-                           f"large tensors as binary data (binary_data=True) or through shared memory")
+        raise JSONTooLarge(json_too_large(hlen, max_json))
     raw = body if hlen == len(body) and isinstance(body, bytes) else memoryview(body)[:hlen]
     header = load_header(raw)
     try:

@@ -7,6 +7,7 @@ every other client), and bodies above ``INLINE_PARSE_BYTES`` are parsed in a wor
 """
 
 import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -36,6 +37,10 @@ def too_large(max_body: int, declared: int | None = None) -> str:
     return f"the request body{size} is over the {max_body}-byte limit (--http-max-body-bytes)"
 
 
+def json_too_large(size: int, max_json: int) -> str:
+    return f"the request JSON of {size} bytes is over the {max_json}-byte limit for JSON"
+
+
 def too_slow(timeout: float, declared: int | None) -> str:
     return f"the request body did not arrive within {timeout:g} s (it declared {declared} bytes)"
 
@@ -49,9 +54,21 @@ def content_encoding(headers) -> str:
     return encoding
 
 
-async def read_body(request: web.Request, max_body: int, timeout: float) -> bytes:
+async def read_body(request: web.Request, max_body: int, timeout: float, max_json: int | None = None,
+                    refusal: Callable[[int, int], str] = json_too_large) -> bytes:
     """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds; both
-    servers decode the same encodings, and an empty body is empty whatever its Content-Encoding."""
+    servers decode the same encodings, and an empty body is empty whatever its Content-Encoding.
+
+    ``max_json`` is given for a body that is all JSON: an uncompressed one that declares more is refused
+    unread, as one over ``max_body`` is, with what ``refusal(declared, max_json)`` says."""
+    declared = request.headers.get("Content-Length")
+    if max_json is not None and declared is not None and declared.isdecimal():
+        if int(declared) > max_body:
+            raise BodyTooLarge(too_large(max_body, int(declared)))
+        if int(declared) > max_json and content_encoding(request.headers) == "identity":
+            if not isinstance(request, web.BaseRequest):
+                await request.discard_body(timeout)
+            raise BodyTooLarge(refusal(int(declared), max_json))
     if not isinstance(request, web.BaseRequest):  # granian's (rsgi.Request) bounds its own reads
         return await request.read_body(max_body, timeout)
     content_encoding(request.headers)  # aiohttp would pass an unknown one through undecoded

@@ -157,6 +157,20 @@ class Request:
         except TimeoutError:
             raise BodyTimeout(limits.too_slow(timeout, length)) from None
 
+    async def discard_body(self, timeout: float, idle: float = 1.0) -> None:
+        """Drops what the client still sends of a body refused unread, until it ends, pauses ``idle`` seconds
+        or ``timeout`` passes: granian closes a connection whose body is left unread, so a client still
+        sending would hear a broken pipe, not the refusal (aiohttp lingers on such a body the same way)."""
+        chunks = aiter(self._proto)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    await asyncio.wait_for(anext(chunks), idle)
+        except (StopAsyncIteration, TimeoutError):
+            pass
+        except Exception:  # the client went away: the refusal has no one to reach, and is answered anyway
+            pass
+
     async def _chunks(self, max_body: int, wbits: int | None) -> bytes:
         """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it,
         nor reading more than ``max_body`` bytes off the wire (an endless run of empty deflate blocks)."""

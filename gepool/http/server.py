@@ -139,11 +139,11 @@ class Gateway:
         return await limits.read_body(request, self.max_body, self.body_timeout)
 
     async def _json_body(self, request: web.Request) -> dict:
-        raw = await self._body(request)
+        raw = await limits.read_body(request, self.max_body, self.body_timeout, MAX_JSON_BYTES)
         if not raw.strip():
             return {}
         if len(raw) > MAX_JSON_BYTES:
-            raise BodyTooLarge(f"the request JSON of {len(raw)} bytes is over the {MAX_JSON_BYTES}-byte limit")
+            raise BodyTooLarge(limits.json_too_large(len(raw), MAX_JSON_BYTES))
         return kserve.load_header(raw)
 
     def _caller(self, request: web.Request, why: str) -> int:
@@ -224,7 +224,9 @@ class Gateway:
     async def infer(self, request):
         model = request.match_info["model"]
         version = limits.version(request.match_info.get("version"))
-        body = await limits.read_body(request, self.max_body, self.body_timeout)
+        header_length = request.headers.get(kserve.HEADER_LENGTH)
+        body = await limits.read_body(request, self.max_body, self.body_timeout,
+                                      MAX_JSON_BYTES if header_length is None else None, kserve.json_too_large)
         held: dict[str, object] = {}  # region name -> Region, referenced until the request has ended
         caller: list[int] = []
 
@@ -241,7 +243,6 @@ class Gateway:
         def parse():
             return kserve.parse_request(body, header_length, region_bytes, MAX_JSON_BYTES, self.max_body)
 
-        header_length = request.headers.get(kserve.HEADER_LENGTH)
         try:
             try:
                 hlen = kserve.header_length(body, header_length)
