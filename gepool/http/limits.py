@@ -7,7 +7,8 @@ every other client), and bodies above ``INLINE_PARSE_BYTES`` are parsed in a wor
 """
 
 import asyncio
-from collections.abc import Callable
+import zlib
+from collections.abc import AsyncIterable, Callable
 
 from aiohttp import web
 
@@ -30,6 +31,8 @@ class BodyTimeout(errors.GepoolError):
 ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
 NOT_DECODABLE = "the request body is not valid for its Content-Encoding"
 AFTER_END = "the request body has data after the end of the compressed stream"
+NOT_FRAMED = "the request body's chunked framing is malformed"
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 def too_large(max_body: int, declared: int | None = None) -> str:
@@ -57,7 +60,8 @@ def content_encoding(headers) -> str:
 async def read_body(request: web.Request, max_body: int, timeout: float, max_json: int | None = None,
                     refusal: Callable[[int, int], str] = json_too_large) -> bytes:
     """The whole body, its declared size checked before a byte is read, within ``timeout`` seconds; both
-    servers decode the same encodings, and an empty body is empty whatever its Content-Encoding.
+    servers decode the same encodings through ``decode``, and an empty body is empty whatever its
+    Content-Encoding.
 
     ``max_json`` is given for a body that is all JSON: an uncompressed one that declares more is refused
     unread, as one over ``max_body`` is, with what ``refusal(declared, max_json)`` says."""
@@ -71,24 +75,72 @@ async def read_body(request: web.Request, max_body: int, timeout: float, max_jso
             raise BodyTooLarge(refusal(int(declared), max_json))
     if not isinstance(request, web.BaseRequest):  # granian's (rsgi.Request) bounds its own reads
         return await request.read_body(max_body, timeout)
-    content_encoding(request.headers)  # aiohttp would pass an unknown one through undecoded
+    encoding = content_encoding(request.headers)
     length = request.content_length
     if length is not None and length > max_body:
         raise BodyTooLarge(too_large(max_body, length))
     try:
-        if request.content.is_eof():  # all of it came with the headers: nothing to wait for, no timer to set
+        if encoding == "identity" and request.content.is_eof():  # all of it came with the headers: no timer
             body = request.content.read_nowait()
-            if len(body) > max_body:  # a compressed body is counted as it was decompressed, as read() does
+            if len(body) > max_body:
                 raise BodyTooLarge(too_large(max_body))
             return body
         async with asyncio.timeout(timeout):
-            return await request.read()
+            if encoding == "identity":
+                return await request.read()
+            return await decode(request.content.iter_any(), max_body, encoding)
     except TimeoutError:
         raise BodyTimeout(too_slow(timeout, length)) from None
     except web.HTTPRequestEntityTooLarge:
         raise BodyTooLarge(too_large(max_body)) from None
-    except web.RequestPayloadError:  # aiohttp's decoder failed: bad compressed data, or data after its end
-        raise web.HTTPBadRequest(reason=NOT_DECODABLE) from None
+    except web.RequestPayloadError:  # aiohttp's chunked framing failed
+        raise web.HTTPBadRequest(reason=NOT_FRAMED) from None
+
+
+async def decode(chunks: AsyncIterable[bytes], max_body: int, encoding: str) -> bytes:
+    """The body read as it arrives (chunked, or compressed), decompressed as ``encoding`` says, never
+    holding more than ``max_body`` of it, nor reading more than ``max_body`` bytes off the wire (an endless
+    run of empty deflate blocks); both servers read a compressed body through this (aiohttp's own decoder
+    is off)."""
+    over = BodyTooLarge(too_large(max_body))
+    wbits = _WBITS.get(encoding)
+    decoder = zlib.decompressobj(wbits) if wbits is not None else None
+    parts, size, raw = [], 0, 0
+    async for chunk in chunks:
+        raw += len(chunk)
+        if raw > max_body:
+            raise over
+        if decoder is not None:
+            if chunk and raw == len(chunk) and wbits == zlib.MAX_WBITS and chunk[0] & 0xF != 8:
+                decoder = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, without zlib's header, as aiohttp
+            if decoder.eof:
+                if chunk:
+                    raise web.HTTPBadRequest(reason=AFTER_END)
+                continue
+            try:
+                chunk = decoder.decompress(chunk, max_body - size + 1)
+            except zlib.error as exc:
+                raise web.HTTPBadRequest(reason=f"{NOT_DECODABLE}: {exc}") from None
+            if decoder.unconsumed_tail:
+                raise over
+            if decoder.unused_data:
+                raise web.HTTPBadRequest(reason=AFTER_END)
+        size += len(chunk)
+        if size > max_body:
+            raise over
+        parts.append(chunk)
+    if decoder is not None and raw:  # an empty body is empty
+        try:
+            tail = decoder.flush()
+        except zlib.error as exc:
+            raise web.HTTPBadRequest(reason=f"{NOT_DECODABLE}: {exc}") from None
+        size += len(tail)
+        if size > max_body:
+            raise over
+        parts.append(tail)
+        if not decoder.eof:
+            raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
+    return b"".join(parts)
 
 
 def version(text: str | None) -> int | None:

@@ -12,7 +12,6 @@ import logging
 import re
 import resource
 import socket
-import zlib
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -24,7 +23,6 @@ log = logging.getLogger("gepool.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = [("content-type", "application/json; charset=utf-8")]
 _CLOSE = ("connection", "close")
-_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 MAX_CONNECTIONS = 1 << 20
 # hyper's read buffer per connection, which a request's headers must fit (431 above it; one read may
 # overshoot it, so the bound is a few times this, not exactly it)
@@ -151,7 +149,7 @@ class Request:
         if length is not None and encoding == "identity":
             reading = self._proto()
         else:
-            reading = self._chunks(max_body, _DECODERS.get(encoding))
+            reading = limits.decode(self._proto, max_body, encoding)
         try:
             return await self._deadlines.run(reading, timeout)
         except TimeoutError:
@@ -170,48 +168,6 @@ class Request:
             pass
         except Exception:  # the client went away: the refusal has no one to reach, and is answered anyway
             pass
-
-    async def _chunks(self, max_body: int, wbits: int | None) -> bytes:
-        """The body read as it arrives (chunked, or compressed), never holding more than ``max_body`` of it,
-        nor reading more than ``max_body`` bytes off the wire (an endless run of empty deflate blocks)."""
-        over = BodyTooLarge(limits.too_large(max_body))
-        decoder = zlib.decompressobj(wbits) if wbits is not None else None
-        parts, size, raw = [], 0, 0
-        async for chunk in self._proto:
-            raw += len(chunk)
-            if raw > max_body:
-                raise over
-            if decoder is not None:
-                if chunk and raw == len(chunk) and wbits == zlib.MAX_WBITS and chunk[0] & 0xF != 8:
-                    decoder = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, without zlib's header, as aiohttp
-                if decoder.eof:
-                    if chunk:
-                        raise web.HTTPBadRequest(reason=limits.AFTER_END)
-                    continue
-                try:
-                    chunk = decoder.decompress(chunk, max_body - size + 1)
-                except zlib.error as exc:
-                    raise web.HTTPBadRequest(reason=f"{limits.NOT_DECODABLE}: {exc}") from None
-                if decoder.unconsumed_tail:
-                    raise over
-                if decoder.unused_data:
-                    raise web.HTTPBadRequest(reason=limits.AFTER_END)
-            size += len(chunk)
-            if size > max_body:
-                raise over
-            parts.append(chunk)
-        if decoder is not None and raw:  # an empty body is empty, as on aiohttp
-            try:
-                tail = decoder.flush()
-            except zlib.error as exc:
-                raise web.HTTPBadRequest(reason=f"{limits.NOT_DECODABLE}: {exc}") from None
-            size += len(tail)
-            if size > max_body:
-                raise over
-            parts.append(tail)
-            if not decoder.eof:
-                raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
-        return b"".join(parts)
 
 
 class Router:

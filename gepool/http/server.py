@@ -430,7 +430,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
             app.router.add_get("/metrics", gw.metrics)
         # keepalive_timeout is also aiohttp's only bound on a connection that never finishes its headers
         # (it is armed when the connection opens): without it a slow-loris connection lives an hour
-        runner = web.AppRunner(app, access_log=None, keepalive_timeout=body_timeout)
+        # auto_decompress off: limits.decode reads compressed bodies, bounding the bytes read off the wire
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=body_timeout, auto_decompress=False)
         await runner.setup()
         await web.TCPSite(runner, host, port, reuse_address=True).start()
         runners.append(runner)
