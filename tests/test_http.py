@@ -198,6 +198,7 @@ def test_shared_memory_offsets_are_checked(http_pool, tmp_path):
         os.unlink(path)
 
 
+@pytest.mark.aiohttp_only
 def test_metrics_parse_and_move(http_pool, triton):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -247,6 +248,7 @@ def _perf_analyzer_env() -> dict | None:
     return env
 
 
+@pytest.mark.aiohttp_only
 def test_perf_analyzer_concurrency_1_to_8(http_pool):
     env = _perf_analyzer_env()
     if env is None:
@@ -263,6 +265,7 @@ def test_perf_analyzer_concurrency_1_to_8(http_pool):
     assert "error" not in proc.stdout.lower().replace("errors: 0", ""), proc.stdout[-3000:]
 
 
+@pytest.mark.aiohttp_only
 def test_repository_index_and_control_mode(http_pool, triton):
     from tritonclient.utils import InferenceServerException
 
@@ -272,6 +275,7 @@ def test_repository_index_and_control_mode(http_pool, triton):
         triton.load_model("tiny")
 
 
+@pytest.mark.aiohttp_only
 def test_bench_over_http(http_pool, monkeypatch):
     import gepool.bench.ticker
     from gepool.bench import Display, bench_http
@@ -317,6 +321,7 @@ def test_the_sidecar_reaches_the_front_over_a_lane(http_pool, triton):
         assert sidecar[0] in c.status()["lane_pids"]
 
 
+@pytest.mark.aiohttp_only
 def test_trace_settings_answer_as_triton_with_tracing_off(http_pool, triton):
     from tritonclient.utils import InferenceServerException
 
@@ -339,6 +344,7 @@ def test_trace_settings_answer_as_triton_with_tracing_off(http_pool, triton):
     assert {"logging", "trace"} <= set(triton.get_server_metadata()["extensions"])
 
 
+@pytest.mark.aiohttp_only
 def test_log_settings_read_and_a_refused_change_changes_nothing(triton):
     from tritonclient.utils import InferenceServerException
 
@@ -351,6 +357,7 @@ def test_log_settings_read_and_a_refused_change_changes_nothing(triton):
     assert triton.get_log_settings() == settings
 
 
+@pytest.mark.aiohttp_only
 def test_host_and_cache_metrics_as_triton_names_them(http_pool, triton):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -439,6 +446,7 @@ def test_cpu_utilization_is_the_busy_share_between_readings_and_memory_is_total_
     assert memory(str(meminfo)) == (0, 0)
 
 
+@pytest.mark.aiohttp_only
 def test_classification_is_asked_of_the_front_never_ignored(triton):
     """``InferRequestedOutput(..., class_count=N)`` reaches the front as [name, N]: the top N classes come
     back in Triton's "value:index" form (a request for classes is never answered with the raw tensor)."""

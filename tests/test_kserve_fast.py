@@ -81,7 +81,7 @@ def tensors(draw):
     return data
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=tensors(), datatype=st.sampled_from(JSON_TYPES), shape_kind=st.sampled_from(["leaves", "flat", "random"]),
        random_shape=st.lists(st.integers(0, 5), max_size=3))
 def test_json_data_parses_as_before(data, datatype, shape_kind, random_shape):
