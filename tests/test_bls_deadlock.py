@@ -320,18 +320,53 @@ class Model:
 '''
 WARM_TIMEOUT_S = 20  # the warmups' calls: before the books saw them, the cycle ended only when this ran out
 
+# WARM_CALL_PY as Triton writes BLS (pb_utils.InferenceRequest(...).exec()): a failed call's error response is
+# passed on as the request's own, as Triton's BLS examples do.
+TRITON_WARM_CALL_PY = '''
+import json
+import time
 
-def test_warmups_calling_each_other_are_refused_at_once_and_a_warmup_waits_for_a_merely_loading_callee(tmp_path):
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.callee, self.timeout_us = p.get("callee", ""), int(float(p["timeout_s"]) * 1e6)
+        time.sleep(float(p.get("load_s", "0")))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            if not self.callee or x.any():
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", x.copy())]))
+                continue
+            call = pb_utils.InferenceRequest(model_name=self.callee, requested_output_names=["OUTPUT"],
+                                             inputs=[pb_utils.Tensor("INPUT", x)], timeout=self.timeout_us)
+            response = call.exec()
+            if response.has_error():
+                responses.append(pb_utils.InferenceResponse(error=response.error()))
+                continue
+            out = pb_utils.get_output_tensor_by_name(response, "OUTPUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out)]))
+        return responses
+'''
+
+
+@pytest.mark.parametrize("py", [WARM_CALL_PY, TRITON_WARM_CALL_PY], ids=["pool-handle", "pb_utils"])
+def test_warmups_calling_each_other_are_refused_at_once_and_a_warmup_waits_for_a_merely_loading_callee(tmp_path, py):
     """ring_a's and ring_b's warmups call each other while both load: the call that closes the cycle is refused
     at once with UNAVAILABLE naming it, the warmup that made it fails, and so does the other's (its callee
     failed to load): both models are UNAVAILABLE in the status and the index, the cycle in their reasons.
-    waiter's warmup calls slow, still in its initialize: it waits, and both come up READY."""
+    waiter's warmup calls slow, still in its initialize: it waits, and both come up READY. The same through the
+    pool handle and through Triton's pb_utils."""
     repo = str(tmp_path)
     t = str(WARM_TIMEOUT_S)
-    _model(repo, "ring_a", WARM_CALL_PY, {"callee": "ring_b", "timeout_s": t})
-    _model(repo, "ring_b", WARM_CALL_PY, {"callee": "ring_a", "timeout_s": t})
-    _model(repo, "waiter", WARM_CALL_PY, {"callee": "slow", "timeout_s": t})
-    _model(repo, "slow", WARM_CALL_PY, {"timeout_s": t, "load_s": "1"})
+    _model(repo, "ring_a", py, {"callee": "ring_b", "timeout_s": t})
+    _model(repo, "ring_b", py, {"callee": "ring_a", "timeout_s": t})
+    _model(repo, "waiter", py, {"callee": "slow", "timeout_s": t})
+    _model(repo, "slow", py, {"timeout_s": t, "load_s": "1"})
     with Pool(repo) as pool:
         models = pool.status["models"]
         assert models["waiter"]["state"] == "READY" and models["slow"]["state"] == "READY"
@@ -349,5 +384,7 @@ def test_warmups_calling_each_other_are_refused_at_once_and_a_warmup_waits_for_a
         assert cycle.search(index["ring_a"].get("reason", "")), index["ring_a"]
         x = np.ones((1, WIDTH), np.float32)
         np.testing.assert_array_equal(c.infer("waiter", {"INPUT": x})["OUTPUT"], x)
+        zeros = np.zeros((2, WIDTH), np.float32)  # waiter's BLS path, now to a READY slow
+        np.testing.assert_array_equal(c.infer("waiter", {"INPUT": zeros})["OUTPUT"], zeros)
         with pytest.raises(errors.ModelNotReady, match="ring_a"):
             c.infer("ring_a", {"INPUT": x})
