@@ -68,16 +68,20 @@ class AsyncClient(ClientCore):
 
     async def infer(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None = None, *,
                     version: int | None = None, timeout: float | None = None, priority: int = 0,
-                    origin: protocol.Origin = protocol.Origin.LIBRARY) -> dict:
+                    origin: protocol.Origin = protocol.Origin.LIBRARY, wait: float | None = None) -> dict:
         """As Client.infer, awaited. ``origin``: the surface the request came by, for the metrics'
-        ``protocol`` label (the gateway's HTTP and gRPC services say theirs)."""
+        ``protocol`` label (the gateway's HTTP and gRPC services say theirs). ``wait``: how long to wait for
+        the answer, if not as Client.infer does (the gateway waits out a batch still running past the
+        request's timeout, as Triton does, whose timeout is the queue's only)."""
         _wire.check_priority(priority)  # before any metadata query
         if self.arena is not None and model not in self._meta:
             self._meta[model] = await self.model_metadata(model)
+        if wait is None:
+            wait = self._wait(timeout)
         for attempt in (1, 2):
-            out = self._encode(model, inputs, outputs, version, timeout, priority, origin)
+            out = self._encode(model, inputs, outputs, version, timeout, priority, origin, wait)
             try:
-                msg, frames = await self._exchange(out.frames, out.req_id, timeout, out)
+                msg, frames = await self._exchange(out.frames, out.req_id, wait, out)
             except BaseException:  # timed out, the pool gone, or cancelled: the front may still write there
                 self._orphan(out)
                 raise

@@ -71,7 +71,7 @@ class Client(ClientCore):
         "value:index[:label]" per row (Triton's classification extension). ``priority``: Triton's request
         priority, for a model with dynamic_batching priority_levels: 1 is the highest level, 0 (and a
         level past priority_levels) the model's default_priority_level."""
-        wait = self.timeout if timeout is None else timeout
+        wait = self._wait(timeout)
         for attempt in (1, 2):
             arena_id = self._arena_id
             out = self._encode(model, inputs, outputs, version, timeout, priority)
@@ -99,7 +99,7 @@ class Client(ClientCore):
         out = self._encode(model, inputs, outputs, version, timeout, priority)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         io = self._io or self._io_thread()
-        io.submit(out, fut, self.timeout if timeout is None else timeout)
+        io.submit(out, fut, self._wait(timeout))
         return fut
 
     def empty(self, shape, dtype) -> np.ndarray:

@@ -12,6 +12,7 @@ from gepool.ipc import protocol
 from gepool.ipc.sockets import default_endpoint, ipc_path
 
 DEFAULT_TIMEOUT_S = 120.0  # never wait forever on a pool that vanished
+ANSWER_GRACE_S = 2.0  # a request whose own timeout ran out: its client waits this long more for the pool's answer
 CONNECT_TIMEOUT_S = 10.0
 DEFAULT_ARENA_BYTES = 64 << 20
 # A request sent over ZMQ and unanswered this long looks whether its pool's socket file is still there: a
@@ -113,11 +114,12 @@ class ClientCore:
         raise NotImplementedError
 
     def _encode(self, model: str, inputs: dict, outputs: list[str] | None, version: int | None,
-                timeout: float | None, priority: int = 0,
-                origin: int = protocol.Origin.LIBRARY) -> _wire.Outgoing:
+                timeout: float | None, priority: int = 0, origin: int = protocol.Origin.LIBRARY,
+                wait: float | None = None) -> _wire.Outgoing:
         if self._closed:
             raise errors.InvalidArgument("the client is closed")
-        wait = self.timeout if timeout is None else timeout  # what the face waits: the front drops it after
+        if wait is None:
+            wait = self._wait(timeout)  # what the face waits: the front drops it after
         arena = self.arena
         if arena is None:
             return _wire.encode_infer(model, inputs, outputs, version, timeout, None, 0, self.arena_min_bytes,
@@ -127,6 +129,12 @@ class ClientCore:
             meta = self._meta[model] = self._metadata(model)
         return _wire.encode_infer(model, inputs, outputs, version, timeout, (arena, self._arena_id),
                                   _wire.output_bytes(meta, inputs), self.arena_min_bytes, wait, priority, origin)
+
+    def _wait(self, timeout: float | None) -> float | None:
+        """How long the face waits for a request's answer: the client's own wait, or the request's timeout
+        and ANSWER_GRACE_S more, so that the pool's answer to a timeout that ran out (Timeout, "Request
+        timeout expired") is what the caller hears, not the face's own "no answer in time"."""
+        return self.timeout if timeout is None else timeout + ANSWER_GRACE_S
 
     def _arena_lost(self, exc: errors.InvalidArgument) -> bool:
         """A new pool came up on the endpoint (ZMQ reconnected by itself) and does not know our arena:

@@ -26,12 +26,13 @@ def test_the_book_hands_out_what_expired_or_what_a_carrier_took():
 
 
 def test_both_faces_send_their_wait_as_the_deadline_and_a_timeout_only_when_given():
-    """deadline_us is what the face will wait (its infer timeout, else the client's); timeout_us, Triton's
+    """deadline_us is what the face will wait (its infer timeout and ANSWER_GRACE_S more, for the pool's own
+    answer to a timeout that ran out, else the client's, else what the caller says); timeout_us, Triton's
     override of the queue policy, only what infer(timeout=) asked. Both faces encode through the core."""
     import numpy as np
 
     from gepool import AsyncClient, Client
-    from gepool.clientcore import ClientCore
+    from gepool.clientcore import ANSWER_GRACE_S, ClientCore
     from gepool.ipc import protocol
 
     assert Client._encode is ClientCore._encode and AsyncClient._encode is ClientCore._encode
@@ -41,7 +42,9 @@ def test_both_faces_send_their_wait_as_the_deadline_and_a_timeout_only_when_give
     default = protocol.decode(core._encode("m", x, None, None, None).frames[0])
     given = protocol.decode(core._encode("m", x, None, None, 0.25).frames[0])
     assert (default.timeout_us, default.deadline_us) == (0, 7_500_000)
-    assert (given.timeout_us, given.deadline_us) == (250_000, 250_000)
+    assert (given.timeout_us, given.deadline_us) == (250_000, 250_000 + ANSWER_GRACE_S * 1_000_000)
+    waited = protocol.decode(core._encode("m", x, None, None, 0.25, wait=300.0).frames[0])
+    assert (waited.timeout_us, waited.deadline_us) == (250_000, 300_000_000)
 
 
 def test_an_infer_header_is_the_bytes_protocol_infer_encodes_and_its_frames_the_inputs_bytes():

@@ -476,6 +476,16 @@ def test_unregistering_an_output_region_during_a_request_does_not_fail_it(hpool,
         shm.destroy_shared_memory_region(handle)
 
 
+def test_a_requests_timeout_is_the_queues_not_the_sidecars_wait(hpool):
+    """Triton's ``timeout`` parameter (µs) is the queue policy's, and only with allow_timeout_override: on a
+    model without one, a 1 µs timeout is served as Triton serves it, where the sidecar used to stop waiting
+    after 1 µs and answer 503 "no answer from the pool ... in time", naming the pool's socket."""
+    for timeout in (1, 100, 2000):
+        body = dict(GOOD, parameters={"timeout": timeout})
+        code, reply = post(hpool.http_port, "/v2/models/tiny/infer", body)
+        assert code == 200, (timeout, reply)
+
+
 # -- Triton's --http-restricted-api, and a body that never arrives ----------------------------------------
 RESTRICTED_MAX_BODY = 1 << 20
 

@@ -18,6 +18,7 @@ from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
 from gepool.http import peer
 from gepool.http.limits import INLINE_PARSE_BYTES
+from gepool.http.server import answer_wait
 from gepool.ipc.protocol import ModelState, Origin
 
 log = logging.getLogger("gepool.grpc")
@@ -158,7 +159,7 @@ class InferenceService:
             names = [o.name for o in call.outputs] if call.outputs is not None else None
             outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
                                                           timeout=call.timeout_s, priority=call.priority,
-                                                          origin=Origin.GRPC)
+                                                          origin=Origin.GRPC, wait=answer_wait(call.timeout_s))
             served = getattr(outputs, "model_version", None)
             served_text = str(served) if served is not None else (str(call.version) if call.version else "")
             return tensors.response(request, call, served_text, outputs,

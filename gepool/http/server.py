@@ -25,6 +25,7 @@ from aiohttp import web
 
 import gepool
 from gepool.aio import AsyncClient
+from gepool.clientcore import ANSWER_GRACE_S
 from gepool.common import errors
 from gepool.common.logsettings import LogSettings
 from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
@@ -50,6 +51,12 @@ PARENT_CHECK_S = 1.0
 CONNECT_RETRY_S = 0.5  # a client fails at once where no pool listens: wait before trying again
 REQUEST_TIMEOUT_S = 300.0
 FRONT_READY_WAIT_S = 30.0  # a pool's own sidecar starts after its front is ready: the first connect is near
+
+
+def answer_wait(timeout_s: float | None) -> float:
+    """How long the gateway waits for an answer: a request's timeout is the queue's alone, as Triton's is, so a
+    batch still running when it passes is waited for; the pool answers a timeout that ran out in the queue."""
+    return REQUEST_TIMEOUT_S if timeout_s is None else max(REQUEST_TIMEOUT_S, timeout_s + ANSWER_GRACE_S)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -268,7 +275,7 @@ class Gateway:
                 if req.outputs is not None else None
             client = self.client if self.connected.is_set() else await self.front()
             outputs = await client.infer(model, req.inputs, names, version=version, priority=req.priority,
-                                         timeout=req.timeout_s, origin=Origin.HTTP)
+                                         timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
             # the version that ran it, from the reply itself (asking the front for metadata cost every
             # unversioned request a second round trip)
             served = getattr(outputs, "model_version", None)
