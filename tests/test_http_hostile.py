@@ -625,6 +625,18 @@ def test_bytes_after_the_end_of_a_compressed_body_are_refused(hpool, restricted)
     assert code == 200, data[:300]
 
 
+def test_a_chunked_body_with_broken_framing_is_refused_not_cut_short(hpool):
+    """A good chunk and then a chunk size that is not hex: 400 on both servers. granian hands the framing
+    error on as an empty chunk, which read as the body's end had served the good part as the whole body."""
+    good = json.dumps(GOOD).encode()
+    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for tail in (b"zz\r\nGARBAGE\r\n0\r\n\r\n", b"-5\r\nabcde\r\n0\r\n\r\n"):
+        code, data = _raw(hpool.http_port, head, b"%x\r\n%s\r\n" % (len(good), good) + tail, wait=30)
+        assert code == 400, (tail, data[:300])
+    code, data = _raw(hpool.http_port, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good))
+    assert code == 200, data[:300]
+
+
 def test_both_servers_decode_the_same_encodings(hpool):
     """One policy for Content-Encoding: an unknown one is a 415 naming it, deflate may be raw or zlib-wrapped,
     and an empty body is empty whatever its encoding."""

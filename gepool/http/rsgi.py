@@ -12,7 +12,7 @@ import logging
 import re
 import resource
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -149,17 +149,30 @@ class Request:
         if length is not None and encoding == "identity":
             reading = self._proto()
         else:
-            reading = limits.decode(self._proto, max_body, encoding)
+            reading = limits.decode(self._chunks(), max_body, encoding)
         try:
             return await self._deadlines.run(reading, timeout)
         except TimeoutError:
             raise BodyTimeout(limits.too_slow(timeout, length)) from None
 
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive. granian hands on a framing error (a bad chunk size, a body cut
+        short) as an empty chunk, where the stream's end is one empty chunk and then no more: an empty chunk
+        with another after it is that error (or trailers, which no KServe client sends), and a 400."""
+        ended = False
+        async for chunk in self._proto:
+            if ended:
+                raise web.HTTPBadRequest(reason=f"{limits.NOT_FRAMED} (or it has trailers, which are refused)")
+            if chunk:
+                yield chunk
+            else:
+                ended = True
+
     async def discard_body(self, timeout: float, idle: float = 1.0) -> None:
         """Drops what the client still sends of a body refused unread, until it ends, pauses ``idle`` seconds
         or ``timeout`` passes: granian closes a connection whose body is left unread, so a client still
         sending would hear a broken pipe, not the refusal (aiohttp lingers on such a body the same way)."""
-        chunks = aiter(self._proto)
+        chunks = self._chunks()
         try:
             async with asyncio.timeout(timeout):
                 while True:
