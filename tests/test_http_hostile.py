@@ -637,6 +637,17 @@ def test_a_chunked_body_with_broken_framing_is_refused_not_cut_short(hpool):
     assert code == 200, data[:300]
 
 
+def test_header_values_that_are_not_utf8_are_refused_by_name(hpool):
+    """A Content-Encoding or Inference-Header-Content-Length of bytes that are not UTF-8 is refused naming the
+    header, on both servers (aiohttp failed writing its own 415 and answered 500; granian dropped the value,
+    so the body was read as identity, or all of it as JSON)."""
+    good = json.dumps(GOOD).encode()
+    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(good)
+    for name, status in ((b"Content-Encoding", 415), (b"Inference-Header-Content-Length", 400)):
+        code, data = _raw(hpool.http_port, head + name + b": \xff\xfe\r\n\r\n", good, wait=30)
+        assert code == status and name in data, (name, data[:300])
+
+
 def test_both_servers_decode_the_same_encodings(hpool):
     """One policy for Content-Encoding: an unknown one is a 415 naming it, deflate may be raw or zlib-wrapped,
     and an empty body is empty whatever its encoding."""

@@ -52,7 +52,7 @@ def content_encoding(headers) -> str:
     """The body's Content-Encoding, lowercased: identity, gzip, x-gzip or deflate (zlib or raw), else 415."""
     encoding = (headers.get("Content-Encoding") or "identity").strip().lower()
     if encoding not in ENCODINGS:
-        raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding '{encoding}' is not supported "
+        raise web.HTTPUnsupportedMediaType(reason=f"the Content-Encoding {encoding!a} is not supported "
                                                   f"(gzip, deflate or identity)")
     return encoding
 

@@ -27,6 +27,7 @@ MAX_CONNECTIONS = 1 << 20
 # hyper's read buffer per connection, which a request's headers must fit (431 above it; one read may
 # overshoot it, so the bound is a few times this, not exactly it)
 READ_BUFFER_BYTES = 64 << 10
+NOT_UTF8 = "\ufffd"
 _DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
 
 
@@ -48,8 +49,13 @@ class Headers:
         self._raw = raw
 
     def get(self, key: str, default=None):
-        values = self._raw.get_all(key.lower())
-        return values[0] if values else default
+        name = key.lower()
+        values = self._raw.get_all(name)
+        if values:
+            return values[0]
+        # granian leaves out a value that is not UTF-8 (get_all gives none, though the name is there): it
+        # reads as present and matching nothing, as aiohttp's surrogate-escaped value does
+        return NOT_UTF8 if name in self._raw else default
 
     def __contains__(self, key: str) -> bool:
         return key.lower() in self._raw
