@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +141,16 @@ def test_restricted_api_body_limit_and_disabled_auto_complete_flags(tmp_path):
                                       "data": [1.0] * 128}]}).encode() + b" " * 4096
         status, reply = request(port, "POST", "/v2/models/tiny/infer", big)
         assert status == 413 and "over the 4096-byte limit" in reply["error"], reply
+        # clients that hang up mid-body (chunked, or short of their Content-Length) cost no log line: the
+        # sidecar logged an "internal error" and a traceback for each
+        for head in (b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"inp", b"Content-Length: 500\r\n\r\n{\"inp"):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n" + head)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):  # until the sidecar closes its end
+                    pass
+        np.testing.assert_array_equal(pool.triton.infer("tiny", [inp]).as_numpy("OUTPUT0"), 2 * x + 1)
+        assert "internal error" not in pool.log() and "Traceback" not in pool.log(), pool.log()
         assert pool.stop() == 0
 
 

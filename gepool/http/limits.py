@@ -28,10 +28,17 @@ class BodyTimeout(errors.GepoolError):
     code, http_status = "TIMEOUT", 408
 
 
+class ClientGone(errors.GepoolError):
+    """The client closed its connection before its body arrived: nobody hears the answer, nothing is logged."""
+
+    http_status = 400
+
+
 ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
 NOT_DECODABLE = "the request body is not valid for its Content-Encoding"
 AFTER_END = "the request body has data after the end of the compressed stream"
 NOT_FRAMED = "the request body's chunked framing is malformed"
+CLIENT_GONE = "the client closed the connection before its request body arrived"
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
@@ -95,6 +102,8 @@ async def read_body(request: web.Request, max_body: int, timeout: float, max_jso
         raise BodyTooLarge(too_large(max_body)) from None
     except web.RequestPayloadError:  # aiohttp's chunked framing failed
         raise web.HTTPBadRequest(reason=NOT_FRAMED) from None
+    except ConnectionResetError:
+        raise ClientGone(CLIENT_GONE) from None
 
 
 async def decode(chunks: AsyncIterable[bytes], max_body: int, encoding: str) -> bytes:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from gepool.http import limits
-from gepool.http.limits import BodyTimeout, BodyTooLarge
+from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -160,6 +160,12 @@ class Request:
             return await self._deadlines.run(reading, timeout)
         except TimeoutError:
             raise BodyTimeout(limits.too_slow(timeout, length)) from None
+        except RuntimeError as exc:
+            from granian.rsgi import ProtocolClosed  # loaded: granian raised this
+
+            if isinstance(exc, ProtocolClosed):
+                raise ClientGone(limits.CLIENT_GONE) from None
+            raise
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         """The body's chunks as they arrive. granian hands on a framing error (a bad chunk size, a body cut
