@@ -19,6 +19,7 @@ from gepool.grpc.service import INTERNAL_MESSAGE, SERVICE, InferenceService, par
 log = logging.getLogger("gepool.grpc")
 HEALTH_SERVICE = "grpc.health.v1.Health"
 WATCH_INTERVAL_S = 1.0  # how often a health Watch looks at the pool's readiness
+MAX_WATCHERS = 1024  # health Watch streams open at once; each holds a stream and a task
 STOP_GRACE_S = 5.0  # calls in flight when the gateway stops get this long to finish
 _Status = health_pb2.HealthCheckResponse
 
@@ -60,6 +61,24 @@ class Health(health_pb2_grpc.HealthServicer):
 
     def __init__(self, service: InferenceService) -> None:
         self.service = service
+        self.watchers = 0
+        self._asked_at = -WATCH_INTERVAL_S
+        self._asking: asyncio.Future | None = None
+
+    async def _watched(self) -> bool:
+        """The pool's readiness for every Watch stream at once: the front is asked at most once per
+        WATCH_INTERVAL_S, however many streams watch."""
+        loop = asyncio.get_running_loop()
+        if self._asking is None or loop.time() - self._asked_at >= WATCH_INTERVAL_S:
+            self._asked_at = loop.time()
+            self._asking = loop.create_task(self._ready())
+        return await asyncio.shield(self._asking)
+
+    async def _ready(self) -> bool:
+        try:
+            return await self.service.gw.ready()
+        except errors.GepoolError:
+            return False
 
     async def _status(self, name: str) -> int:
         if name not in ("", SERVICE):
@@ -83,13 +102,23 @@ class Health(health_pb2_grpc.HealthServicer):
         return out
 
     async def Watch(self, request, context):
-        last = None
-        while True:
-            status = await self._status(request.service)
-            if status != last:
-                yield _Status(status=status)
-                last = status
-            await asyncio.sleep(WATCH_INTERVAL_S)
+        if self.watchers >= MAX_WATCHERS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many health Watch streams open ({MAX_WATCHERS}); use Check, or close one")
+        self.watchers += 1
+        try:
+            last = None
+            while True:
+                if request.service not in ("", SERVICE):  # never known: said once, the stream kept open
+                    status = _Status.SERVICE_UNKNOWN
+                else:
+                    status = _Status.SERVING if await self._watched() else _Status.NOT_SERVING
+                if status != last:
+                    yield _Status(status=status)
+                    last = status
+                await asyncio.sleep(WATCH_INTERVAL_S)
+        finally:
+            self.watchers -= 1
 
 
 def _address(host: str, port: int) -> str:
