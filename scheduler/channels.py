@@ -6,9 +6,10 @@ from typing import Protocol
 
 import zmq
 
-from gepool.ipc import lane, zmqio
+from gepool.common import errors
+from gepool.ipc import lane, protocol, zmqio
 from gepool.ipc.sockets import ipc_path
-from gepool.scheduler.lanes import Lanes
+from gepool.scheduler.lanes import Lanes, is_lane_identity
 from gepool.scheduler.lograte import Limited
 
 log = logging.getLogger("gepool.channels")
@@ -43,6 +44,7 @@ class ZmqChannel:
     def __init__(self, sock: zmq.Socket, on_message: OnMessage, peer: str = "a client") -> None:
         self.sock, self.on_message, self.peer = sock, on_message, peer
         self.stale = True  # set by the front's Waiter.add_zmq too: the one that reads ZMQ_EVENTS
+        self.lane_shaped = is_lane_identity if peer == "a client" else None
 
     def fileno(self) -> int:
         return self.sock.FD
@@ -53,12 +55,22 @@ class ZmqChannel:
             if not readable(sock):
                 return
             frames = recv(sock, zmqio.NOBLOCK)
-            if len(frames) >= 2:
+            if len(frames) >= 2 and self.lane_shaped is not None and self.lane_shaped(frames[0].bytes):
+                self._refuse_lane_identity(frames[0].bytes)
+            elif len(frames) >= 2:
                 self.on_message(frames[0].bytes, [f.buffer for f in frames[1:]])
             else:
                 limited.log(logging.WARNING, "short", frames[0].bytes if frames else b"",
                             "dropping a message of %d frames from %s", len(frames), self.peer)
         self.stale = True  # stopped at its budget: what is left will not signal
+
+    def _refuse_lane_identity(self, identity: bytes) -> None:
+        """A ZMQ client chose a routing id shaped as a lane's (libzmq lets a peer name itself): passed on,
+        its answers, its arenas and its uid would be those of the lane client so named."""
+        limited.log(logging.WARNING, "lane-id", identity, "refusing a ZMQ client whose routing id is a lane's")
+        err = errors.PermissionDenied("this ZMQ client's routing id (ZMQ_ROUTING_ID) has the shape of a lane's "
+                                      "identity, which only the pool mints; leave the routing id to libzmq")
+        zmqio.send_parts(self.sock, [identity, protocol.Error(0, err.code, err.message).encode()])
 
     def owns(self, identity: bytes) -> bool:
         return True

@@ -33,6 +33,11 @@ limited = Limited(log)  # what a client's bytes make the front say: bounded per 
 
 MARK = 1  # first byte of a lane identity; ZMQ's own identities start with 0
 _ID = struct.Struct("<BQ")
+
+
+def is_lane_identity(identity: bytes) -> bool:
+    """Shaped as the identities lanes mint (a ZMQ peer that set its own routing id may forge one)."""
+    return len(identity) == _ID.size and identity[0] == MARK
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 QUEUE_LIMIT = 1 << 30  # bytes of replies held for one lane before the front gives up on it
 ACCEPT_PAUSE_S = 1.0  # after accept() failed (out of descriptors): connections wait in the backlog
@@ -185,7 +190,7 @@ class Lanes:
 
     def owns(self, identity: bytes) -> bool:
         """An identity minted here (its lane may be gone since): never one for the ZMQ socket."""
-        return len(identity) == _ID.size and identity[0] == MARK and _ID.unpack(identity)[1] <= self._minted
+        return is_lane_identity(identity) and _ID.unpack(identity)[1] <= self._minted
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
         """A reply that fits one record joins its lane's batch, sent by ``flush()``, or by ``settle()``

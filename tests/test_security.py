@@ -42,3 +42,30 @@ def test_curve_admits_authorized_keys_only(tiny_repo, tmp_path):
             with pytest.raises(errors.PoolUnavailable):  # refused in the handshake: no answer at all
                 Client(pool.endpoint, connect_timeout=2, **kwargs)
         assert pool.client().infer("tiny", {"INPUT0": x})["OUTPUT0"][0, 1] == 3.0  # the owner's own keys
+
+
+def test_a_zmq_client_cannot_name_itself_as_a_lane(pool):
+    """libzmq lets a peer choose its routing id: one shaped as a lane's (the pool mints them from 1) is refused
+    PermissionDenied over ZMQ, where the front took it for that lane's client and sent its answers, its
+    arenas and its uid that way; the lane's own client is served as before."""
+    import struct
+
+    from gepool.ipc import protocol
+
+    lane_client = pool.client()
+    x = np.ones((1, 16), np.float32)
+    np.testing.assert_array_equal(lane_client.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
+    ctx = zmq.Context()
+    try:
+        forger = ctx.socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.setsockopt(zmq.ROUTING_ID, struct.pack("<BQ", 1, 1))
+        forger.connect(pool.endpoint)
+        forger.send(protocol.Query(7, "status", {}).encode())
+        assert forger.poll(30_000), "no answer: the front answered the lane named by the forged id"
+        reply = protocol.decode(forger.recv_multipart()[0])
+        assert isinstance(reply, protocol.Error) and reply.code == errors.PermissionDenied.code, reply
+        assert "ZMQ_ROUTING_ID" in reply.message
+    finally:
+        ctx.destroy(linger=0)
+    np.testing.assert_array_equal(lane_client.infer("tiny", {"INPUT0": x})["OUTPUT0"], 2 * x + 1)
