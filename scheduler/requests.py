@@ -71,11 +71,23 @@ BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
 _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size", "deadline_us")
 _NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size", "deadline_us")
 ORIGINS = tuple(int(o) for o in protocol.Origin)
+_INT_ONLY = frozenset((int,))
 
 
 def _check_fields(msg: protocol.Infer) -> None:
     """Every header field has the type and range the protocol gives it, before anything uses it.
     (``type(v) is int``: msgpack gives plain ints, and a bool is not a count.)"""
+    if (type(msg.req_id) is int and type(msg.version) is int and type(msg.timeout_us) is int
+            and type(msg.priority) is int and type(msg.arena) is int and type(msg.out_offset) is int
+            and type(msg.out_size) is int and type(msg.deadline_us) is int and type(msg.inputs) is list
+            and type(msg.origin) is int and msg.origin in ORIGINS
+            and min(msg.timeout_us, msg.priority, msg.out_offset, msg.out_size, msg.deadline_us) >= 0):
+        return  # every check of _refuse_fields passes: the usual request, in one expression
+    _refuse_fields(msg)
+
+
+def _refuse_fields(msg: protocol.Infer) -> None:
+    """``_check_fields``, one field at a time in a fixed order: the error names the first field wrong."""
     for name in _INT_FIELDS:
         v = getattr(msg, name)
         if type(v) is not int:
@@ -95,6 +107,13 @@ def origin_of(msg: protocol.Infer) -> int:
 
 
 def _shape_of(name: str, shape: object) -> tuple[int, ...]:
+    if type(shape) is list and _INT_ONLY.issuperset(map(type, shape)) and (not shape or min(shape) >= 0):
+        return tuple(shape)  # every check of _checked_shape passes: the usual shape, in one expression
+    return _checked_shape(name, shape)
+
+
+def _checked_shape(name: str, shape: object) -> tuple[int, ...]:
+    """``_shape_of``, one check at a time: the error says which failed."""
     if type(shape) is not list or not all(type(d) is int for d in shape):
         raise InvalidArgument(f"input '{name}': shape must be a list of integers, got {shape!r}")
     if any(d < 0 for d in shape):
@@ -154,7 +173,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
             raise InvalidArgument(f"input '{name}': datatype {datatype} does not match the model's {want_type}")
         shape = _shape_of(name, shape)
         dims = shape[1:] if batched else shape
-        if len(dims) != len(want_dims) or any(c != -1 and c != d for c, d in zip(want_dims, dims, strict=True)):
+        if dims != want_dims and (len(dims) != len(want_dims)
+                                  or any(c != -1 and c != d for c, d in zip(want_dims, dims, strict=True))):
             want = (["-1"] if batched else []) + [str(d) for d in want_dims]
             raise InvalidArgument(f"input '{name}': shape {list(shape)} does not match the model's "
                                   f"[{', '.join(want)}]")
