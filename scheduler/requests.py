@@ -125,8 +125,8 @@ class Admission:
     """What admitting a request to one model needs from its config, worked out once per model
     generation: the front admits every request, and the config does not change under it."""
 
-    __slots__ = ("config", "slot_bytes", "batched", "inputs", "names", "out_names", "out_row_bytes", "slack",
-                 "variable", "fixed_outputs")
+    __slots__ = ("config", "slot_bytes", "batched", "inputs", "names", "out_names", "out_order", "out_row_bytes",
+                 "slack", "variable", "fixed_outputs")
 
     def __init__(self, config: ModelConfig, slot_bytes: int) -> None:
         self.config, self.slot_bytes = config, slot_bytes
@@ -136,6 +136,7 @@ class Admission:
                        for t in config.inputs]
         self.names = {t.name for t in config.inputs}
         self.out_names = {t.name for t in config.outputs}
+        self.out_order = [t.name for t in config.outputs]  # shared by every response: never changed
         self.out_row_bytes = sum(t.row_bytes() or 0 for t in config.outputs)
         self.slack = (len(config.inputs) + len(config.outputs)) * layout.ALIGN
         self.variable = not all(t.fixed for t in config.inputs)
