@@ -25,7 +25,8 @@ WARM = 10  # batches in the shorter run: the longer one's extra batches are the 
 
 
 def child(iterations: int, batch: int) -> None:
-    sys.path.insert(0, ROOT)  # tests/ (the harness), after the tree on PYTHONPATH
+    # tests/ (the harness), after the tree on PYTHONPATH: first, ROOT/gepool would shadow that tree's gepool
+    sys.path.append(ROOT)
     import numpy as np
 
     from gepool.ipc import protocol
@@ -56,7 +57,8 @@ def child(iterations: int, batch: int) -> None:
 def count(root: str, iterations: int, batch: int) -> int:
     proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
                            os.path.abspath(__file__), "--child", "--iterations", str(iterations), "--batch",
-                           str(batch)], capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                           str(batch)], capture_output=True, text=True, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=root, PYTHONHASHSEED="0"))  # set iteration orders
     m = re.search(r"Collected : (\d+)", proc.stderr)
     if proc.returncode != 0 or m is None:
         raise SystemExit(f"no count from {root}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

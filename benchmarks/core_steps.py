@@ -24,7 +24,8 @@ ROOT = os.path.dirname(HERE)
 
 
 def child(seconds: float, batch: int, fastest_burst: bool = False) -> float:
-    sys.path.insert(0, ROOT)  # tests/ (the harness), after the tree on PYTHONPATH
+    # tests/ (the harness), after the tree on PYTHONPATH: first, ROOT/gepool would shadow that tree's gepool
+    sys.path.append(ROOT)
     import numpy as np
 
     from gepool.ipc import protocol

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -72,16 +73,14 @@ _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offs
 _NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size", "deadline_us")
 ORIGINS = tuple(int(o) for o in protocol.Origin)
 _INT_ONLY = frozenset((int,))
+_ints, _non_negatives = operator.attrgetter(*_INT_FIELDS), operator.attrgetter(*_NON_NEGATIVE)
 
 
 def _check_fields(msg: protocol.Infer) -> None:
     """Every header field has the type and range the protocol gives it, before anything uses it.
     (``type(v) is int``: msgpack gives plain ints, and a bool is not a count.)"""
-    if (type(msg.req_id) is int and type(msg.version) is int and type(msg.timeout_us) is int
-            and type(msg.priority) is int and type(msg.arena) is int and type(msg.out_offset) is int
-            and type(msg.out_size) is int and type(msg.deadline_us) is int and type(msg.inputs) is list
-            and type(msg.origin) is int and msg.origin in ORIGINS
-            and min(msg.timeout_us, msg.priority, msg.out_offset, msg.out_size, msg.deadline_us) >= 0):
+    if (_INT_ONLY.issuperset(map(type, _ints(msg))) and min(_non_negatives(msg)) >= 0 and type(msg.inputs) is list
+            and type(msg.origin) is int and msg.origin in ORIGINS):
         return  # every check of _refuse_fields passes: the usual request, in one expression
     _refuse_fields(msg)
 
