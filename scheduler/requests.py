@@ -209,7 +209,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify, origin=msg.origin, deadline=_deadline(msg, now), priority=msg.priority,
+                   classify=classify, origin=msg.origin, priority=msg.priority,
+                   deadline=_deadline(msg, now) if msg.timeout_us or msg.deadline_us else None,
                    expires=now + msg.deadline_us / 1e6 if msg.deadline_us else None)
 
 

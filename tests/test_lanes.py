@@ -565,3 +565,36 @@ def test_asyncio_sends_that_fill_the_lane_keep_each_message_whole(tmp_path):
     assert not broken and sent == [True] * len(messages)
     assert sorted(got) == sorted([[m[0], m[1].tobytes()] for m in messages])
     assert all(len(g[1]) == messages[int(g[0].split()[1])][1].nbytes for g in got)
+
+
+def test_owns_answers_as_the_identity_test_does_for_open_closed_foreign_and_unminted_identities(tmp_path):
+    """``owns`` answers an open lane's identity from the lane map before its test of the bytes: the same
+    answer as that test for every identity, and True for a lane closed since (its replies are dropped,
+    never sent over ZMQ)."""
+    from gepool.scheduler.lanes import _ID, MARK, Lanes
+
+    lanes = Lanes(str(tmp_path / "o.lane"), lambda identity, parts: None)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(lane.Connection(lanes.path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_until(lambda: (lanes.pump(10), len(lanes.by_identity) == 2)[1], 30)
+        for t in threads:
+            t.join()
+        open_one, closed_one = sorted(lanes.by_identity)
+        lanes._drop(lanes.by_identity[closed_one])
+        assert open_one in lanes.by_identity and closed_one not in lanes.by_identity
+
+        def minted_test(identity: bytes) -> bool:
+            return len(identity) == _ID.size and identity[0] == MARK and _ID.unpack(identity)[1] <= lanes._minted
+
+        identities = [open_one, closed_one, _ID.pack(MARK, lanes._minted + 1), _ID.pack(MARK, 0), b"\0client",
+                      b"\x00" + open_one[1:], open_one + b"x", open_one[:-1], b"", b"\x01", bytes(9)]
+        for identity in identities:
+            assert lanes.owns(identity) is minted_test(identity), identity
+        assert lanes.owns(open_one) and lanes.owns(closed_one) and not lanes.owns(b"\0client")
+    finally:
+        for c in got:
+            c.close()
+        lanes.close()
