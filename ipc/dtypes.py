@@ -33,6 +33,13 @@ def to_numpy(datatype: str) -> np.dtype:
 
 def from_numpy(dtype: np.dtype) -> str:
     """The Triton datatype name of a numpy dtype, or a ValueError naming it."""
+    if isinstance(dtype, np.dtype) and (name := _FROM_NUMPY.get(dtype)) is not None:
+        return name  # a numeric dtype, as _named finds it
+    return _named(dtype)
+
+
+def _named(dtype) -> str:
+    """``from_numpy`` for any dtype-like: BYTES for object and string kinds, else the numeric map."""
     dtype = np.dtype(dtype)
     if dtype.kind in "OSU":
         return BYTES

@@ -152,7 +152,8 @@ class Core:
             # a warmup's call into a model still loading waits in its queue, where the BLS books see the wait
             self.calls.check_servable(model, msg.caller)
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())  # checks every field
-            req.chain, req.caller = chain, None if msg.caller is None else msg.caller[:3]
+            if msg.caller is not None:  # else the request's defaults: no chain, no caller
+                req.chain, req.caller = chain, msg.caller[:3]
             if model.config.ensemble is not None:  # its steps are booked as the caller's calls
                 self.ensembles.start(model, req)
                 group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1

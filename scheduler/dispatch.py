@@ -228,14 +228,18 @@ class Dispatcher:
 
     def respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:
         """Answers ``req`` with its rows of ``arrays`` (its model's outputs), as frames or in its arena."""
-        batched = model.config.max_batch_size > 0
-        names = [t.name for t in model.config.outputs if req.outputs is None or t.name in req.outputs]
-        pieces = [arrays[n][row:row + req.rows] if batched else arrays[n] for n in names]
+        plan = model.admission
+        names = plan.out_order if req.outputs is None else [n for n in plan.out_order if n in req.outputs]
+        if plan.batched:
+            end = row + req.rows
+            pieces = [arrays[n][row:end] for n in names]
+        else:
+            pieces = [arrays[n] for n in names]
         if req.classify is not None:
             pieces = classify(model.config, names, pieces, req.classify)
         if req.cache_key is not None:
             self._keep(model, req, names, pieces)
-        has_bytes = any(p.dtype == object for p in pieces)
+        has_bytes = any(p.dtype.kind == "O" for p in pieces)
         arena = self.arenas.get(req.arena) if req.out_size > 0 and not has_bytes else None
         if arena is not None:
             offsets, _ = layout.pack([p.nbytes for p in pieces], req.out_offset)
@@ -249,7 +253,7 @@ class Dispatcher:
                 return
         refs = [[n, dtypes.from_numpy(p.dtype), list(p.shape), i] for i, (n, p) in enumerate(zip(names, pieces))]
         if has_bytes:
-            pieces = [dtypes.serialize_bytes(p) if p.dtype == object else p for p in pieces]
+            pieces = [dtypes.serialize_bytes(p) if p.dtype.kind == "O" else p for p in pieces]
         # the pieces may be views of a slot that is reused as soon as its batch is answered
         self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version).encode(), *pieces], True)
         if not self._answering:

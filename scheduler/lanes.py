@@ -190,7 +190,9 @@ class Lanes:
 
     def owns(self, identity: bytes) -> bool:
         """An identity minted here (its lane may be gone since): never one for the ZMQ socket."""
-        return is_lane_identity(identity) and _ID.unpack(identity)[1] <= self._minted
+        if identity in self.by_identity:  # an open lane's: one lookup on the hot path
+            return True
+        return is_lane_identity(identity) and 0 < _ID.unpack(identity)[1] <= self._minted
 
     def send(self, identity: bytes, parts: list, copy: bool = False) -> None:
         """A reply that fits one record joins its lane's batch, sent by ``flush()``, or by ``settle()``

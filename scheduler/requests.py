@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -71,11 +72,21 @@ BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
 _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size", "deadline_us")
 _NON_NEGATIVE = ("timeout_us", "priority", "out_offset", "out_size", "deadline_us")
 ORIGINS = tuple(int(o) for o in protocol.Origin)
+_INT_ONLY = frozenset((int,))
+_ints, _non_negatives = operator.attrgetter(*_INT_FIELDS), operator.attrgetter(*_NON_NEGATIVE)
 
 
 def _check_fields(msg: protocol.Infer) -> None:
     """Every header field has the type and range the protocol gives it, before anything uses it.
     (``type(v) is int``: msgpack gives plain ints, and a bool is not a count.)"""
+    if (_INT_ONLY.issuperset(map(type, _ints(msg))) and min(_non_negatives(msg)) >= 0 and type(msg.inputs) is list
+            and type(msg.origin) is int and msg.origin in ORIGINS):
+        return  # every check of _refuse_fields passes: the usual request, in one expression
+    _refuse_fields(msg)
+
+
+def _refuse_fields(msg: protocol.Infer) -> None:
+    """``_check_fields``, one field at a time in a fixed order: the error names the first field wrong."""
     for name in _INT_FIELDS:
         v = getattr(msg, name)
         if type(v) is not int:
@@ -95,6 +106,13 @@ def origin_of(msg: protocol.Infer) -> int:
 
 
 def _shape_of(name: str, shape: object) -> tuple[int, ...]:
+    if type(shape) is list and _INT_ONLY.issuperset(map(type, shape)) and (not shape or min(shape) >= 0):
+        return tuple(shape)  # every check of _checked_shape passes: the usual shape, in one expression
+    return _checked_shape(name, shape)
+
+
+def _checked_shape(name: str, shape: object) -> tuple[int, ...]:
+    """``_shape_of``, one check at a time: the error says which failed."""
     if type(shape) is not list or not all(type(d) is int for d in shape):
         raise InvalidArgument(f"input '{name}': shape must be a list of integers, got {shape!r}")
     if any(d < 0 for d in shape):
@@ -106,8 +124,8 @@ class Admission:
     """What admitting a request to one model needs from its config, worked out once per model
     generation: the front admits every request, and the config does not change under it."""
 
-    __slots__ = ("config", "slot_bytes", "batched", "inputs", "names", "out_names", "out_row_bytes", "slack",
-                 "variable", "fixed_outputs")
+    __slots__ = ("config", "slot_bytes", "batched", "inputs", "names", "out_names", "out_order", "out_row_bytes",
+                 "slack", "variable", "fixed_outputs")
 
     def __init__(self, config: ModelConfig, slot_bytes: int) -> None:
         self.config, self.slot_bytes = config, slot_bytes
@@ -117,6 +135,7 @@ class Admission:
                        for t in config.inputs]
         self.names = {t.name for t in config.inputs}
         self.out_names = {t.name for t in config.outputs}
+        self.out_order = [t.name for t in config.outputs]  # shared by every response: never changed
         self.out_row_bytes = sum(t.row_bytes() or 0 for t in config.outputs)
         self.slack = (len(config.inputs) + len(config.outputs)) * layout.ALIGN
         self.variable = not all(t.fixed for t in config.inputs)
@@ -154,7 +173,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
             raise InvalidArgument(f"input '{name}': datatype {datatype} does not match the model's {want_type}")
         shape = _shape_of(name, shape)
         dims = shape[1:] if batched else shape
-        if len(dims) != len(want_dims) or any(c != -1 and c != d for c, d in zip(want_dims, dims, strict=True)):
+        if dims != want_dims and (len(dims) != len(want_dims)
+                                  or any(c != -1 and c != d for c, d in zip(want_dims, dims, strict=True))):
             want = (["-1"] if batched else []) + [str(d) for d in want_dims]
             raise InvalidArgument(f"input '{name}': shape {list(shape)} does not match the model's "
                                   f"[{', '.join(want)}]")
@@ -189,7 +209,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify, origin=msg.origin, deadline=_deadline(msg, now), priority=msg.priority,
+                   classify=classify, origin=msg.origin, priority=msg.priority,
+                   deadline=_deadline(msg, now) if msg.timeout_us or msg.deadline_us else None,
                    expires=now + msg.deadline_us / 1e6 if msg.deadline_us else None)
 
 

@@ -565,3 +565,34 @@ def test_asyncio_sends_that_fill_the_lane_keep_each_message_whole(tmp_path):
     assert not broken and sent == [True] * len(messages)
     assert sorted(got) == sorted([[m[0], m[1].tobytes()] for m in messages])
     assert all(len(g[1]) == messages[int(g[0].split()[1])][1].nbytes for g in got)
+
+
+def test_owns_answers_as_the_identity_test_does_for_open_closed_foreign_and_unminted_identities(tmp_path):
+    """``owns`` answers an open lane's identity from the lane map before its test of the bytes: True for every
+    identity minted here, a lane closed since included (its replies are dropped, never sent over ZMQ), and
+    False for any other (unminted, the never-minted 0, ZMQ's own, any other length or first byte)."""
+    from gepool.scheduler.lanes import _ID, MARK, Lanes
+
+    lanes = Lanes(str(tmp_path / "o.lane"), lambda identity, parts: None)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(lane.Connection(lanes.path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_until(lambda: (lanes.pump(10), len(lanes.by_identity) == 2)[1], 30)
+        for t in threads:
+            t.join()
+        open_one, closed_one = sorted(lanes.by_identity)
+        lanes._drop(lanes.by_identity[closed_one])
+        assert open_one in lanes.by_identity and closed_one not in lanes.by_identity
+
+        expected = [(open_one, True), (closed_one, True), (_ID.pack(MARK, lanes._minted + 1), False),
+                    (_ID.pack(MARK, 0), False), (b"\0client", False), (b"\x00" + open_one[1:], False),
+                    (open_one + b"x", False), (open_one[:-1], False), (b"", False), (b"\x01", False),
+                    (bytes(9), False)]
+        assert [(identity, lanes.owns(identity)) for identity, _ in expected] == expected
+        assert lanes.owns(open_one) and lanes.owns(closed_one) and not lanes.owns(b"\0client")
+    finally:
+        for c in got:
+            c.close()
+        lanes.close()
