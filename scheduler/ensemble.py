@@ -11,6 +11,7 @@ answered from the last step's slot, or from those buffers. Nothing passes throug
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from gepool.scheduler.calls import Call, Calls
 from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
-from gepool.scheduler.requests import Request, admit
+from gepool.scheduler.requests import Admission, Request, admit
 from gepool.scheduler.stats import CANCELED, failure_reason
 
 log = logging.getLogger("gepool.ensemble")
@@ -77,6 +78,48 @@ def _up(sink: object) -> Iterator[StepSink]:
     while isinstance(sink, StepSink):
         yield sink
         sink = sink.run.req.sink
+
+
+def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float, timeout_us: int) -> Request | None:
+    """A step request made straight from the run's tensors, each whole already (admitted with the ensemble's
+    request, or a step's output): it passes the checks ``admit`` makes of what the step's model takes
+    (names, datatypes, shapes, batch size, room in a slot) or None is returned, and ``admit`` of the same
+    request as a message says what is wrong. BYTES tensors always go that way (their elements are checked)."""
+    if len(input_map) != len(plan.inputs):
+        return None
+    batched, shapes, buffers, rows, total = plan.batched, [], [], -1, 0
+    tensors = run.tensors
+    for name, want_type, want_dims, itemsize in plan.inputs:
+        t = tensors.get(input_map.get(name, ""))
+        if t is None or t.datatype != want_type or not itemsize:
+            return None
+        shape = t.shape
+        dims = shape[1:] if batched else shape
+        if len(dims) != len(want_dims) or any(c != -1 and c != d for c, d in zip(want_dims, dims)):
+            return None
+        if batched:
+            if rows == -1:
+                rows = shape[0]
+            elif rows != shape[0]:
+                return None
+        if len(t.buf) != math.prod(shape) * itemsize:
+            return None
+        shapes.append(shape)
+        buffers.append(t.buf)
+        total += len(t.buf)
+    if not batched:
+        rows = 1
+    elif not 1 <= rows <= plan.config.max_batch_size:
+        return None
+    total += plan.out_row_bytes * rows
+    if total + plan.slack > plan.slot_bytes:
+        return None
+    key = tuple(s[1:] if batched else s for s in shapes) if plan.variable else None
+    outer = run.req
+    return Request(outer.identity, outer.req_id, plan.config.name, shapes, buffers, rows, total, None,
+                   protocol.NO_ARENA, 0, 0, now, key, origin=outer.origin, priority=outer.priority,
+                   deadline=now + timeout_us / 1e6 if timeout_us else None,
+                   expires=now + timeout_us / 1e6 if timeout_us else None)
 
 
 def _step_sink(req: Request) -> StepSink:
@@ -237,17 +280,12 @@ class Ensembles:
             model.check_servable()
         else:  # a warmup's step waits for its model to load, as the warmup's call would
             self.calls.check_servable(model, run.req.caller)
-        refs, frames = [], []
-        for inp, name in step.input_map.items():
-            t = run.tensors[name]
-            refs.append([inp, t.datatype, list(t.shape), len(frames)])
-            frames.append(t.buf)
-        msg = protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
-                             outputs=None, timeout_us=timeout_us, priority=run.req.priority, arena=protocol.NO_ARENA,
-                             out_offset=0, out_size=0, deadline_us=timeout_us,
-                             origin=run.req.origin)
         try:
-            req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
+            req = _admit_step(model.admission, step.input_map, run, now, timeout_us)
+            if req is None:  # admit says what is wrong
+                req = admit(self._step_message(run, step, model, timeout_us), run.req.identity,
+                            [run.tensors[name].buf for name in step.input_map.values()], model.admission,
+                            self.arenas, now)
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
@@ -273,6 +311,15 @@ class Ensembles:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
                                                  for k, t in enumerate(model.config.inputs)
                                                  if run.tensors[step.input_map[t.name]].view]))
+
+    @staticmethod
+    def _step_message(run: Run, step, model: Model, timeout_us: int) -> protocol.Infer:
+        """The step request as a client would send it, its tensors as frames in ``input_map``'s order."""
+        refs = [[inp, run.tensors[name].datatype, list(run.tensors[name].shape), k]
+                for k, (inp, name) in enumerate(step.input_map.items())]
+        return protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
+                              outputs=None, timeout_us=timeout_us, priority=run.req.priority, arena=protocol.NO_ARENA,
+                              out_offset=0, out_size=0, deadline_us=timeout_us, origin=run.req.origin)
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float,
                   queue_s: float | None = None) -> bool:
