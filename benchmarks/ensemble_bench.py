@@ -224,14 +224,25 @@ def ensemble_compute(stats: dict) -> tuple[int, float]:
     return h["count"], h["sum"]
 
 
+def rows_per_batch(before: dict, after: dict) -> dict[str, float]:
+    """Each step model's requests per batch over the window between two stats (its direct and step requests)."""
+    out = {}
+    for m in STEPS:
+        batches = after[m]["batches"] - before[m]["batches"]
+        if batches:
+            out[m] = (after[m]["requests"] - before[m]["requests"]) / batches
+    return out
+
+
 def cpu_table(rows: list[dict]) -> None:
     """CPU us per request by process, their sum, and the CPU ceiling: the req/s the host's cores would
     allow if that sum were all a request cost (written into each row as ``ceiling_rps``)."""
     n = pool_cpu.cores()
     roles = ["front", *(f"worker {m}" for m in STEPS), "sidecar", pool_cpu.CLIENT]
-    print(f"\nCPU us per request by process ({n} cores; 'other' = the pool's other workers)")
+    print(f"\nCPU us per request by process ({n} cores; 'other' = the pool's other workers; 'batch': requests per "
+          f"batch of {', '.join(STEPS)})")
     print(f"{'pool':8} {'carrier':8} {'c':>3} {'mode':16} " + " ".join(f"{r.split()[-1][:10]:>10}" for r in roles)
-          + f" {'other':>7} {'total':>8} {'ceiling/s':>9}")
+          + f" {'other':>7} {'total':>8} {'ceiling/s':>9}  batch")
     for r in rows:
         cpu = r["cpu_us"]
         other = sum(v for k, v in cpu.items() if k not in roles)
@@ -239,7 +250,8 @@ def cpu_table(rows: list[dict]) -> None:
         r["cpu_total_us"], r["ceiling_rps"] = total, n / total * 1e6 if total else float("nan")
         print(f"{r['pool'][:8]:8} {r['carrier']:8} {r['concurrency']:>3} {r['mode']:16} "
               + " ".join(f"{cpu.get(role, float('nan')):10.0f}" for role in roles)
-              + f" {other:7.0f} {total:8.0f} {r['ceiling_rps']:9.0f}")
+              + f" {other:7.0f} {total:8.0f} {r['ceiling_rps']:9.0f}  "
+              + "/".join(f"{r['rows_per_batch'][m]:.1f}" if m in r["rows_per_batch"] else "-" for m in STEPS))
 
 
 def main() -> int:
@@ -292,10 +304,12 @@ def main() -> int:
                     order = list(sites) if turn % 2 == 0 else list(reversed(sites))  # ABBA
                     turn += 1
                     for name in order:
-                        before = ensemble_compute(stats[name].stats())
+                        seen = stats[name].stats()
                         r = measure(maker(carrier, name), call, c, args.seconds, procs[name])
-                        after = ensemble_compute(stats[name].stats())
-                        row = {"pool": name, "carrier": carrier, "concurrency": c, "mode": call, **r}
+                        now = stats[name].stats()
+                        before, after = ensemble_compute(seen), ensemble_compute(now)
+                        row = {"pool": name, "carrier": carrier, "concurrency": c, "mode": call, **r,
+                               "rows_per_batch": rows_per_batch(seen, now)}
                         if call == "ensemble" and after[0] > before[0]:
                             compute_us = (after[1] - before[1]) / (after[0] - before[0]) * 1e6
                             row["steps_compute_us"] = compute_us
@@ -304,8 +318,10 @@ def main() -> int:
         top = max(args.concurrency)
         for model in STEPS:
             for name in sites:
+                seen = stats[name].stats()
                 r = measure(maker("library", name), "step", top, args.seconds, procs[name], model)
-                rows.append({"pool": name, "carrier": "library", "concurrency": top, "mode": f"{model} alone", **r})
+                rows.append({"pool": name, "carrier": "library", "concurrency": top, "mode": f"{model} alone", **r,
+                             "rows_per_batch": rows_per_batch(seen, stats[name].stats())})
     shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'pool':8} {'carrier':8} {'c':>3} {'mode':16} {'req/s':>8} {'p50 us':>9} {'p99 us':>9} {'steps us':>9} "
           f"{'ovh/step us':>11} {'errors':>6}")
