@@ -293,7 +293,7 @@ class Calls:
             path.append(node)
             node = seen[node]
         if not path:  # the wait never comes back to the caller: it ends at workers that stopped for good
-            why = "; ".join(dict.fromkeys(w.reason for w in call.model.workers if w.reason))
+            why = "; ".join(self._never_reasons(call, seen))
             return f"no worker of model '{call.model.name}' will ever be free to run it" + (f" ({why})" if why else "")
         hops = [self._name(start)]
         for n in reversed(path):  # the call first: each call, then the batch that waits on it
@@ -303,6 +303,19 @@ class Calls:
                 hops += n.step.hops()
         cycle = " -> ".join(hops)
         return f"every worker that could run it waits, through BLS calls, on the batch that made it ({cycle})"
+
+    def _never_reasons(self, call: Call, reached) -> dict[str, None]:
+        """Why the workers the wait ``reached`` (the callee's first, then those of the calls it waits on) will
+        never run a call: the current reason of each that will not, never that of a worker serving again."""
+        out: dict[str, None] = {}
+        models = dict.fromkeys([call.model, *(n.model for n in reached if isinstance(n, Call))])
+        for model in models:
+            for w in model.workers:
+                if self._worker_node(w) is not NEVER:
+                    continue
+                why = w.reason or f"worker {w.id} stopped"
+                out[why if model is call.model else f"model '{model.name}': {why}"] = None
+        return out
 
     def _name(self, node: tuple) -> str:
         w = self.workers.get(node[0])
