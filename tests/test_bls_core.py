@@ -460,3 +460,29 @@ def test_a_call_no_worker_will_run_quotes_only_the_current_reasons_not_a_recover
     assert "exit code -9" not in got[ab].message
     assert "no worker of model 'c' will ever be free to run it (c's weights missing)" in got[bc].message
 
+
+def test_a_warmups_call_into_a_model_that_keeps_crashing_while_it_loads_fails_naming_it(tmp_path, front):
+    """b's worker dies each time it loads: after CRASH_LOOP_DEATHS deaths in a row a's warmup's call into b
+    is failed, naming b and the crash, instead of waiting out its timeout; a new one is refused at once."""
+    from gepool.scheduler.calls import CRASH_LOOP_DEATHS
+
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    ab = _call(h, "b", _warming(wa))
+    for death in range(1, CRASH_LOOP_DEATHS + 1):
+        assert h.out.take() == [] and wb.state == WorkerState.STARTING
+        h.exit(wb, -11)
+        if death < CRASH_LOOP_DEATHS:
+            h.tick(60.0)  # past its backoff: it starts loading again
+    err = results(h.out.take())[ab]
+    assert err.code == errors.Unavailable.code
+    assert (f"model 'b' can no longer run this BLS call: no worker of model 'b' will ever be free to run it "
+            f"(worker {wb.id} died with exit code -11, {CRASH_LOOP_DEATHS} times in a row while loading)"
+            ) in err.message, err.message
+    assert len(wb.model.batcher) == 0 and not h.core.calls.by_worker
+    again = _call(h, "b", _warming(wa))
+    err = results(h.out.take())[again]
+    assert err.code == errors.Unavailable.code and "model 'b' cannot take this BLS call" in err.message
+    assert wb.restart_at is not None  # the pool's own restarts go on
