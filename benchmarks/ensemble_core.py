@@ -39,6 +39,12 @@ def child(seconds: float, batch: int, wait: bool, profile: bool) -> tuple[float,
     for name in "abc":
         echo_model(repo, name)
     pipe(repo, "pipe", ["a", "b", "c"])
+    for name in ("a", "b", "c", "pipe"):  # room for a whole --batch in one batch
+        path = os.path.join(repo, name, "config.pbtxt")
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace("max_batch_size: 8", f"max_batch_size: {max(8, batch)}"))
     h = Harness(repo)
     try:
         h.ready_all()
@@ -84,7 +90,10 @@ def child(seconds: float, batch: int, wait: bool, profile: bool) -> tuple[float,
 
             p = cProfile.Profile(time.process_time)
             p.runcall(lambda: [ensemble() for _ in range(1000)])
-            pstats.Stats(p).sort_stats("tottime").print_stats(30)
+            st = pstats.Stats(p).sort_stats("tottime")
+            st.print_stats(30)
+            if os.environ.get("ENSCORE_CALLERS"):
+                st.print_callers(os.environ["ENSCORE_CALLERS"])
         got = []
         for fn in (ensemble, direct):
             n, started, end = 0, time.process_time(), time.monotonic() + seconds
@@ -105,7 +114,7 @@ def main() -> None:
     p.add_argument("--head", help="the revision measured against it (default: the working tree)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=1.5, help="per mode, version and round")
-    p.add_argument("--batch", type=int, default=8, help="requests per batch")
+    p.add_argument("--batch", type=int, default=8, help="requests per batch (the models' max_batch_size: at least 8)")
     p.add_argument("--wait", action="store_true", help="each step request waits in its queue")
     p.add_argument("--profile", action="store_true", help="print the head's cProfile of the ensemble")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -388,11 +388,12 @@ class Ensembles:
                 ours = sum(1 for link in links if link.model is model)
                 if id(model) not in producers and len(model.batcher) == ours:  # nothing queued before them
                     self.dispatch(model)
+            places = handoff.Placements()
             for link in links:
                 if link.inputs:
-                    placed = handoff.in_flight(link.model, link.req)
+                    placed = places.of(link.model, link.req)
                     if placed is not None:
-                        handoff.rebind_to_slot(link, placed, self.copies)
+                        handoff.rebind_to_slot(link, placed, places, self.copies)
                     else:
                         handoff.rebind_to_own(link, self.copies)
         except Exception:  # a bug here must not leave a view of a slot about to be refilled
