@@ -224,6 +224,13 @@ def ensemble_compute(stats: dict) -> tuple[int, float]:
     return h["count"], h["sum"]
 
 
+def copies(client) -> dict:
+    """The front's count of ensemble step outputs' bytes by where they went (empty from a pool without it):
+    out_bytes copied out of a slot to wait (a hop's second copy), handed_bytes read slot to slot, answered_bytes
+    answered from the last step's slot."""
+    return client.status().get("ensemble_copies") or {}
+
+
 def rows_per_batch(before: dict, after: dict) -> dict[str, float]:
     """Each step model's requests per batch over the window between two stats (its direct and step requests)."""
     out = {}
@@ -304,12 +311,16 @@ def main() -> int:
                     order = list(sites) if turn % 2 == 0 else list(reversed(sites))  # ABBA
                     turn += 1
                     for name in order:
-                        seen = stats[name].stats()
+                        seen, copied = stats[name].stats(), copies(stats[name])
                         r = measure(maker(carrier, name), call, c, args.seconds, procs[name])
                         now = stats[name].stats()
                         before, after = ensemble_compute(seen), ensemble_compute(now)
                         row = {"pool": name, "carrier": carrier, "concurrency": c, "mode": call, **r,
                                "rows_per_batch": rows_per_batch(seen, now)}
+                        if call == "ensemble" and copied:
+                            moved = copies(stats[name])
+                            row["copied_bytes_per_request"] = {k: (moved[k] - copied[k]) / max(r["requests"], 1)
+                                                               for k in copied}
                         if call == "ensemble" and after[0] > before[0]:
                             compute_us = (after[1] - before[1]) / (after[0] - before[0]) * 1e6
                             row["steps_compute_us"] = compute_us
@@ -337,6 +348,10 @@ def main() -> int:
             print(f"{r['pool']} {r['carrier']} c={top}: ensemble {r['rps']:.1f} req/s = "
                   f"{r['rps'] / slowest['rps']:.0%} of the slowest step alone ({slowest['mode']}, "
                   f"{slowest['rps']:.1f} req/s)")
+            moved = r.get("copied_bytes_per_request")
+            if moved:
+                print("  step outputs' bytes per request: " + ", ".join(f"{k.split('_')[0]} {v:.0f}"
+                                                                       for k, v in moved.items()))
             mlp = next(s for s in rows if s["mode"] == "mlp alone" and s["pool"] == r["pool"])
             print(f"  CPU ceiling ({r['ceiling_rps']:.0f} ensemble, {mlp['ceiling_rps']:.0f} mlp alone) ratio "
                   f"{r['ceiling_rps'] / mlp['ceiling_rps']:.0%}; measured ratio {r['rps'] / mlp['rps']:.0%}; "
