@@ -19,6 +19,7 @@ from gepool.common import errors
 from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler import handoff
+from gepool.scheduler.arena_io import ArenaSpan
 from gepool.scheduler.calls import Call, Calls
 from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
@@ -120,6 +121,12 @@ def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float
                    protocol.NO_ARENA, 0, 0, now, key, origin=outer.origin, priority=outer.priority,
                    deadline=now + timeout_us / 1e6 if timeout_us else None,
                    expires=now + timeout_us / 1e6 if timeout_us else None)
+
+
+def _frame(buf: memoryview | ArenaSpan) -> memoryview:
+    """A run's tensor as a message's frame: an ensemble request's input that lies in its client's arena is
+    read from there (only a step request that admit refuses comes this way)."""
+    return memoryview(bytes(buf)) if type(buf) is ArenaSpan else buf
 
 
 def _step_sink(req: Request) -> StepSink:
@@ -284,7 +291,7 @@ class Ensembles:
             req = _admit_step(model.admission, step.input_map, run, now, timeout_us)
             if req is None:  # admit says what is wrong
                 req = admit(self._step_message(run, step, model, timeout_us), run.req.identity,
-                            [run.tensors[name].buf for name in step.input_map.values()], model.admission,
+                            [_frame(run.tensors[name].buf) for name in step.input_map.values()], model.admission,
                             self.arenas, now)
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
