@@ -282,6 +282,23 @@ def test_an_ensemble_request_whose_input_lies_in_the_clients_arena(pool):
         del small, big
 
 
+def test_an_ensemble_request_whose_arena_was_truncated_fails_naming_the_arena(pool):
+    """Its step request reads the input out of the arena: a truncated arena fails it InvalidArgument, as a
+    direct request's (before: the step ran on the zeros a short read leaves, and the ensemble answered)."""
+    with pool.client(shared_memory=True, arena_bytes=1 << 22) as c:
+        x = c.empty((1, 4), np.float32)
+        x[:] = 2
+        np.testing.assert_array_equal(c.infer("tight", {"X": x})["Y"], np.full((1, 4), 3, np.float32))
+        os.truncate("/dev/shm" + c.arena.segment.name, 0)
+        with pytest.raises(errors.InvalidArgument, match="was truncated") as exc:
+            c.infer("tight", {"X": x}, timeout=60)
+        assert c.arena.segment.name in str(exc.value)
+        del x
+    with pool.client() as other:
+        np.testing.assert_array_equal(other.infer("tight", {"X": np.ones((1, 4), np.float32)})["Y"],
+                                      np.full((1, 4), 2, np.float32))
+
+
 def test_a_lone_ensemble_request_prewakes_the_worker_of_each_step(pool, client):
     """Sequential traffic: each step's worker is woken before its batch is admitted (the first as the
     request arrives, the next as the step before it completes), as a client's own requests' are."""
