@@ -11,7 +11,6 @@ answered from the last step's slot, or from those buffers. Nothing passes throug
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -19,12 +18,11 @@ from gepool.common import errors
 from gepool.common.ensemble import LATEST, check_nesting, check_steps
 from gepool.ipc import dtypes, protocol
 from gepool.scheduler import handoff
-from gepool.scheduler.arena_io import ArenaSpan
 from gepool.scheduler.calls import Call, Calls
 from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
-from gepool.scheduler.requests import Admission, Request, admit
+from gepool.scheduler.requests import Admission, Request, check_batch, check_names, check_tensor, whole_buffer
 from gepool.scheduler.stats import CANCELED, failure_reason
 
 log = logging.getLogger("gepool.ensemble")
@@ -81,52 +79,26 @@ def _up(sink: object) -> Iterator[StepSink]:
         sink = sink.run.req.sink
 
 
-def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float, timeout_us: int) -> Request | None:
+def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float, timeout_us: int) -> Request:
     """A step request made straight from the run's tensors, each whole already (admitted with the ensemble's
-    request, or a step's output): it passes the checks ``admit`` makes of what the step's model takes
-    (names, datatypes, shapes, batch size, room in a slot) or None is returned, and ``admit`` of the same
-    request as a message says what is wrong. BYTES tensors always go that way (their elements are checked)."""
-    if len(input_map) != len(plan.inputs):
-        return None
-    batched, shapes, buffers, rows, total = plan.batched, [], [], -1, 0
+    request, or a step's output), checked by the functions ``admit`` checks a client's request with."""
+    check_names(plan, input_map.keys())
+    shapes, buffers, rows, total = [], [], -1, 0
     tensors = run.tensors
-    for name, want_type, want_dims, itemsize in plan.inputs:
-        t = tensors.get(input_map.get(name, ""))
-        if t is None or t.datatype != want_type or not itemsize:
-            return None
-        shape = t.shape
-        dims = shape[1:] if batched else shape
-        if len(dims) != len(want_dims) or any(c != -1 and c != d for c, d in zip(want_dims, dims)):
-            return None
-        if batched:
-            if rows == -1:
-                rows = shape[0]
-            elif rows != shape[0]:
-                return None
-        if len(t.buf) != math.prod(shape) * itemsize:
-            return None
-        shapes.append(shape)
-        buffers.append(t.buf)
-        total += len(t.buf)
-    if not batched:
-        rows = 1
-    elif not 1 <= rows <= plan.config.max_batch_size:
-        return None
-    total += plan.out_row_bytes * rows
-    if total + plan.slack > plan.slot_bytes:
-        return None
-    key = tuple(s[1:] if batched else s for s in shapes) if plan.variable else None
+    for spec in plan.inputs:
+        name, _, _, itemsize = spec
+        t = tensors[input_map[name]]
+        rows = check_tensor(plan, spec, t.datatype, t.shape, rows, shapes)
+        buf = whole_buffer(name, itemsize, t.shape, t.buf)
+        shapes.append(t.shape)
+        buffers.append(buf)
+        total += len(buf)
+    rows, total, key = check_batch(plan, shapes, rows, total)
     outer = run.req
     return Request(outer.identity, outer.req_id, plan.config.name, shapes, buffers, rows, total, None,
                    protocol.NO_ARENA, 0, 0, now, key, origin=outer.origin, priority=outer.priority,
                    deadline=now + timeout_us / 1e6 if timeout_us else None,
                    expires=now + timeout_us / 1e6 if timeout_us else None)
-
-
-def _frame(buf: memoryview | ArenaSpan) -> memoryview:
-    """A run's tensor as a message's frame: an ensemble request's input that lies in its client's arena is
-    read from there (only a step request that admit refuses comes this way)."""
-    return memoryview(bytes(buf)) if type(buf) is ArenaSpan else buf
 
 
 def _step_sink(req: Request) -> StepSink:
@@ -289,10 +261,6 @@ class Ensembles:
             self.calls.check_servable(model, run.req.caller)
         try:
             req = _admit_step(model.admission, step.input_map, run, now, timeout_us)
-            if req is None:  # admit says what is wrong
-                req = admit(self._step_message(run, step, model, timeout_us), run.req.identity,
-                            [_frame(run.tensors[name].buf) for name in step.input_map.values()], model.admission,
-                            self.arenas, now)
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
@@ -318,15 +286,6 @@ class Ensembles:
             self._links.append(Link(req, model, [(k, run.tensors[step.input_map[t.name]])
                                                  for k, t in enumerate(model.config.inputs)
                                                  if run.tensors[step.input_map[t.name]].view]))
-
-    @staticmethod
-    def _step_message(run: Run, step, model: Model, timeout_us: int) -> protocol.Infer:
-        """The step request as a client would send it, its tensors as frames in ``input_map``'s order."""
-        refs = [[inp, run.tensors[name].datatype, list(run.tensors[name].shape), k]
-                for k, (inp, name) in enumerate(step.input_map.items())]
-        return protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
-                              outputs=None, timeout_us=timeout_us, priority=run.req.priority, arena=protocol.NO_ARENA,
-                              out_offset=0, out_size=0, deadline_us=timeout_us, origin=run.req.origin)
 
     def step_done(self, sink: StepSink, model: Model, arrays: dict, row: int, compute_s: float,
                   queue_s: float | None = None) -> bool:
