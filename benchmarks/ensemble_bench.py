@@ -258,7 +258,8 @@ def cpu_table(rows: list[dict]) -> None:
         print(f"{r['pool'][:8]:8} {r['carrier']:8} {r['concurrency']:>3} {r['mode']:16} "
               + " ".join(f"{cpu.get(role, float('nan')):10.0f}" for role in roles)
               + f" {other:7.0f} {total:8.0f} {r['ceiling_rps']:9.0f}  "
-              + "/".join(f"{r['rows_per_batch'][m]:.1f}" if m in r["rows_per_batch"] else "-" for m in STEPS))
+              + "/".join(f"{r['rows_per_batch'][m]:.1f}" if m in r["rows_per_batch"] else "-" for m in STEPS)
+              + (f"  RESTARTED: {', '.join(r['restarted'])}" if r.get("restarted") else ""))
 
 
 def main() -> int:
@@ -304,6 +305,17 @@ def main() -> int:
                 return lambda: HttpCalls(f"127.0.0.1:{ports[name]}")
             return lambda: LibraryCalls(pools[name].endpoint)
 
+        def timed(name: str, carrier: str, c: int, call: str, *model: str) -> dict:
+            """``measure`` with the pool's processes read just before, and the roles whose processes
+            changed by its end named under "restarted" (their CPU figures are wrong)."""
+            procs[name] = pool_cpu.pool_processes(stats[name].status())
+            r = measure(maker(carrier, name), call, c, args.seconds, procs[name], *model)
+            r["restarted"] = pool_cpu.changed(procs[name], pool_cpu.pool_processes(stats[name].status()))
+            if r["restarted"]:
+                print(f"{name} {carrier} c={c} {call} {''.join(model)}: processes changed during the measurement "
+                      f"({', '.join(r['restarted'])}): their CPU figures are wrong", file=sys.stderr)
+            return r
+
         turn = 0
         for carrier in args.carriers:
             for c in args.concurrency:
@@ -312,7 +324,7 @@ def main() -> int:
                     turn += 1
                     for name in order:
                         seen, copied = stats[name].stats(), copies(stats[name])
-                        r = measure(maker(carrier, name), call, c, args.seconds, procs[name])
+                        r = timed(name, carrier, c, call)
                         now = stats[name].stats()
                         before, after = ensemble_compute(seen), ensemble_compute(now)
                         row = {"pool": name, "carrier": carrier, "concurrency": c, "mode": call, **r,
@@ -330,7 +342,7 @@ def main() -> int:
         for model in STEPS:
             for name in sites:
                 seen = stats[name].stats()
-                r = measure(maker("library", name), "step", top, args.seconds, procs[name], model)
+                r = timed(name, "library", top, "step", model)
                 rows.append({"pool": name, "carrier": "library", "concurrency": top, "mode": f"{model} alone", **r,
                              "rows_per_batch": rows_per_batch(seen, stats[name].stats())})
     shutil.rmtree(work, ignore_errors=True)

@@ -26,6 +26,12 @@ def pool_processes(status: dict) -> dict[str, list[int]]:
     return out
 
 
+def changed(before: dict[str, list[int]], after: dict[str, list[int]]) -> list[str]:
+    """The roles whose processes differ between two readings of ``pool_processes`` (one restarted, came or
+    went): over a window between them, their CPU is wrong (a dead process reads 0, a new one is missed)."""
+    return sorted(r for r in before.keys() | after.keys() if sorted(before.get(r, ())) != sorted(after.get(r, ())))
+
+
 def sample(procs: dict[str, list[int]]) -> dict[str, float]:
     """utime+stime (all threads) of each role now, in seconds."""
     return {role: sum(cpu_seconds(p) for p in pids) for role, pids in procs.items()}
