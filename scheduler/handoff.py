@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gepool.scheduler import books
+
 if TYPE_CHECKING:
+    from gepool.scheduler.arena_io import ArenaSpan
     from gepool.scheduler.models import Model
     from gepool.scheduler.requests import Request
 
@@ -26,7 +29,8 @@ EMPTY = memoryview(b"")
 class Tensor:
     datatype: str
     shape: tuple[int, ...]
-    buf: memoryview  # its bytes as a step's input (BYTES: serialized); keeps its owner alive
+    buf: memoryview | ArenaSpan  # its bytes as a step's input (BYTES: serialized); keeps its owner alive. An
+    # ensemble request's input in its client's arena is a span, never a view (``own``/``drop`` leave it be)
     array: np.ndarray | None = None  # a step's output
     view: bool = False  # buf and array are views of the slot of the step that produced it
 
@@ -77,12 +81,9 @@ class Placements:
         """(slot, batch, place in it) of the batch ``req`` was dispatched in, or None while it is queued."""
         if id(model) not in self._models:
             self._models.add(id(model))
-            for w in model.workers:
-                if w.ring is None:  # gone: its batches are being failed or retried, not in a slot
-                    continue
-                for index, batch in w.inflight.items():
-                    for k, r in enumerate(batch.requests):
-                        self._of[id(r)] = (w.ring.slots[index], batch, k)
+            for rid, (w, index, batch, k) in books.placements(model).items():
+                if w.ring is not None:  # else gone: its batches are being failed or retried, not in a slot
+                    self._of[rid] = (w.ring.slots[index], batch, k)
         return self._of.get(id(req))
 
     def start(self, slot, batch, i: int, k: int) -> int:
