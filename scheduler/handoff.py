@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gepool.ipc import layout
 from gepool.scheduler import books
 
 if TYPE_CHECKING:
@@ -86,12 +87,15 @@ class Placements:
                     self._of[rid] = (w.ring.slots[index], batch, k)
         return self._of.get(id(req))
 
-    def start(self, slot, batch, i: int, k: int) -> int:
-        """Where request ``k``'s input ``i`` starts in the slot: the batch's layout, requests in order."""
+    def start(self, batch, i: int, k: int) -> int:
+        """Where request ``k``'s input ``i`` starts in its batch's slot: the layout the batch was copied in
+        with (each input's requests end to end), worked out from the requests, not read from the slot's
+        table, which its worker can write."""
         starts = self._starts.get((id(batch), i))
         if starts is None:
-            _, _, descs = slot.read()
-            pos, starts = descs[i].offset, []
+            reqs = batch.requests
+            offsets, _ = layout.pack([sum(len(r.inputs[j]) for r in reqs) for j in range(len(reqs[0].inputs))])
+            pos, starts = offsets[i], []
             for r in batch.requests:
                 starts.append(pos)
                 pos += len(r.inputs[i])
@@ -105,7 +109,7 @@ def rebind_to_slot(link: Link, placed, places: Placements, copies: Copies) -> No
     these views live; the slot is not refilled while the batch is in flight."""
     slot, batch, k = placed
     for i, _t in link.inputs:
-        pos = places.start(slot, batch, i, k)
+        pos = places.start(batch, i, k)
         n = len(link.req.inputs[i])
         link.req.inputs[i] = slot.data[pos:pos + n]
         copies.handed_bytes += n
