@@ -28,15 +28,17 @@ def _mint_key() -> bytes:
     return secrets.token_bytes(protocol.CALLER_KEY_BYTES)
 
 
+def placements(model: Model) -> dict[int, tuple[Worker, int, Batch, int]]:
+    """id(request) -> (worker, slot index, batch, place in it) of each request in a batch of ``model`` in
+    flight."""
+    return {id(r): (w, index, batch, k) for w in model.workers for index, batch in w.inflight.items()
+            for k, r in enumerate(batch.requests)}
+
+
 def dispatched(model: Model, req: Request) -> tuple[Worker, int, Batch, int] | None:
     """(worker, slot index, batch, place in it) of the batch of ``model`` that ``req`` was dispatched in;
     None while it is queued (or once it is answered)."""
-    for w in model.workers:
-        for index, batch in w.inflight.items():
-            for k, r in enumerate(batch.requests):
-                if r is req:
-                    return w, index, batch, k
-    return None
+    return placements(model).get(id(req))
 
 
 def device_sample(raw: object) -> dict:

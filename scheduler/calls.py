@@ -5,7 +5,8 @@ The front books each call under the batch that made it, and reads a wait-for gra
 
 * a batch finishes once each of its calls does;
 * a queued call runs once any worker of its model can take it: one whose running batch finishes, one
-  starting (once its warmup's calls do) or one restarting after a crash; never one that failed for good;
+  starting (once its warmup's calls do) or one restarting after a crash; never one that failed for good,
+  nor one of a model never ready that keeps dying while it loads (``CRASH_LOOP_DEATHS``);
 * a call in a worker's running batch finishes with that batch; one in a batch already over, at once.
 
 A worker's running batch, as far as calls go, is its newest batch that made a call: the worker runs its
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 OK, NEVER = "ok", "never"  # the graph's leaves: finishes on its own; never will (a worker failed for good)
 ALL, ANY = "all", "any"
+# a worker of a model never ready that died this many times in a row while loading is taken to never run a
+# call (its restarts go on, with their backoff: a warmup waiting on it would wait out its whole timeout)
+CRASH_LOOP_DEATHS = 3
 
 
 class Step(Sink, Protocol):
@@ -226,10 +230,16 @@ class Calls:
         keys = [k for k in batches if k[0] != protocol.WARMUP_SLOT and self._running(w, k)]
         return max(keys, key=lambda k: k[1]) if keys else None
 
+    @staticmethod
+    def _crash_looping(w: Worker) -> bool:
+        return w.streak >= CRASH_LOOP_DEATHS and not w.model.was_ready and not w.load_failed
+
     def _worker_node(self, w: Worker):
         if w.state == WorkerState.READY:
             head = self._head(w)
             return OK if head is None else (w.id, *head)
+        if self._crash_looping(w):
+            return NEVER
         if w.state == WorkerState.STARTING:
             if w.load_failed:
                 return NEVER
@@ -293,7 +303,7 @@ class Calls:
             path.append(node)
             node = seen[node]
         if not path:  # the wait never comes back to the caller: it ends at workers that stopped for good
-            why = "; ".join(dict.fromkeys(w.reason for w in call.model.workers if w.reason))
+            why = "; ".join(self._never_reasons(call, seen))
             return f"no worker of model '{call.model.name}' will ever be free to run it" + (f" ({why})" if why else "")
         hops = [self._name(start)]
         for n in reversed(path):  # the call first: each call, then the batch that waits on it
@@ -303,6 +313,21 @@ class Calls:
                 hops += n.step.hops()
         cycle = " -> ".join(hops)
         return f"every worker that could run it waits, through BLS calls, on the batch that made it ({cycle})"
+
+    def _never_reasons(self, call: Call, reached) -> dict[str, None]:
+        """Why the workers the wait ``reached`` (the callee's first, then those of the calls it waits on) will
+        never run a call: the current reason of each that will not, never that of a worker serving again."""
+        out: dict[str, None] = {}
+        models = dict.fromkeys([call.model, *(n.model for n in reached if isinstance(n, Call))])
+        for model in models:
+            for w in model.workers:
+                if self._worker_node(w) is not NEVER:
+                    continue
+                why = w.reason or f"worker {w.id} stopped"
+                if self._crash_looping(w):
+                    why += f", {w.streak} times in a row while loading"
+                out[why if model is call.model else f"model '{model.name}': {why}"] = None
+        return out
 
     def _name(self, node: tuple) -> str:
         w = self.workers.get(node[0])

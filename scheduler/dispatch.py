@@ -110,11 +110,15 @@ class Dispatcher:
         before a slot or a worker (which maps the arena for a direct batch) can touch what is gone."""
         kept = reqs
         for i, r in enumerate(reqs):
-            if r.where is None:
-                continue
             spans = [b for b in r.inputs if type(b) is ArenaSpan]
-            end = max([s.end() for s in spans] + [r.out_offset + r.out_size])
-            if spans and spans[0].file.size() < end:
+            if not spans:
+                if kept is not reqs:
+                    kept.append(r)
+                continue
+            end = max(s.end() for s in spans)
+            if r.where is not None:
+                end = max(end, r.out_offset + r.out_size)
+            if spans[0].file.size() < end:
                 if (arena := self.arenas.get(r.arena)) is not None:
                     arena.direct = False
                 if kept is reqs:

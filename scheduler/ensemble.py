@@ -22,7 +22,7 @@ from gepool.scheduler.calls import Call, Calls
 from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
-from gepool.scheduler.requests import Request, admit
+from gepool.scheduler.requests import Admission, Request, check_batch, check_names, check_tensor, whole_buffer
 from gepool.scheduler.stats import CANCELED, failure_reason
 
 log = logging.getLogger("gepool.ensemble")
@@ -77,6 +77,28 @@ def _up(sink: object) -> Iterator[StepSink]:
     while isinstance(sink, StepSink):
         yield sink
         sink = sink.run.req.sink
+
+
+def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float, timeout_us: int) -> Request:
+    """A step request made straight from the run's tensors, each whole already (admitted with the ensemble's
+    request, or a step's output), checked by the functions ``admit`` checks a client's request with."""
+    check_names(plan, input_map.keys())
+    shapes, buffers, rows, total = [], [], -1, 0
+    tensors = run.tensors
+    for spec in plan.inputs:
+        name, _, _, itemsize = spec
+        t = tensors[input_map[name]]
+        rows = check_tensor(plan, spec, t.datatype, t.shape, rows, shapes)
+        buf = whole_buffer(name, itemsize, t.shape, t.buf)
+        shapes.append(t.shape)
+        buffers.append(buf)
+        total += len(buf)
+    rows, total, key = check_batch(plan, shapes, rows, total)
+    outer = run.req
+    return Request(outer.identity, outer.req_id, plan.config.name, shapes, buffers, rows, total, None,
+                   protocol.NO_ARENA, 0, 0, now, key, origin=outer.origin, priority=outer.priority,
+                   deadline=now + timeout_us / 1e6 if timeout_us else None,
+                   expires=now + timeout_us / 1e6 if timeout_us else None)
 
 
 def _step_sink(req: Request) -> StepSink:
@@ -237,17 +259,8 @@ class Ensembles:
             model.check_servable()
         else:  # a warmup's step waits for its model to load, as the warmup's call would
             self.calls.check_servable(model, run.req.caller)
-        refs, frames = [], []
-        for inp, name in step.input_map.items():
-            t = run.tensors[name]
-            refs.append([inp, t.datatype, list(t.shape), len(frames)])
-            frames.append(t.buf)
-        msg = protocol.Infer(req_id=run.req.req_id, model=model.name, version=model.version or 0, inputs=refs,
-                             outputs=None, timeout_us=timeout_us, priority=run.req.priority, arena=protocol.NO_ARENA,
-                             out_offset=0, out_size=0, deadline_us=timeout_us,
-                             origin=run.req.origin)
         try:
-            req = admit(msg, run.req.identity, frames, model.admission, self.arenas, now)
+            req = _admit_step(model.admission, step.input_map, run, now, timeout_us)
             req.sink = StepSink(self, run, i, now)
             req.chain, req.caller = run.req.chain, run.req.caller
             if model.config.ensemble is not None:  # a sub-pipeline, answering this step through its sink
@@ -341,11 +354,12 @@ class Ensembles:
                 ours = sum(1 for link in links if link.model is model)
                 if id(model) not in producers and len(model.batcher) == ours:  # nothing queued before them
                     self.dispatch(model)
+            places = handoff.Placements()
             for link in links:
                 if link.inputs:
-                    placed = handoff.in_flight(link.model, link.req)
+                    placed = places.of(link.model, link.req)
                     if placed is not None:
-                        handoff.rebind_to_slot(link, placed, self.copies)
+                        handoff.rebind_to_slot(link, placed, places, self.copies)
                     else:
                         handoff.rebind_to_own(link, self.copies)
         except Exception:  # a bug here must not leave a view of a slot about to be refilled

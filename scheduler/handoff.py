@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gepool.scheduler.books import dispatched
+from gepool.ipc import layout
+from gepool.scheduler import books
 
 if TYPE_CHECKING:
+    from gepool.scheduler.arena_io import ArenaSpan
     from gepool.scheduler.models import Model
     from gepool.scheduler.requests import Request
 
@@ -28,7 +30,8 @@ EMPTY = memoryview(b"")
 class Tensor:
     datatype: str
     shape: tuple[int, ...]
-    buf: memoryview  # its bytes as a step's input (BYTES: serialized); keeps its owner alive
+    buf: memoryview | ArenaSpan  # its bytes as a step's input (BYTES: serialized); keeps its owner alive. An
+    # ensemble request's input in its client's arena is a span, never a view (``own``/``drop`` leave it be)
     array: np.ndarray | None = None  # a step's output
     view: bool = False  # buf and array are views of the slot of the step that produced it
 
@@ -66,23 +69,47 @@ def drop(t: Tensor) -> None:
         t.buf, t.array, t.view = EMPTY, None, False
 
 
-def in_flight(model: Model, req: Request):
-    """(slot, batch, place in it) of the batch ``req`` was dispatched in, or None while it is queued."""
-    placed = dispatched(model, req)
-    if placed is None:
-        return None
-    w, index, batch, k = placed
-    return w.ring.slots[index], batch, k
+class Placements:
+    """Where the requests of the batches in flight for some models sit: looked up once per model and per
+    batch for one hand-over (nothing is dispatched or completed while it runs), not per request."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, tuple] = {}  # id(request) -> (slot, batch, place in it), of the models looked at
+        self._models: set[int] = set()
+        self._starts: dict[tuple[int, int], list[int]] = {}  # (id(batch), input) -> each request's offset
+
+    def of(self, model: Model, req: Request):
+        """(slot, batch, place in it) of the batch ``req`` was dispatched in, or None while it is queued."""
+        if id(model) not in self._models:
+            self._models.add(id(model))
+            for rid, (w, index, batch, k) in books.placements(model).items():
+                if w.ring is not None:  # else gone: its batches are being failed or retried, not in a slot
+                    self._of[rid] = (w.ring.slots[index], batch, k)
+        return self._of.get(id(req))
+
+    def start(self, batch, i: int, k: int) -> int:
+        """Where request ``k``'s input ``i`` starts in its batch's slot: the layout the batch was copied in
+        with (each input's requests end to end), worked out from the requests, not read from the slot's
+        table, which its worker can write."""
+        starts = self._starts.get((id(batch), i))
+        if starts is None:
+            reqs = batch.requests
+            offsets, _ = layout.pack([sum(len(r.inputs[j]) for r in reqs) for j in range(len(reqs[0].inputs))])
+            pos, starts = offsets[i], []
+            for r in batch.requests:
+                starts.append(pos)
+                pos += len(r.inputs[i])
+            self._starts[(id(batch), i)] = starts
+        return starts[k]
 
 
-def rebind_to_slot(link: Link, placed, copies: Copies) -> None:
+def rebind_to_slot(link: Link, placed, places: Placements, copies: Copies) -> None:
     """A dispatched step request's view inputs become views of its own slot, where the batch copied them:
     a retry (its worker died) copies them from there, and that mapping outlives the worker's ring while
     these views live; the slot is not refilled while the batch is in flight."""
     slot, batch, k = placed
-    _, _, descs = slot.read()
     for i, _t in link.inputs:
-        pos = descs[i].offset + sum(len(r.inputs[i]) for r in batch.requests[:k])  # the batch's layout
+        pos = places.start(batch, i, k)
         n = len(link.req.inputs[i])
         link.req.inputs[i] = slot.data[pos:pos + n]
         copies.handed_bytes += n

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import math
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -155,38 +156,18 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
         if ref[0] in given:
             raise InvalidArgument(f"input '{ref[0]}' is given twice")
         given[ref[0]] = ref
-    if given.keys() != plan.names:
-        unknown = sorted(set(given) - plan.names)
-        if unknown:
-            raise InvalidArgument(f"unknown input {unknown} for model '{config.name}' (it takes {sorted(plan.names)})")
-        raise InvalidArgument(f"missing input {sorted(plan.names - set(given))} for model '{config.name}'")
+    check_names(plan, given.keys())
     arena = None
     if msg.arena != protocol.NO_ARENA:
         arena = arenas.of_client(msg.arena, identity)
         if arena is None:  # unknown, or another client's: the same words, and nothing touched
             raise InvalidArgument(f"arena {msg.arena} is not registered by this client")
-    batched = plan.batched
     shapes, buffers, rows, total = [], [], -1, 0
-    for name, want_type, want_dims, itemsize in plan.inputs:
+    for spec in plan.inputs:
+        name, _, _, itemsize = spec
         _, datatype, shape, where = given[name]
-        if datatype != want_type:
-            raise InvalidArgument(f"input '{name}': datatype {datatype} does not match the model's {want_type}")
         shape = _shape_of(name, shape)
-        dims = shape[1:] if batched else shape
-        if dims != want_dims and (len(dims) != len(want_dims)
-                                  or any(c != -1 and c != d for c, d in zip(want_dims, dims, strict=True))):
-            want = (["-1"] if batched else []) + [str(d) for d in want_dims]
-            raise InvalidArgument(f"input '{name}': shape {list(shape)} does not match the model's "
-                                  f"[{', '.join(want)}]")
-        if batched:
-            if rows == -1:
-                rows = shape[0]
-                if rows > config.max_batch_size:  # before any of its data is looked at
-                    raise InvalidArgument(f"batch size {rows} is outside 1..max_batch_size "
-                                          f"({config.max_batch_size}) of model '{config.name}'")
-            elif rows != shape[0]:
-                seen = sorted({s[0] for s in shapes} | {shape[0]})
-                raise InvalidArgument(f"inputs disagree on the batch dimension: {seen}")
+        rows = check_tensor(plan, spec, datatype, shape, rows, shapes)
         if itemsize:
             buf = _buffer(name, where, math.prod(shape) * itemsize, frames, arena)
         else:
@@ -194,27 +175,83 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
         buffers.append(buf)
         total += len(buf)
         shapes.append(shape)
+    rows, total, key = check_batch(plan, shapes, rows, total)
+    outputs, classify = (None, None) if msg.outputs is None else requested_outputs(msg.outputs, config)
+    return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
+                   msg.arena, msg.out_offset, msg.out_size, now, key,
+                   where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
+                   classify=classify, origin=msg.origin, deadline=_deadline(msg, now), priority=msg.priority,
+                   expires=now + msg.deadline_us / 1e6 if msg.deadline_us else None)
+
+
+def check_names(plan: Admission, names: Iterable[str]) -> None:
+    """The inputs named (each once) are the model's inputs."""
+    if names != plan.names:
+        config, names = plan.config, set(names)
+        if unknown := sorted(names - plan.names):
+            raise InvalidArgument(f"unknown input {unknown} for model '{config.name}' (it takes {sorted(plan.names)})")
+        raise InvalidArgument(f"missing input {sorted(plan.names - names)} for model '{config.name}'")
+
+
+def check_tensor(plan: Admission, spec: tuple, datatype: object, shape: tuple[int, ...], rows: int,
+                 shapes: list[tuple[int, ...]]) -> int:
+    """Input ``spec`` (one of ``plan.inputs``) given as ``datatype`` and ``shape`` (non-negative counts),
+    after the inputs of ``shapes`` whose batch size is ``rows`` (-1 before the first): the batch size."""
+    name, want_type, want_dims, _ = spec
+    config, batched = plan.config, plan.batched
+    if datatype != want_type:
+        raise InvalidArgument(f"input '{name}': datatype {datatype} does not match the model's {want_type}")
+    dims = shape[1:] if batched else shape
+    if dims != want_dims and (len(dims) != len(want_dims)
+                              or any(c != -1 and c != d for c, d in zip(want_dims, dims, strict=True))):
+        want = (["-1"] if batched else []) + [str(d) for d in want_dims]
+        raise InvalidArgument(f"input '{name}': shape {list(shape)} does not match the model's "
+                              f"[{', '.join(want)}]")
+    if batched:
+        if rows == -1:
+            rows = shape[0]
+            if rows > config.max_batch_size:  # before any of its data is looked at
+                raise InvalidArgument(f"batch size {rows} is outside 1..max_batch_size "
+                                      f"({config.max_batch_size}) of model '{config.name}'")
+        elif rows != shape[0]:
+            seen = sorted({s[0] for s in shapes} | {shape[0]})
+            raise InvalidArgument(f"inputs disagree on the batch dimension: {seen}")
+    return rows
+
+
+def check_batch(plan: Admission, shapes: list[tuple[int, ...]], rows: int, total: int) -> tuple[int, int, tuple | None]:
+    """All inputs checked (``total``: their bytes): (batch size, bytes in a slot with the outputs, the
+    variable-shape key), once the batch size and the room in a slot are checked."""
+    config, batched = plan.config, plan.batched
     if batched:
         if rows < 1 or rows > config.max_batch_size:
             raise InvalidArgument(f"batch size {rows} is outside 1..max_batch_size ({config.max_batch_size}) "
                                   f"of model '{config.name}'")
     else:
         rows = 1
-    outputs, classify = (None, None) if msg.outputs is None else requested_outputs(msg.outputs, config)
     total += plan.out_row_bytes * rows
     if total + plan.slack > plan.slot_bytes:
         raise RequestTooLarge(f"the request needs {total + plan.slack} bytes in a slot; a slot of model "
                               f"'{config.name}' holds {plan.slot_bytes} (raise its 'slot_bytes' parameter)")
     key = tuple(s[1:] if batched else s for s in shapes) if plan.variable else None
-    return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
-                   msg.arena, msg.out_offset, msg.out_size, now, key,
-                   where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
-                   classify=classify, origin=msg.origin, priority=msg.priority,
-                   deadline=_deadline(msg, now) if msg.timeout_us or msg.deadline_us else None,
-                   expires=now + msg.deadline_us / 1e6 if msg.deadline_us else None)
+    return rows, total, key
+
+
+def whole_buffer(name: str, itemsize: int, shape: tuple[int, ...],
+                 buf: memoryview | ArenaSpan) -> memoryview | ArenaSpan:
+    """A tensor the front holds whole already (a frame's view, an arena span, a step's output), checked
+    against its shape as a frame is."""
+    count = math.prod(shape)
+    if not itemsize:
+        return _bytes_buffer(name, 0, count, [buf], None)
+    if len(buf) != count * itemsize:
+        raise InvalidArgument(f"input '{name}': {len(buf)} bytes sent, its shape and datatype need {count * itemsize}")
+    return buf
 
 
 def _deadline(msg: protocol.Infer, now: float) -> float | None:
+    if not (msg.timeout_us or msg.deadline_us):  # the usual request: no list built
+        return None
     limits = [us for us in (msg.timeout_us, msg.deadline_us) if us]
     return now + min(limits) / 1e6 if limits else None
 

@@ -422,3 +422,67 @@ def test_unloading_a_loading_model_that_holds_a_warmups_call_stops_it_and_fails_
     err = results(h.out.take())[ab]
     assert isinstance(err, protocol.Error) and "b" in err.message, err
     assert len(wb.model.batcher) == 0 and not h.core.calls.by_worker.get(wa.id)
+
+
+def test_a_call_no_worker_will_run_quotes_only_the_current_reasons_not_a_recovered_workers_old_one(tmp_path, front):
+    """b's first worker died once and serves again (its old reason still on it); its batch waits on a call
+    into c, whose one worker then fails for good, as b's second did: a's call into b can never run, and the
+    error names why now (b's failed worker, and c's), not the crash b's first worker recovered from."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", count=2)
+    echo_model(tmp_path, "c")
+    h = front()
+    h.ready_all()
+    (wa,), (wb1, wb2), (wc,) = _workers(h, "a"), _workers(h, "b"), _workers(h, "c")
+    for w, why in ((wb1, None), (wb2, "b's weights missing")):
+        h.exit(w, -9)
+        h.tick(5.0)
+        assert w.state == WorkerState.STARTING
+        if why is None:
+            h.ready(w)
+        else:
+            h.core.on_worker_message(protocol.WorkerFailed(w.id, why))
+        h.tick()
+    assert wb1.state == WorkerState.READY and "exit code -9" in wb1.reason  # recovered, its reason stale
+    _running(h, wc, 1.0)  # c computes: b's call waits in c's queue
+    _, from_b = _running(h, wb1, 1.0)
+    bc = _call(h, "c", from_b)
+    _, from_a = _running(h, wa, 1.0)
+    ab = _call(h, "b", from_a)
+    assert _errors(h.out.take()) == {}
+    h.exit(wc, -9)
+    h.tick(5.0)
+    h.core.on_worker_message(protocol.WorkerFailed(wc.id, "c's weights missing"))
+    got = _errors(h.out.take())
+    assert got[ab].code == errors.Unavailable.code
+    assert ("model 'b' can no longer run this BLS call: no worker of model 'b' will ever be free to run it "
+            "(b's weights missing; model 'c': c's weights missing)") in got[ab].message, got[ab].message
+    assert "exit code -9" not in got[ab].message
+    assert "no worker of model 'c' will ever be free to run it (c's weights missing)" in got[bc].message
+
+
+def test_a_warmups_call_into_a_model_that_keeps_crashing_while_it_loads_fails_naming_it(tmp_path, front):
+    """b's worker dies each time it loads: after CRASH_LOOP_DEATHS deaths in a row a's warmup's call into b
+    is failed, naming b and the crash, instead of waiting out its timeout; a new one is refused at once."""
+    from gepool.scheduler.calls import CRASH_LOOP_DEATHS
+
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    h = front()
+    (wa,), (wb,) = _workers(h, "a"), _workers(h, "b")
+    ab = _call(h, "b", _warming(wa))
+    for death in range(1, CRASH_LOOP_DEATHS + 1):
+        assert h.out.take() == [] and wb.state == WorkerState.STARTING
+        h.exit(wb, -11)
+        if death < CRASH_LOOP_DEATHS:
+            h.tick(60.0)  # past its backoff: it starts loading again
+    err = results(h.out.take())[ab]
+    assert err.code == errors.Unavailable.code
+    assert (f"model 'b' can no longer run this BLS call: no worker of model 'b' will ever be free to run it "
+            f"(worker {wb.id} died with exit code -11, {CRASH_LOOP_DEATHS} times in a row while loading)"
+            ) in err.message, err.message
+    assert len(wb.model.batcher) == 0 and not h.core.calls.by_worker
+    again = _call(h, "b", _warming(wa))
+    err = results(h.out.take())[again]
+    assert err.code == errors.Unavailable.code and "model 'b' cannot take this BLS call" in err.message
+    assert wb.restart_at is not None  # the pool's own restarts go on

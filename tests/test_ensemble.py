@@ -172,6 +172,8 @@ def repo(tmp_path_factory):
         ensemble_scheduling {{ step [ {step("shout", {"TEXT": "T"}, {"UPPER": "up"})},
                                       {step("shout", {"TEXT": "up"}, {"UPPER": "OUT", "LENGTH": "LEN"})} ] }}
     """)
+    simple(repo, "tightplus", PLUS_PY, 'parameters { key: "slot_bytes" value: { string_value: "600" } }')
+    ensemble(repo, "tight", step("tightplus", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)  # 1 row fits its slot, 8 do not
     ensemble(repo, "bad_type", step("plus", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y, in_type="TYPE_INT32")
     ensemble(repo, "missing", step("nosuch", {"INPUT": "X"}, {"OUTPUT": "Y"}), Y)
     ensemble(repo, "cyclic", step("plus", {"INPUT": "X", "Z": "Y"}, {"OUTPUT": "Y"}), Y)
@@ -256,6 +258,45 @@ def test_a_failing_step_is_named_and_the_pool_keeps_serving(client):
     out = client.infer("chain", {"X": np.full((2, 4), 1, np.float32)})
     np.testing.assert_array_equal(out["Y"], np.full((2, 4), 2, np.float32))
     assert out["B"].tolist() == [[2], [2]]  # the failed step's worker ran the next batch
+
+
+def test_an_ensemble_request_whose_input_lies_in_the_clients_arena(pool):
+    """Its first steps read the input from the client's arena as a direct request's batch does; a step that
+    refuses it says why, naming the step (before: an internal error, 'ArenaSpan' has no 'format')."""
+    with pool.client(shared_memory=True, arena_bytes=1 << 22) as c:
+        x = c.empty((3, 1024), np.float32)
+        x[:] = np.random.default_rng(5).random((3, 1024), dtype=np.float32) * 255
+        got = c.infer("classify", {"IMAGE": x})
+        want = by_hand(c, np.array(x))
+        np.testing.assert_array_equal(got["CLASSES"], want["CLASSES"])
+        np.testing.assert_array_equal(got["SCORES"], want["SCORES"])
+        del x, got
+        small = c.empty((1, 4), np.float32)
+        small[:] = 2
+        np.testing.assert_array_equal(c.infer("tight", {"X": small})["Y"], np.full((1, 4), 3, np.float32))
+        big = c.empty((8, 4), np.float32)
+        big[:] = 1
+        with pytest.raises(errors.RequestTooLarge) as exc:
+            c.infer("tight", {"X": big})
+        assert "ensemble 'tight' step 1 ('tightplus')" in str(exc.value) and "holds 600" in str(exc.value)
+        del small, big
+
+
+def test_an_ensemble_request_whose_arena_was_truncated_fails_naming_the_arena(pool):
+    """Its step request reads the input out of the arena: a truncated arena fails it InvalidArgument, as a
+    direct request's (before: the step ran on the zeros a short read leaves, and the ensemble answered)."""
+    with pool.client(shared_memory=True, arena_bytes=1 << 22) as c:
+        x = c.empty((1, 4), np.float32)
+        x[:] = 2
+        np.testing.assert_array_equal(c.infer("tight", {"X": x})["Y"], np.full((1, 4), 3, np.float32))
+        os.truncate("/dev/shm" + c.arena.segment.name, 0)
+        with pytest.raises(errors.InvalidArgument, match="was truncated") as exc:
+            c.infer("tight", {"X": x}, timeout=60)
+        assert c.arena.segment.name in str(exc.value)
+        del x
+    with pool.client() as other:
+        np.testing.assert_array_equal(other.infer("tight", {"X": np.ones((1, 4), np.float32)})["Y"],
+                                      np.full((1, 4), 2, np.float32))
 
 
 def test_a_lone_ensemble_request_prewakes_the_worker_of_each_step(pool, client):

@@ -504,3 +504,49 @@ def test_a_step_withdrawn_in_the_completion_that_started_it_is_not_handed_over(t
     b = h.core.control.group("b").default()
     assert len(b.batcher) == 0 and b.stats.failure_reasons["CANCELED"] == 1 and not wb.bell.rung
     assert copies.out_bytes == before, (before, copies.out_bytes)  # nothing copied out for the withdrawn step
+
+
+def test_a_step_request_its_model_cannot_take_is_refused_naming_the_step_and_the_limit(tmp_path, harness):  # noqa: F811
+    """A step request is made from the run's tensors without a message, yet checked against what the step's
+    model takes as a client's would be: here b's slots hold one row, not eight."""
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b", params='parameters { key: "slot_bytes" value: { string_value: "600" } }')
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    h.next_id += 1
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    msg = protocol.Infer(h.next_id, "pipe", protocol.NO_VERSION, [["X", "FP32", [8, 4], 0]], None, 0, 0,
+                         protocol.NO_ARENA, 0, 0)
+    h.core.on_message(b"\0client", [memoryview(msg.encode()), memoryview(x.tobytes())])
+    h.step()
+    assert h.compute(wa) == [8]
+    err = results(h.out.take())[h.next_id]
+    assert err.code == errors.RequestTooLarge.code
+    assert "ensemble 'pipe' step 2 ('b')" in err.message and "a slot of model 'b' holds 600" in err.message
+    assert not wb.bell.rung and not len(wb.model.batcher)
+    rid = ens_infer(h, 1.5)  # one row fits: the pool serves on
+    h.compute(wa)
+    h.compute(wb)
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 6.0, np.float32))
+
+
+def test_step_requests_keep_the_ensemble_requests_identity_deadline_and_origin(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    echo_model(tmp_path, "b")
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    h.ready_all()
+    wa, wb = sorted(h.out.spawned, key=lambda w: w.model.name)
+    h.infer(5.0, model="b")  # b computes: the step request waits in b's queue, where it can be read
+    h.step()
+    rid = ens_infer(h, 1.5, timeout_us=3_000_000, origin=int(protocol.Origin.HTTP))
+    h.clock.now += 1.0
+    h.compute(wa)
+    (pending,) = list(wb.model.batcher.queue)
+    req = pending.item
+    assert (req.identity, req.req_id, req.model, req.rows, req.shapes) == (b"\0client", rid, "b", 1, [(1, 4)])
+    assert req.origin == protocol.Origin.HTTP and req.arena == protocol.NO_ARENA and req.outputs is None
+    assert req.deadline == req.expires == h.clock.now + 2.0
+    assert req.nbytes == 32  # its input and its output, one row each
