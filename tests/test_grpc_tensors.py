@@ -141,8 +141,10 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     typed = pb.ModelInferRequest(model_name="m")
     typed.inputs.add(name="X", datatype="INT8", shape=[2]).contents.int_contents.extend([1, 300])
     _bad(typed, "value 300 is out of range for INT8")
-    typed.inputs[0].shape[:] = [1 << 40]
+    typed.inputs[0].shape[:] = [3]
     _bad(typed, "2 values in contents.int_contents, but shape")
+    typed.inputs[0].shape[:] = [1 << 40]
+    _bad(typed, r"shape \[1099511627776\] of INT8 needs 1099511627776 bytes, past the 1048576-byte limit")
     half = pb.ModelInferRequest(model_name="m")
     half.inputs.add(name="H", datatype="FP16", shape=[1]).contents.fp32_contents.append(1.0)
     _bad(half, "FP16 data must be sent in raw_input_contents")
@@ -154,6 +156,47 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     call = tensors.parse(flagged, _no_shm, 1 << 20)
     reply = tensors.response(flagged, call, "1", {"Y": np.zeros(2, np.float32)}, None)
     assert call.mark_final and reply.parameters["triton_final_response"].bool_param
+
+
+def test_shapes_numpy_cannot_hold_are_refused_before_any_allocation():
+    """A zero-element shape whose other dimensions pass what numpy can size, more dimensions than the one
+    bound HTTP shares, a dimension past int64: each named, where numpy raised ValueError (INTERNAL)."""
+    def raw(shape, datatype="FP32"):
+        req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b""])
+        req.inputs.add(name="X", datatype=datatype, shape=shape)
+        return req
+
+    for shape in ([0, (1 << 63) - 1], [0, 1 << 40, 1 << 40]):
+        _bad(raw(shape), r"input 'X': shape \[0, .* of FP32 needs \d+ bytes \(counting its non-zero dimensions")
+    _bad(raw([0, 1 << 40, 1 << 40], "BYTES"), "of BYTES needs")
+    _bad(raw([0] * 33), "at most 32 non-negative dimensions")
+    assert tensors.parse(raw([0] * 32), _no_shm, 1 << 20).inputs["X"].shape == (0,) * 32
+    assert tensors.parse(raw([0, 1 << 10]), _no_shm, 1 << 20).inputs["X"].shape == (0, 1024)
+
+
+def test_a_repeated_output_and_unbounded_numbers_are_refused():
+    """An output asked for twice (each copy was answered: 80 MB from a 200 KB request), and numbers past
+    what the wire carries (a timeout of 2**64-1 us, a model version past int64) name their range."""
+    req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 16])
+    req.inputs.add(name="X", datatype="FP32", shape=[4])
+    req.outputs.add(name="Y")
+    req.outputs.add(name="Z")
+    assert [o.name for o in tensors.parse(req, _no_shm, 1 << 20).outputs] == ["Y", "Z"]
+    req.outputs.add(name="Y")
+    _bad(req, "output 'Y' is requested twice")
+    del req.outputs[:]
+    for kind in ("uint64_param", "int64_param"):
+        req.parameters["timeout"].Clear()
+        setattr(req.parameters["timeout"], kind, (1 << 64) - 1 if kind == "uint64_param" else (1 << 63) - 1)
+        if kind == "uint64_param":
+            _bad(req, r"parameter 'timeout' must be an integer in 0..9223372036854775807, got 18446744073709551615")
+        else:
+            assert tensors.parse(req, _no_shm, 1 << 20).timeout_s > 0
+    del req.parameters["timeout"]
+    req.model_version = "99999999999999999999999999"
+    _bad(req, r"version should be an integral value in 1..9223372036854775807")
+    req.model_version = "9223372036854775807"
+    assert tensors.parse(req, _no_shm, 1 << 20).version == (1 << 63) - 1
 
 
 def test_malformed_protobuf_is_invalid_argument():

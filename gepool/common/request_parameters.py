@@ -11,6 +11,9 @@ BINARY_DATA_OUTPUT = "binary_data_output"  # HTTP's: outputs as binary data (gRP
 FINAL_FLAG = "triton_enable_empty_final_response"  # gRPC streaming clients and perf_analyzer send it
 SUPPORTED = {HTTP: (BINARY_DATA_OUTPUT, PRIORITY, TIMEOUT), GRPC: (PRIORITY, TIMEOUT, FINAL_FLAG)}
 MICROSECONDS = 1e-6
+MAX_TIMEOUT_US = (1 << 63) - 1  # gRPC's int64_param; past it a deadline's microseconds leave what the wire carries
+MAX_PRIORITY = (1 << 64) - 1  # Triton's priority is a uint64
+MAX_VERSION = (1 << 63) - 1  # Triton's model versions are int64
 MAX_KEY_SHOWN = 100  # characters of an unknown key a message repeats
 
 
@@ -25,10 +28,27 @@ class RequestParameters:
 DEFAULTS = RequestParameters()  # shared by every request without parameters: frozen, so none can change it
 
 
-def _non_negative_int(key: str, value: object, unit: str = "") -> int:
+def _non_negative_int(key: str, value: object, maximum: int, unit: str = "") -> int:
     if type(value) is not int or value < 0:  # bool is an int subclass, and no count
         raise InvalidArgument(f"parameter '{key}' must be a non-negative integer, got {value!r}{unit}")
+    if value > maximum:
+        raise InvalidArgument(f"parameter '{key}' must be an integer in 0..{maximum}, got {value}{unit}")
     return value
+
+
+def model_version(text: str | None) -> int | None:
+    """A requested model version (URL path or gRPC model_version): None when absent, else an integer in
+    1..MAX_VERSION or InvalidArgument."""
+    if not text:
+        return None
+    digits = text.lstrip("0")
+    if not (text.isascii() and text.isdecimal()) or not digits:
+        raise InvalidArgument(f"failed to get model version from specified version string '{text[:100]}': "
+                              f"version should be an integral value > 0")
+    if len(digits) > len(str(MAX_VERSION)) or int(digits) > MAX_VERSION:  # int() refuses past 4300 digits
+        raise InvalidArgument(f"failed to get model version from specified version string '{text[:100]}': "
+                              f"version should be an integral value in 1..{MAX_VERSION}")
+    return int(digits)
 
 
 def _bool(key: str, value: object) -> bool:
@@ -49,10 +69,10 @@ def check(params: Mapping[str, object], protocol: str) -> RequestParameters:
     for key, value in params.items():
         if key in supported:
             if key == TIMEOUT:
-                micros = _non_negative_int(key, value, " (a timeout in microseconds)")
+                micros = _non_negative_int(key, value, MAX_TIMEOUT_US, " (a timeout in microseconds)")
                 timeout = micros * MICROSECONDS if micros else None
             elif key == PRIORITY:
-                priority = _non_negative_int(key, value)
+                priority = _non_negative_int(key, value, MAX_PRIORITY)
             elif key == BINARY_DATA_OUTPUT:
                 binary = _bool(key, value)
             else:

@@ -28,7 +28,6 @@ CONTENTS_FIELD = {
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
 SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-MAX_DIMS = 32  # more dimensions than any model gepool serves
 
 
 @dataclass
@@ -57,12 +56,7 @@ def param_value(p: pb.InferParameter):
 
 def version(text: str) -> int | None:
     """A version field: empty means the server's choice, else a positive integer (HTTP's rule)."""
-    if not text:
-        return None
-    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
-        raise InvalidArgument(f"failed to get model version from specified version string '{text}': "
-                              f"version should be an integral value > 0")
-    return int(text)
+    return request_parameters.model_version(text)
 
 
 def _int_param(what: str, params, key: str, default: int | None) -> int | None:
@@ -71,6 +65,8 @@ def _int_param(what: str, params, key: str, default: int | None) -> int | None:
     value = param_value(params[key])
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidArgument(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
+    if value > kserve.MAX_INT64:
+        raise InvalidArgument(f"{what}: parameter '{key}' must be an integer in 0..{kserve.MAX_INT64}, got {value}")
     return value
 
 
@@ -81,12 +77,12 @@ def _region(what: str, params) -> str:
     return region
 
 
-def _shape(name: str, shape) -> list[int]:
+def _shape(name: str, shape, datatype: str, limit: int) -> list[int]:
     dims = list(shape)
-    if len(dims) > MAX_DIMS or any(d < 0 for d in dims):
-        raise InvalidArgument(f"input '{name}': shape must be at most {MAX_DIMS} non-negative dimensions, "
-                              f"got {dims}")
-    return dims
+    if len(dims) > kserve.MAX_DIMS or any(d < 0 for d in dims):
+        raise InvalidArgument(f"input '{name}': shape must be at most {kserve.MAX_DIMS} non-negative dimensions, "
+                              f"got {dims[:kserve.MAX_DIMS + 1]}")
+    return kserve.check_shape(name, dims, datatype, limit)
 
 
 def _typed(name: str, datatype: str, shape: list[int], contents: pb.InferTensorContents) -> np.ndarray:
@@ -128,12 +124,10 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
     raw_used = 0
     inputs: dict[str, np.ndarray] = {}
     for item in request.inputs:
-        name, datatype = item.name, item.datatype
-        if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given twice")
+        name, datatype = kserve.unique("input", item.name, inputs), item.datatype
         if datatype == "BF16" or not dtypes.is_supported(datatype):
             raise InvalidArgument(f"input '{name}': datatype '{datatype}' is not supported by gepool")
-        shape = _shape(name, item.shape)
+        shape = _shape(name, item.shape, datatype, max_input)
         params = item.parameters
         what = f"input '{name}'"
         if "shared_memory_region" in params:
@@ -161,7 +155,9 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
     outputs = None
     if request.outputs:
         outputs = []
+        seen: set[str] = set()
         for o in request.outputs:
+            seen.add(kserve.unique("output", o.name, seen))
             what = f"output '{o.name}'"
             unknown = set(o.parameters) - set(SHM_KEYS)
             if unknown:

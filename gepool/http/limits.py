@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, Callable
 
 from aiohttp import web
 
-from gepool.common import errors
+from gepool.common import errors, request_parameters
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # Triton's --http-max-input-size default; the pool passes its largest slot
 MAX_JSON_BYTES = 2 << 20  # about 50 ms of json.loads on this host's cores
@@ -145,9 +145,4 @@ async def decode(chunks: AsyncIterable[bytes], max_body: int, encoding: str) -> 
 
 def version(text: str | None) -> int | None:
     """A version from the URL: None when absent, else a positive integer or InvalidArgument."""
-    if not text:
-        return None
-    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
-        raise errors.InvalidArgument(f"failed to get model version from specified version string '{text}': "
-                                     f"version should be an integral value > 0")
-    return int(text)
+    return request_parameters.model_version(text)
