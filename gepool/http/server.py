@@ -215,6 +215,8 @@ class Gateway:
         wanted = request.match_info.get("model")
         if wanted is not None and wanted not in stats:
             raise errors.ModelNotFound(f"Request for unknown model: '{wanted}' is not found")
+        if request.match_info.get("version") is not None:  # a version the model lacks is not found, as over gRPC
+            await self._model_meta(request)
         out = [model_statistics(name, str(status["models"][name].get("version") or ""), s)
                for name, s in stats.items() if wanted is None or name == wanted]
         return web.json_response({"model_stats": out})
@@ -284,14 +286,19 @@ class Gateway:
     @route
     async def repository_index(self, request):
         body = await self._json_body(request)
-        index = await (await self.front()).query("index", {"ready": bool(body.get("ready"))})
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise errors.InvalidArgument(f"'ready' must be a bool (true or false), got {str(ready)[:100]!r}")
+        index = await (await self.front()).query("index", {"ready": ready})
         return web.json_response(index["models"])
 
     @route
     async def repository_control(self, request):
         body = await self._json_body(request)
-        if (body.get("parameters") or {}).get("config") or any(k.startswith("file:") for k in
-                                                                 (body.get("parameters") or {})):
+        params = body.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise errors.InvalidArgument("'parameters' must be an object")
+        if params.get("config") or any(k.startswith("file:") for k in params):
             raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
                                          "repository and load again")
         self._owner_only(request, "model-repository", "loading and unloading models")

@@ -132,6 +132,7 @@ class Regions:
     def read(self, region: Region, offset, size, limit: int) -> memoryview:
         """A copy of [offset, offset + size) of the region (size None: to its end), at most ``limit`` bytes."""
         offset = _count("shared_memory_offset", offset, 0)
+        _inside(region, offset, 0)  # before a size is taken from what lies past the offset
         size = region.byte_size - offset if size is None else _count("shared_memory_byte_size", size)
         _inside(region, offset, size)
         if size > limit:
