@@ -289,6 +289,36 @@ def test_malformed_protobuf_mismatched_raw_contents_and_unknown_models(gpool, tr
     assert triton.infer("tiny", [inp]).as_numpy("OUTPUT0")[0, 0] == 1.0  # still serving
 
 
+def test_repeated_outputs_unholdable_shapes_and_unbounded_numbers_are_invalid_argument(gpool, channel):
+    """What an attacker sent (outputs repeated 20,000 times drew an 80 MB reply; an empty tensor numpy cannot
+    size; a timeout and a version past int64 reached msgpack): each INVALID_ARGUMENT naming it, and the pool
+    serves on."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+
+    def tiny() -> service_pb2.ModelInferRequest:
+        req = service_pb2.ModelInferRequest(model_name="tiny", raw_input_contents=[x.tobytes()])
+        req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        return req
+
+    repeated = tiny()
+    for _ in range(20_000):
+        repeated.outputs.add(name="OUTPUT0")
+    empty = service_pb2.ModelInferRequest(model_name="tiny", raw_input_contents=[b""])
+    empty.inputs.add(name="INPUT0", datatype="FP32", shape=[0, (1 << 63) - 1])
+    timeout, version = tiny(), tiny()
+    timeout.parameters["timeout"].uint64_param = (1 << 64) - 1
+    version.model_version = "99999999999999999999999999"
+    for req, words in [(repeated, "output 'OUTPUT0' is requested twice"),
+                       (empty, "input 'INPUT0': shape [0, 9223372036854775807] of FP32 needs"),
+                       (timeout, "parameter 'timeout' must be an integer in 0..9223372036854775807"),
+                       (version, "version should be an integral value in 1..9223372036854775807")]:
+        code, details = status_of(lambda req=req: stub.ModelInfer(req, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details, (code, details)
+    out = np.frombuffer(stub.ModelInfer(tiny(), timeout=30).raw_output_contents[0], np.float32)
+    np.testing.assert_allclose(out, direct(gpool.repo, "tiny", {"INPUT0": x})[0].ravel(), rtol=1e-6)
+
+
 def test_a_stream_answers_garbage_in_error_message_and_keeps_serving(gpool, channel):
     good = service_pb2.ModelInferRequest(model_name="tiny", id="ok", raw_input_contents=[np.ones((1, 16),
                                                                                                  np.float32).tobytes()])
@@ -364,6 +394,13 @@ def test_grpc_health_and_reflection(gpool, channel):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     code, _ = status_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="other"), timeout=30))
     assert code == grpc.StatusCode.NOT_FOUND
+    for method in ("Check", "List"):  # grpcio's own deserializer answered UNKNOWN naming a Python class
+        garbage = channel.unary_unary(f"/grpc.health.v1.Health/{method}")
+        code, details = status_of(lambda garbage=garbage: garbage(b"\x0a\xff\xff\xff\xff\x0f", timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed Health" in details, (code, details)
+        assert "class" not in details and "DecodeError" not in details
+    assert health.List(health_pb2.HealthListRequest(), timeout=30).statuses[""].status == \
+        health_pb2.HealthCheckResponse.SERVING
     for version in ("v1", "v1alpha"):  # grpcurl asks v1 first, older clients v1alpha
         info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
                                      response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)

@@ -92,6 +92,25 @@ class Health(health_pb2_grpc.HealthServicer):
             await asyncio.sleep(WATCH_INTERVAL_S)
 
 
+def health_checks(health: Health) -> dict[str, grpc.RpcMethodHandler]:
+    """Check and List taking their request as bytes, so that a malformed one is INVALID_ARGUMENT (grpcio's
+    own deserializer answers UNKNOWN naming a Python class)."""
+    def parsed(method, request_cls):
+        async def handler(raw: bytes, context):
+            try:
+                request = parse_message(request_cls, raw)
+            except errors.InvalidArgument as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            return await method(request, context)  # its own aborts (NOT_FOUND) pass through untouched
+        return handler
+
+    return {name: grpc.unary_unary_rpc_method_handler(parsed(method, request_cls), request_deserializer=None,
+                                                      response_serializer=response_cls.SerializeToString)
+            for name, method, request_cls, response_cls in [
+                ("Check", health.Check, health_pb2.HealthCheckRequest, _Status),
+                ("List", health.List, health_pb2.HealthListRequest, health_pb2.HealthListResponse)]}
+
+
 def _address(host: str, port: int) -> str:
     try:
         return f"[{host}]:{port}" if ipaddress.ip_address(host).version == 6 else f"{host}:{port}"
@@ -108,7 +127,9 @@ async def start(gw, host: str, port: int) -> grpc.aio.Server:
     ])
     service = InferenceService(gw, host, port)
     server.add_registered_method_handlers(SERVICE, inference_methods(service))
-    health_pb2_grpc.add_HealthServicer_to_server(Health(service), server)
+    health = Health(service)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_registered_method_handlers(HEALTH_SERVICE, health_checks(health))  # in place of the generated two
     server.add_generic_rpc_handlers(Reflection([SERVICE, HEALTH_SERVICE]).handlers())
     try:
         bound = server.add_insecure_port(_address(host, port))
