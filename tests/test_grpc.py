@@ -394,13 +394,18 @@ def test_grpc_health_and_reflection(gpool, channel):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     code, _ = status_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="other"), timeout=30))
     assert code == grpc.StatusCode.NOT_FOUND
-    for method in ("Check", "List"):  # grpcio's own deserializer answered UNKNOWN naming a Python class
-        garbage = channel.unary_unary(f"/grpc.health.v1.Health/{method}")
+    watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+    for garbage in (channel.unary_unary("/grpc.health.v1.Health/Check"),  # grpcio's own deserializer answered
+                    channel.unary_unary("/grpc.health.v1.Health/List"),  # UNKNOWN naming a Python class
+                    lambda raw, timeout: list(watch(raw, timeout=timeout))):
         code, details = status_of(lambda garbage=garbage: garbage(b"\x0a\xff\xff\xff\xff\x0f", timeout=30))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed Health" in details, (code, details)
         assert "class" not in details and "DecodeError" not in details
     assert health.List(health_pb2.HealthListRequest(), timeout=30).statuses[""].status == \
         health_pb2.HealthCheckResponse.SERVING
+    watching = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    assert next(watching).status == health_pb2.HealthCheckResponse.SERVING
+    watching.cancel()
     for version in ("v1", "v1alpha"):  # grpcurl asks v1 first, older clients v1alpha
         info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
                                      response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)

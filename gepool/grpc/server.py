@@ -34,10 +34,26 @@ def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
     async def handler(raw: bytes, context):
         try:
             return await method(parse_message(request_cls, raw), context)
+        except grpc.aio.AbortError:  # the method's own abort (an Exception): its status passes untouched
+            raise
         except Exception as exc:
             await _abort(context, exc, method.__name__)
     return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=None,
                                                response_serializer=response_cls.SerializeToString)
+
+
+def _unary_stream(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
+    """_unary for a method that yields its replies."""
+    async def handler(raw: bytes, context):
+        try:
+            async for reply in method(parse_message(request_cls, raw), context):
+                yield reply
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method.__name__)
+    return grpc.unary_stream_rpc_method_handler(handler, request_deserializer=None,
+                                                response_serializer=response_cls.SerializeToString)
 
 
 def inference_methods(service: InferenceService) -> dict[str, grpc.RpcMethodHandler]:
@@ -92,23 +108,12 @@ class Health(health_pb2_grpc.HealthServicer):
             await asyncio.sleep(WATCH_INTERVAL_S)
 
 
-def health_checks(health: Health) -> dict[str, grpc.RpcMethodHandler]:
-    """Check and List taking their request as bytes, so that a malformed one is INVALID_ARGUMENT (grpcio's
-    own deserializer answers UNKNOWN naming a Python class)."""
-    def parsed(method, request_cls):
-        async def handler(raw: bytes, context):
-            try:
-                request = parse_message(request_cls, raw)
-            except errors.InvalidArgument as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-            return await method(request, context)  # its own aborts (NOT_FOUND) pass through untouched
-        return handler
-
-    return {name: grpc.unary_unary_rpc_method_handler(parsed(method, request_cls), request_deserializer=None,
-                                                      response_serializer=response_cls.SerializeToString)
-            for name, method, request_cls, response_cls in [
-                ("Check", health.Check, health_pb2.HealthCheckRequest, _Status),
-                ("List", health.List, health_pb2.HealthListRequest, health_pb2.HealthListResponse)]}
+def health_methods(health: Health) -> dict[str, grpc.RpcMethodHandler]:
+    """Check, List and Watch taking their request as bytes, so that a malformed one is INVALID_ARGUMENT
+    (grpcio's own deserializer answers UNKNOWN naming a Python class)."""
+    return {"Check": _unary(health.Check, health_pb2.HealthCheckRequest, _Status),
+            "List": _unary(health.List, health_pb2.HealthListRequest, health_pb2.HealthListResponse),
+            "Watch": _unary_stream(health.Watch, health_pb2.HealthCheckRequest, _Status)}
 
 
 def _address(host: str, port: int) -> str:
@@ -127,9 +132,7 @@ async def start(gw, host: str, port: int) -> grpc.aio.Server:
     ])
     service = InferenceService(gw, host, port)
     server.add_registered_method_handlers(SERVICE, inference_methods(service))
-    health = Health(service)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    server.add_registered_method_handlers(HEALTH_SERVICE, health_checks(health))  # in place of the generated two
+    server.add_registered_method_handlers(HEALTH_SERVICE, health_methods(Health(service)))
     server.add_generic_rpc_handlers(Reflection([SERVICE, HEALTH_SERVICE]).handlers())
     try:
         bound = server.add_insecure_port(_address(host, port))
