@@ -169,7 +169,8 @@ def test_shapes_numpy_cannot_hold_are_refused_before_any_allocation():
     for shape in ([0, (1 << 63) - 1], [0, 1 << 40, 1 << 40]):
         _bad(raw(shape), r"input 'X': shape \[0, .* of FP32 needs \d+ bytes \(counting its non-zero dimensions")
     _bad(raw([0, 1 << 40, 1 << 40], "BYTES"), "of BYTES needs")
-    _bad(raw([0] * 33), "at most 32 non-negative dimensions")
+    _bad(raw([0] * 33), r"input 'X': shape has 33 dimensions, more than the 32 gepool allows")  # HTTP's words
+    _bad(raw([0] * 40 + [-1]), r"input 'X': shape must be a list of non-negative integers, got dimension -1")
     assert tensors.parse(raw([0] * 32), _no_shm, 1 << 20).inputs["X"].shape == (0,) * 32
     assert tensors.parse(raw([0, 1 << 10]), _no_shm, 1 << 20).inputs["X"].shape == (0, 1024)
 

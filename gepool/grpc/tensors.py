@@ -79,9 +79,10 @@ def _region(what: str, params) -> str:
 
 def _shape(name: str, shape, datatype: str, limit: int) -> list[int]:
     dims = list(shape)
-    if len(dims) > kserve.MAX_DIMS or any(d < 0 for d in dims):
-        raise InvalidArgument(f"input '{name}': shape must be at most {kserve.MAX_DIMS} non-negative dimensions, "
-                              f"got {dims[:kserve.MAX_DIMS + 1]}")
+    negative = next((d for d in dims if d < 0), None)
+    if negative is not None:
+        raise InvalidArgument(f"input '{name}': shape must be a list of non-negative integers, got dimension "
+                              f"{negative}")
     return kserve.check_shape(name, dims, datatype, limit)
 
 
