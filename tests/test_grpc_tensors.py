@@ -138,6 +138,10 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     both = raw([1], b"\0" * 4)
     both.inputs[0].contents.fp32_contents.append(1.0)
     _bad(both, "contents field must not be specified when using raw_input_contents")
+    shared = pb.ModelInferRequest(model_name="m")  # shared memory was read and the contents quietly dropped
+    shared.inputs.add(name="X", datatype="FP32", shape=[1]).contents.fp32_contents.append(1.0)
+    shared.inputs[0].parameters["shared_memory_region"].string_param = "r"
+    _bad(shared, "input 'X': 'contents' and 'shared_memory_region' are both given; send the tensor one way")
     typed = pb.ModelInferRequest(model_name="m")
     typed.inputs.add(name="X", datatype="INT8", shape=[2]).contents.int_contents.extend([1, 300])
     _bad(typed, "value 300 is out of range for INT8")

@@ -132,6 +132,9 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
         params = item.parameters
         what = f"input '{name}'"
         if "shared_memory_region" in params:
+            if item.HasField("contents"):
+                raise InvalidArgument(f"{what}: 'contents' and 'shared_memory_region' are both given; send the "
+                                      f"tensor one way")
             size = _int_param(what, params, "shared_memory_byte_size", None)
             want = kserve.expected_bytes(datatype, shape)
             if want is not None and size is not None and size != want:
