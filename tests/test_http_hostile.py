@@ -429,6 +429,18 @@ def test_json_values_are_checked_against_their_datatype(datatype, value, words):
         kserve.parse_request(body.encode(), None)
 
 
+def test_data_null_beside_binary_data_is_unset_not_a_second_copy():
+    """Clients that write unset fields as null send "data": null with binary_data_size: that was valid before
+    data given two ways was refused, and still is."""
+    from gepool.http import kserve
+
+    x = np.arange(4, dtype=np.float32)
+    head = json.dumps({"inputs": [{"name": "X", "shape": [4], "datatype": "FP32", "data": None,
+                                   "parameters": {"binary_data_size": 16}}]}).encode()
+    req = kserve.parse_request(head + x.tobytes(), str(len(head)))
+    np.testing.assert_array_equal(req.inputs["X"], x)
+
+
 # -- declared sizes ------------------------------------------------------------------------------------
 def _raw(port: int, head: bytes, body: bytes, wait: float = 60) -> tuple[int, bytes]:
     """Sends exactly these bytes and returns the status and reply (0 if the sidecar closed silently)."""

@@ -392,7 +392,7 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
         shape = _shape(name, item.get("shape"), datatype, shape_limit)
         p = _params(f"input '{name}'", item)
         sent = next((k for k in ("shared_memory_region", "binary_data_size") if k in p), None)
-        if sent is not None and "data" in item:
+        if sent is not None and item.get("data") is not None:  # clients may write an unset field as null
             raise InvalidArgument(f"input '{name}': 'data' and '{sent}' are both given; send the tensor one way")
         if "shared_memory_region" in p:
             if regions is None:
