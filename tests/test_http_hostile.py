@@ -344,6 +344,7 @@ def _infer(datatype: str, data, shape=(1, 16)) -> dict:
     ("/v2/repository/models/tiny/load", {"parameters": "abc"}, "'parameters' must be an object"),
     ("/v2/repository/models/tiny/load", {"parameters": [1]}, "'parameters' must be an object"),
     ("/v2/repository/index", {"ready": "false"}, "'ready' must be a bool (true or false), got 'false'"),
+    ("/v2/repository/index", {"ready": 1}, "'ready' must be a bool (true or false), got 1"),
     ("/v2/models/tiny/infer", {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {"bogus": 1}}]},
      "output 'OUTPUT0': parameter 'bogus' is not supported by gepool (supported: binary_data, classification, "
      "shared_memory_region, shared_memory_byte_size, shared_memory_offset)"),
@@ -358,7 +359,7 @@ def _infer(datatype: str, data, shape=(1, 16)) -> dict:
         "unknown-model-no-inputs", "output-twice", "dim-past-int64", "zero-size-past-numpy", "100-dims",
         "timeout-past-int64", "priority-past-uint64", "classification-past-int64", "version-past-int64",
         "bytes-surrogate", "input-name-surrogate", "output-name-surrogate", "load-parameters-str",
-        "load-parameters-list", "index-ready-str", "output-parameter-unknown", "binary-data-str",
+        "load-parameters-list", "index-ready-str", "index-ready-int", "output-parameter-unknown", "binary-data-str",
         "data-and-binary", "data-and-shm"])
 def test_bad_input_is_a_400_naming_it(hpool, path, body, words):
     code, reply = post(hpool.http_port, path, body)

@@ -27,6 +27,7 @@ import gepool
 from gepool.aio import AsyncClient
 from gepool.common import errors
 from gepool.common.logsettings import LogSettings
+from gepool.common.request_parameters import MAX_KEY_SHOWN
 from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
@@ -288,7 +289,7 @@ class Gateway:
         body = await self._json_body(request)
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
-            raise errors.InvalidArgument(f"'ready' must be a bool (true or false), got {str(ready)[:100]!r}")
+            raise errors.InvalidArgument(f"'ready' must be a bool (true or false), got {repr(ready)[:MAX_KEY_SHOWN]}")
         index = await (await self.front()).query("index", {"ready": ready})
         return web.json_response(index["models"])
 
