@@ -14,7 +14,7 @@ from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import health_pb2, health_pb2_grpc
 from gepool.grpc.reflection import Reflection
-from gepool.grpc.service import INTERNAL_MESSAGE, SERVICE, InferenceService, parse_message, status_of
+from gepool.grpc.service import SERVICE, InferenceService, parse_message, status_of
 
 log = logging.getLogger("gepool.grpc")
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -27,7 +27,7 @@ async def _abort(context, exc: BaseException, what: str) -> None:
     if isinstance(exc, errors.GepoolError):
         await context.abort(status_of(exc), exc.message)
     log.error("internal error on %s", what, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    await context.abort(grpc.StatusCode.INTERNAL, errors.INTERNAL_MESSAGE)
 
 
 def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:

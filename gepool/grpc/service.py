@@ -32,7 +32,6 @@ _STATUS = {  # gepool's error code -> the gRPC status Triton answers with
     "TIMEOUT": grpc.StatusCode.UNAVAILABLE, "POOL_UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "PROTOCOL": grpc.StatusCode.INTERNAL,
 }
-INTERNAL_MESSAGE = "internal error (the sidecar's log has the details)"
 
 
 class Unsupported(errors.GepoolError):
@@ -187,7 +186,7 @@ class InferenceService:
                     answer = pb.ModelStreamInferResponse(error_message=exc.message)
                 except Exception:
                     log.exception("internal error on a ModelStreamInfer request")
-                    answer = pb.ModelStreamInferResponse(error_message=INTERNAL_MESSAGE)
+                    answer = pb.ModelStreamInferResponse(error_message=errors.INTERNAL_MESSAGE)
                 if answer.error_message and request is not None:  # so the caller can tell which request failed
                     answer.infer_response.id, answer.infer_response.model_name = request.id, request.model_name
                     answer.infer_response.model_version = request.model_version

@@ -18,7 +18,6 @@ from gepool.common import errors
 from gepool.http import kserve
 
 log = logging.getLogger("gepool.http")
-INTERNAL_MESSAGE = "internal error (the sidecar's log has the details)"  # as the handlers answer
 
 
 def _parse(body: bytes, header_length: str | None, max_input: int) -> tuple:
@@ -51,7 +50,7 @@ class JSONOffload:
         if result[0] == "error" and isinstance(result[1], type) and issubclass(result[1], errors.GepoolError):
             raise result[1](result[2])
         log.error("internal error parsing a request in the helper process:\n%s", result[-1])
-        raise errors.Internal(INTERNAL_MESSAGE)
+        raise errors.Internal(errors.INTERNAL_MESSAGE)
 
     def close(self) -> None:
         if self._pool is not None:

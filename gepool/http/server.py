@@ -133,7 +133,7 @@ class Gateway:
                 return _error(exc.status, exc.reason)
             except Exception:  # the traceback stays here; the client hears a 500 without Python in it
                 log.exception("internal error on %s %s", request.method, request.path)
-                return _error(500, "internal error (the sidecar's log has the details)")
+                return _error(500, errors.INTERNAL_MESSAGE)
         return wrapped
 
     async def _body(self, request: web.Request) -> bytes:
