@@ -906,7 +906,7 @@ def test_large_json_is_parsed_in_a_helper_process(hpool):
 
 
 def test_the_helper_processs_refusals_keep_their_class_and_its_crashes_stay_in_the_log(caplog):
-    """A refusal comes back as the class it was (a code alone made a 413 a 400); anything else is a 500
+    """A refusal comes back as the class its code names, with its words; anything else is a 500
     'internal error' without a Python class name, its traceback in the sidecar's log. Run on a thread pool
     in place of the helper process, so that the parse can be made to fail."""
     import asyncio
@@ -919,10 +919,10 @@ def test_the_helper_processs_refusals_keep_their_class_and_its_crashes_stay_in_t
     helper = offload.JSONOffload()
     helper._pool = ThreadPoolExecutor(1)
     try:
-        with mock.patch.object(kserve, "parse_request", side_effect=kserve.JSONTooLarge("too much JSON")):
-            with pytest.raises(kserve.JSONTooLarge) as refused:
+        with mock.patch.object(kserve, "parse_request", side_effect=errors.InvalidArgument("input 'X': bad")):
+            with pytest.raises(errors.InvalidArgument) as refused:
                 asyncio.run(helper.parse(b"{}", None, 1 << 20))
-        assert refused.value.http_status == 413 and refused.value.message == "too much JSON"
+        assert refused.value.http_status == 400 and refused.value.message == "input 'X': bad"
         with mock.patch.object(kserve, "parse_request", side_effect=ValueError("negative dimensions")):
             with pytest.raises(errors.Internal) as crashed:
                 asyncio.run(helper.parse(b"{}", None, 1 << 20))

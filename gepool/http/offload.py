@@ -3,8 +3,9 @@ of the process that answers every other HTTP client.
 
 json.loads holds the GIL for its whole run (about 100 ms for 2 MiB on a loaded 2-core host), so a
 thread does not help. The helper returns the parsed request (numpy arrays pickle as flat buffers), a
-refusal as (its class, message), or the traceback of anything else: exceptions never cross the process
-boundary, and a refusal is rebuilt as the class it was (a code alone loses a subclass's HTTP status).
+refusal as (its code, message), or the traceback of anything else: exceptions never cross the process
+boundary. The helper is given no JSON limit (the caller checked it), so no refusal is a subclass whose
+HTTP status its code does not give.
 """
 
 import asyncio
@@ -23,8 +24,8 @@ log = logging.getLogger("gepool.http")
 def _parse(body: bytes, header_length: str | None, max_input: int) -> tuple:
     try:
         return "ok", kserve.parse_request(body, header_length, None, None, max_input)
-    except errors.GepoolError as exc:  # its class travels by name (a subclass's status is its own)
-        return "error", type(exc), exc.message
+    except errors.GepoolError as exc:
+        return "error", exc.code, exc.message
     except Exception:  # noqa: BLE001  (reported as internal, as anywhere else; the traceback to the log)
         return "crash", traceback.format_exc()
 
@@ -47,8 +48,8 @@ class JSONOffload:
                                      "again") from None
         if result[0] == "ok":
             return result[1]
-        if result[0] == "error" and isinstance(result[1], type) and issubclass(result[1], errors.GepoolError):
-            raise result[1](result[2])
+        if result[0] == "error":
+            raise errors.from_code(result[1], result[2])
         log.error("internal error parsing a request in the helper process:\n%s", result[-1])
         raise errors.Internal(errors.INTERNAL_MESSAGE)
 
