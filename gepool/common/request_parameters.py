@@ -42,12 +42,12 @@ def model_version(text: str | None) -> int | None:
     if not text:
         return None
     digits = text.lstrip("0")
+    refused = (f"failed to get model version from specified version string '{text[:MAX_KEY_SHOWN]}': version "
+               f"should be an integral value")
     if not (text.isascii() and text.isdecimal()) or not digits:
-        raise InvalidArgument(f"failed to get model version from specified version string '{text[:100]}': "
-                              f"version should be an integral value > 0")
+        raise InvalidArgument(f"{refused} > 0")
     if len(digits) > len(str(MAX_VERSION)) or int(digits) > MAX_VERSION:  # int() refuses past 4300 digits
-        raise InvalidArgument(f"failed to get model version from specified version string '{text[:100]}': "
-                              f"version should be an integral value in 1..{MAX_VERSION}")
+        raise InvalidArgument(f"{refused} in 1..{MAX_VERSION}")
     return int(digits)
 
 

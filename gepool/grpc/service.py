@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import json_format, message
 
 import gepool
-from gepool.common import errors
+from gepool.common import errors, request_parameters
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
 from gepool.http import peer
@@ -79,7 +79,7 @@ class InferenceService:
 
     async def model_meta(self, name: str, version_text: str) -> dict:
         meta = await (await self.gw.front()).model_metadata(name)
-        version = tensors.version(version_text)
+        version = request_parameters.model_version(version_text)
         if version is not None and str(version) not in meta.get("versions", []):
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta

@@ -54,11 +54,6 @@ def param_value(p: pb.InferParameter):
     return None if which is None else getattr(p, which)
 
 
-def version(text: str) -> int | None:
-    """A version field: empty means the server's choice, else a positive integer (HTTP's rule)."""
-    return request_parameters.model_version(text)
-
-
 def _int_param(what: str, params, key: str, default: int | None) -> int | None:
     if key not in params:
         return default
@@ -170,8 +165,8 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
             outputs.append(OutputRequest(o.name, region,
                                          _int_param(what, o.parameters, "shared_memory_byte_size", 0),
                                          _int_param(what, o.parameters, "shared_memory_offset", 0)))
-    return InferCall(request.model_name, version(request.model_version), inputs, outputs, checked.timeout_s,
-                     checked.final_response, checked.priority)
+    return InferCall(request.model_name, request_parameters.model_version(request.model_version), inputs, outputs,
+                     checked.timeout_s, checked.final_response, checked.priority)
 
 
 def response(request: pb.ModelInferRequest, call: InferCall, served: str, outputs: dict[str, np.ndarray],

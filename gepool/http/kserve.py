@@ -18,6 +18,7 @@ import orjson
 
 from gepool.common import request_parameters
 from gepool.common.errors import InvalidArgument, RequestTooLarge
+from gepool.common.request_parameters import MAX_KEY_SHOWN
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -96,15 +97,16 @@ def expected_bytes(datatype: str, shape: list[int]) -> int | None:
     return None if datatype == "BYTES" else math.prod(shape) * numpy_dtype(datatype).itemsize
 
 
-def _shape(name: str, shape, datatype: str, limit: int) -> list[int]:
+def _shape(name: str, shape, datatype: str, limit: int | None) -> list[int]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise InvalidArgument(f"input '{name}': shape must be a list of non-negative integers, got {shape!r}"[:500])
     return check_shape(name, shape, datatype, limit)
 
 
-def check_shape(name: str, shape: list[int], datatype: str, limit: int) -> list[int]:
-    """A shape of non-negative dimensions that numpy can hold and whose data fits ``limit`` bytes, checked before
+def check_shape(name: str, shape: list[int], datatype: str, limit: int | None) -> list[int]:
+    """A shape of non-negative dimensions that numpy can hold and whose data fits ``limit`` bytes (None: only
+    what numpy can hold), checked before
     anything is allocated for it. numpy sizes an array by the product of its non-zero dimensions (an empty
     array of [0, 2**70] is still refused), so those are what is counted."""
     if len(shape) > MAX_DIMS:
@@ -116,7 +118,7 @@ def check_shape(name: str, shape: list[int], datatype: str, limit: int) -> list[
                               f"({MAX_INT64})")
     elements = math.prod(d for d in shape if d)
     need = elements * (MIN_BYTES_ELEMENT if datatype == "BYTES" else numpy_dtype(datatype).itemsize)
-    limit = min(limit, MAX_TENSOR_BYTES)
+    limit = MAX_TENSOR_BYTES if limit is None else min(limit, MAX_TENSOR_BYTES)
     if need > limit:
         counted = "" if all(shape) else " (counting its non-zero dimensions, as numpy sizes an array)"
         raise InvalidArgument(f"input '{name}': shape {shape} of {datatype} needs {need} bytes{counted}, past the "
@@ -346,7 +348,8 @@ def header_length(body, header_length: str | None) -> int:
             raise ValueError
         hlen = int(header_length)
     except ValueError:
-        raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got '{header_length[:100]}'") from None
+        raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got "
+                              f"'{header_length[:MAX_KEY_SHOWN]}'") from None
     if hlen < 0 or hlen > len(body):
         raise InvalidArgument(f"{HEADER_LENGTH} {hlen} does not fit the {len(body)}-byte body")
     return hlen
@@ -381,7 +384,6 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
     if header.get("id") is not None and not isinstance(header["id"], str):
         raise InvalidArgument("'id' must be a string")
     limit = len(body) if max_input is None else max_input
-    shape_limit = MAX_TENSOR_BYTES if max_input is None else max_input
     blob = memoryview(body)[hlen:]
     pos = 0
     inputs: dict[str, np.ndarray] = {}
@@ -389,7 +391,7 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
         name = unique("input", _name("input", item), inputs)
         datatype = item.get("datatype")
         numpy_dtype(datatype)
-        shape = _shape(name, item.get("shape"), datatype, shape_limit)
+        shape = _shape(name, item.get("shape"), datatype, max_input)
         p = _params(f"input '{name}'", item)
         sent = next((k for k in ("shared_memory_region", "binary_data_size") if k in p), None)
         if sent is not None and item.get("data") is not None:  # clients may write an unset field as null
@@ -433,8 +435,8 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
             op = _params(what, o)
             unknown = next((k for k in op if k not in OUTPUT_KEYS), None)
             if unknown is not None:
-                raise InvalidArgument(f"{what}: parameter '{str(unknown)[:100]}' is not supported by gepool "
-                                      f"(supported: {', '.join(OUTPUT_KEYS)})")
+                raise InvalidArgument(f"{what}: parameter '{str(unknown)[:MAX_KEY_SHOWN]}' is not supported by "
+                                      f"gepool (supported: {', '.join(OUTPUT_KEYS)})")
             region = _region_name(what, op) if "shared_memory_region" in op else None
             outputs.append(OutputRequest(
                 name, _param_bool(what, op, "binary_data", binary_output), region,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, Callable
 
 from aiohttp import web
 
-from gepool.common import errors, request_parameters
+from gepool.common import errors
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # Triton's --http-max-input-size default; the pool passes its largest slot
 MAX_JSON_BYTES = 2 << 20  # about 50 ms of json.loads on this host's cores
@@ -141,8 +141,3 @@ async def decode(chunks: AsyncIterable[bytes], max_body: int, encoding: str) -> 
         if not decoder.eof:
             raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
     return b"".join(parts)
-
-
-def version(text: str | None) -> int | None:
-    """A version from the URL: None when absent, else a positive integer or InvalidArgument."""
-    return request_parameters.model_version(text)

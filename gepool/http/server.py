@@ -27,7 +27,7 @@ import gepool
 from gepool.aio import AsyncClient
 from gepool.common import errors
 from gepool.common.logsettings import LogSettings
-from gepool.common.request_parameters import MAX_KEY_SHOWN
+from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
 from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
@@ -170,7 +170,7 @@ class Gateway:
 
     async def _model_meta(self, request: web.Request) -> dict:
         meta = await (await self.front()).model_metadata(request.match_info["model"])
-        version = limits.version(request.match_info.get("version"))
+        version = model_version(request.match_info.get("version"))
         if version is not None and str(version) not in meta.get("versions", []):
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta
@@ -226,7 +226,7 @@ class Gateway:
     @route
     async def infer(self, request):
         model = request.match_info["model"]
-        version = limits.version(request.match_info.get("version"))
+        version = model_version(request.match_info.get("version"))
         header_length = request.headers.get(kserve.HEADER_LENGTH)
         body = await limits.read_body(request, self.max_body, self.body_timeout,
                                       MAX_JSON_BYTES if header_length is None else None, kserve.json_too_large)
