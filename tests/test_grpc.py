@@ -386,6 +386,18 @@ def test_only_the_pools_user_loads_and_unloads_over_grpc(gpool, triton):
     assert triton.is_model_ready("tiny")
 
 
+def test_classification_is_served_over_grpc_as_over_http(triton):
+    """tritonclient's gRPC client sends ``class_count`` as the output parameter 'classification': the top N
+    classes come back as "value:index" BYTES, as HTTP serves them (gRPC refused the parameter)."""
+    x = np.array([[0, 5, 1, 7, 2, 3, 4, 6, 8, 9, 15, 10, 11, 12, 14, 13]], np.float32)
+    inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(x)
+    result = triton.infer("tiny", [inp], outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=3)])
+    assert result.as_numpy("OUTPUT0").tolist() == [[b"31.000000:10", b"29.000000:14", b"27.000000:15"]]
+    result = triton.infer("tiny", [inp], outputs=[grpcclient.InferRequestedOutput("OUTPUT0")])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x * 2 + 1)
+
+
 # -- health, reflection, metrics ----------------------------------------------------------------------
 def test_grpc_health_and_reflection(gpool, channel):
     health = health_pb2_grpc.HealthStub(channel)

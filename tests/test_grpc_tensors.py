@@ -191,6 +191,12 @@ def test_a_repeated_output_and_unbounded_numbers_are_refused():
     req.outputs.add(name="Y")
     _bad(req, "output 'Y' is requested twice")
     del req.outputs[:]
+    classes = req.outputs.add(name="Y")
+    classes.parameters["classification"].int64_param = 3
+    assert tensors.parse(req, _no_shm, 1 << 20).outputs[0].class_count == 3
+    classes.parameters["classification"].uint64_param = (1 << 64) - 1
+    _bad(req, r"output 'Y': parameter 'classification' must be an integer in 0..9223372036854775807")
+    del req.outputs[:]
     req.parameters["timeout"].uint64_param = (1 << 64) - 1
     _bad(req, r"parameter 'timeout' must be an integer in 0..9223372036854775807, got 18446744073709551615")
     req.parameters["timeout"].int64_param = (1 << 63) - 1

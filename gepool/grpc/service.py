@@ -154,7 +154,9 @@ class InferenceService:
                 meta = await self.model_meta(call.model, "")
                 raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
                                              f"model '{call.model}'")
-            names = [o.name for o in call.outputs] if call.outputs is not None else None
+            # an output asked for as classes travels as [name, class_count] (the front's classification)
+            names = [[o.name, o.class_count] if o.class_count else o.name for o in call.outputs] \
+                if call.outputs is not None else None
             outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
                                                           timeout=call.timeout_s, priority=call.priority,
                                                           origin=Origin.GRPC)

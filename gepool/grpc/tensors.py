@@ -27,7 +27,7 @@ CONTENTS_FIELD = {
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
-SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+OUTPUT_KEYS = ("classification", "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 @dataclass
@@ -36,6 +36,7 @@ class OutputRequest:
     region: str | None = None
     region_size: int = 0
     region_offset: int = 0
+    class_count: int = 0  # Triton's classification extension: the top N classes, not the tensor (0: the tensor)
 
 
 @dataclass
@@ -158,13 +159,14 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
         for o in request.outputs:
             seen.add(kserve.unique("output", o.name, seen))
             what = f"output '{o.name}'"
-            unknown = set(o.parameters) - set(SHM_KEYS)
+            unknown = set(o.parameters) - set(OUTPUT_KEYS)
             if unknown:
                 raise InvalidArgument(f"{what}: parameter '{sorted(unknown)[0]}' is not supported by gepool")
             region = _region(what, o.parameters) if "shared_memory_region" in o.parameters else None
             outputs.append(OutputRequest(o.name, region,
                                          _int_param(what, o.parameters, "shared_memory_byte_size", 0),
-                                         _int_param(what, o.parameters, "shared_memory_offset", 0)))
+                                         _int_param(what, o.parameters, "shared_memory_offset", 0),
+                                         _int_param(what, o.parameters, "classification", 0)))
     return InferCall(request.model_name, request_parameters.model_version(request.model_version), inputs, outputs,
                      checked.timeout_s, checked.final_response, checked.priority)
 
