@@ -143,6 +143,9 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     shared.inputs.add(name="X", datatype="FP32", shape=[1]).contents.fp32_contents.append(1.0)
     shared.inputs[0].parameters["shared_memory_region"].string_param = "r"
     _bad(shared, "input 'X': 'contents' and 'shared_memory_region' are both given; send the tensor one way")
+    shared.inputs[0].ClearField("contents")
+    shared.inputs[0].parameters["shared_memory_offset"].string_param = "abc"  # HTTP's words, as test_http_hostile
+    _bad(shared, "input 'X': parameter 'shared_memory_offset' must be a non-negative integer, got 'abc'")
     typed = pb.ModelInferRequest(model_name="m")
     typed.inputs.add(name="X", datatype="INT8", shape=[2]).contents.int_contents.extend([1, 300])
     _bad(typed, "value 300 is out of range for INT8")

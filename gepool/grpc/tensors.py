@@ -58,12 +58,7 @@ def param_value(p: pb.InferParameter):
 def _int_param(what: str, params, key: str, default: int | None) -> int | None:
     if key not in params:
         return default
-    value = param_value(params[key])
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
-    if value > kserve.MAX_INT64:
-        raise InvalidArgument(f"{what}: parameter '{key}' must be an integer in 0..{kserve.MAX_INT64}, got {value}")
-    return value
+    return request_parameters.non_negative_int(key, param_value(params[key]), request_parameters.MAX_INT64, what)
 
 
 def _region(what: str, params) -> str:

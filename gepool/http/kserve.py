@@ -18,7 +18,7 @@ import orjson
 
 from gepool.common import request_parameters
 from gepool.common.errors import InvalidArgument, RequestTooLarge
-from gepool.common.request_parameters import MAX_KEY_SHOWN
+from gepool.common.request_parameters import MAX_INT64, MAX_KEY_SHOWN
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -64,7 +64,6 @@ def numpy_dtype(datatype: str) -> np.dtype:
 
 MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
 MAX_DIMS = 32  # numpy 1.x holds at most 32 dimensions (2.x 64): the bound for HTTP and gRPC alike
-MAX_INT64 = (1 << 63) - 1  # Triton's dimensions, versions and counts are int64
 MAX_TENSOR_BYTES = 1 << 60  # below what numpy can size (its intp) for any element of up to 8 bytes
 MIN_BYTES_ELEMENT = 4  # a BYTES element's raw length prefix: the least any element costs
 OUTPUT_KEYS = ("binary_data", "classification", "shared_memory_region", "shared_memory_byte_size",
@@ -270,11 +269,7 @@ def _param_int(what: str, params: dict, key: str, default: int | None = None) ->
     value = params.get(key, default)
     if value is None and default is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{what}: '{key}' must be a non-negative integer, got {value!r}")
-    if value > MAX_INT64:
-        raise InvalidArgument(f"{what}: '{key}' must be an integer in 0..{MAX_INT64}, got {value}")
-    return value
+    return request_parameters.non_negative_int(key, value, MAX_INT64, what)
 
 
 def _param_bool(what: str, params: dict, key: str, default: bool) -> bool:
