@@ -198,6 +198,13 @@ def test_system_shared_memory_inputs_and_outputs(gpool, triton):
         got = shm.get_contents_as_numpy(h_out, np.float32, [2, 16])
         (want,) = direct(gpool.repo, "tiny", {"INPUT0": x})
         np.testing.assert_array_equal(got, want)
+        ran = triton.get_inference_statistics("tiny").model_stats[0].inference_stats.success.count
+        past = grpcclient.InferRequestedOutput("OUTPUT0")
+        past.set_shared_memory("out", x.nbytes, offset=8)  # found only after the model had run
+        with pytest.raises(InferenceServerException, match=r"\[8, 136\) lies outside shared memory region 'out' "
+                                                           r"of 128 bytes"):
+            triton.infer("tiny", [inp], outputs=[past])
+        assert triton.get_inference_statistics("tiny").model_stats[0].inference_stats.success.count == ran
         with pytest.raises(InferenceServerException, match="Unable to find system shared memory region: 'gone'"):
             inp.set_shared_memory("gone", x.nbytes)
             triton.infer("tiny", [inp])

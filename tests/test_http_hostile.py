@@ -380,6 +380,13 @@ def test_a_shared_memory_offset_past_the_region_is_a_400(hpool):
             "shared_memory_region": "r1", "shared_memory_offset": 100}}]}
         code, reply = post(port, "/v2/models/shout/infer", body)
         assert code == 400 and reply["error"] == "[100, 100) lies outside shared memory region 'r1' of 64 bytes"
+        ran = request(port, "GET", "/v2/models/tiny/stats")[1]["model_stats"][0]["inference_stats"]["success"]
+        past = {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {  # found only after the model had run
+            "shared_memory_region": "r1", "shared_memory_offset": 8, "shared_memory_byte_size": 64}}]}
+        code, reply = post(port, "/v2/models/tiny/infer", past)
+        assert code == 400 and reply["error"] == "[8, 72) lies outside shared memory region 'r1' of 64 bytes"
+        assert request(port, "GET", "/v2/models/tiny/stats")[1]["model_stats"][0]["inference_stats"]["success"] \
+            == ran
     finally:
         post(port, "/v2/systemsharedmemory/region/r1/unregister", b"")
         os.unlink(path)

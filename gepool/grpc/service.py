@@ -144,8 +144,8 @@ class InferenceService:
                 # reading a region and copying large tensors stay off the event loop
                 call = await asyncio.to_thread(parse) if shm or request.ByteSize() > INLINE_PARSE_BYTES else parse()
                 for o in call.outputs or []:
-                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
-                        acquire(o.region)
+                    if o.region is not None:  # an unknown region, or a place past its end, fails before the model runs
+                        regions.check_output(acquire(o.region), o.region_offset, o.region_size)
             except errors.GepoolError:
                 if request.model_name:
                     await self.model_meta(request.model_name, "")  # an unknown model is what the caller hears first

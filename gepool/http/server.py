@@ -257,8 +257,8 @@ class Gateway:
                 else:
                     req = parse()
                 for o in req.outputs or []:
-                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
-                        acquire(o.region)
+                    if o.region is not None:  # an unknown region, or a place past its end, fails before the model runs
+                        self.regions.check_output(acquire(o.region), o.region_offset, o.region_size)
             except errors.GepoolError:
                 await self._model_meta(request)  # an unknown model is what the caller hears first
                 raise

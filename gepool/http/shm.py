@@ -146,6 +146,10 @@ class Regions:
             pos += n
         return view
 
+    def check_output(self, region: Region, offset: int, size: int) -> None:
+        """An output's place in ``region`` (size 0: to its end) lies inside it: checked before the model runs."""
+        _inside(region, offset, size)
+
     def write(self, region: Region, offset, size, data: bytes) -> None:
         offset, size = _count("shared_memory_offset", offset, 0), _count("shared_memory_byte_size", size, 0)
         limit = size or region.byte_size - offset
