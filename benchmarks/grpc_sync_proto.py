@@ -23,10 +23,10 @@ import grpc
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gepool.client import Client  # noqa: E402
-from gepool.common import errors  # noqa: E402
+from gepool.common import errors, request_parameters  # noqa: E402
 from gepool.grpc import grpc_service_pb2 as pb  # noqa: E402
 from gepool.grpc import tensors  # noqa: E402
-from gepool.grpc.service import INTERNAL_MESSAGE, SERVICE, InferenceService, parse_message, status_of  # noqa: E402
+from gepool.grpc.service import SERVICE, InferenceService, parse_message, status_of  # noqa: E402
 from gepool.http.server import REQUEST_TIMEOUT_S, Gateway  # noqa: E402
 from gepool.ipc.protocol import Origin  # noqa: E402
 
@@ -42,7 +42,7 @@ class FrontClient(Client):
 
 def model_meta(client: Client, name: str, version_text: str) -> dict:
     meta = client.model_metadata(name)
-    version = tensors.version(version_text)
+    version = request_parameters.model_version(version_text)
     if version is not None and str(version) not in meta.get("versions", []):
         raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
     return meta
@@ -93,7 +93,7 @@ def _answered(context: grpc.ServicerContext, what: str, run):
         context.abort(status_of(exc), exc.message)
     except Exception as exc:
         log.error("internal error on %s", what, exc_info=exc)
-        context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        context.abort(grpc.StatusCode.INTERNAL, errors.INTERNAL_MESSAGE)
 
 
 def handlers(service: InferenceService, client_of, loop: asyncio.AbstractEventLoop) -> dict:

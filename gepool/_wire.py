@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 
 from gepool.arena import ArenaFull, ClientArena
-from gepool.common import errors
+from gepool.common import errors, request_parameters
 from gepool.ipc import dtypes, layout, protocol
 
 _ids = itertools.count(1)
@@ -20,7 +20,7 @@ ZERO_COPY_MIN = 64 << 10  # smaller arena outputs are copied out: cheaper than a
 # sides costs more than the copies it saves (1 KiB: 275 us as frames against 298-366 through the
 # arena; 16 KiB: 334-372 against 391-403; they meet near 64 KiB, where the front's direct batches start).
 ARENA_MIN = 64 << 10
-MAX_PRIORITY = (1 << 64) - 1  # Triton's priority is a uint64
+MAX_PRIORITY = request_parameters.MAX_UINT64  # Triton's priority is a uint64
 # An input of at most this many bytes travels as a copy (bytes): a copy this small costs less than the
 # buffer views a frame of the array itself takes to send; a larger one travels as the array, uncopied.
 FRAME_COPY_MAX = 4096

@@ -198,6 +198,13 @@ def test_system_shared_memory_inputs_and_outputs(gpool, triton):
         got = shm.get_contents_as_numpy(h_out, np.float32, [2, 16])
         (want,) = direct(gpool.repo, "tiny", {"INPUT0": x})
         np.testing.assert_array_equal(got, want)
+        ran = triton.get_inference_statistics("tiny").model_stats[0].inference_stats.success.count
+        past = grpcclient.InferRequestedOutput("OUTPUT0")
+        past.set_shared_memory("out", x.nbytes, offset=8)  # found only after the model had run
+        with pytest.raises(InferenceServerException, match=r"\[8, 136\) lies outside shared memory region 'out' "
+                                                           r"of 128 bytes"):
+            triton.infer("tiny", [inp], outputs=[past])
+        assert triton.get_inference_statistics("tiny").model_stats[0].inference_stats.success.count == ran
         with pytest.raises(InferenceServerException, match="Unable to find system shared memory region: 'gone'"):
             inp.set_shared_memory("gone", x.nbytes)
             triton.infer("tiny", [inp])
@@ -289,6 +296,36 @@ def test_malformed_protobuf_mismatched_raw_contents_and_unknown_models(gpool, tr
     assert triton.infer("tiny", [inp]).as_numpy("OUTPUT0")[0, 0] == 1.0  # still serving
 
 
+def test_repeated_outputs_unholdable_shapes_and_unbounded_numbers_are_invalid_argument(gpool, channel):
+    """What an attacker sent (outputs repeated 20,000 times drew an 80 MB reply; an empty tensor numpy cannot
+    size; a timeout and a version past int64 reached msgpack): each INVALID_ARGUMENT naming it, and the pool
+    serves on."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+
+    def tiny() -> service_pb2.ModelInferRequest:
+        req = service_pb2.ModelInferRequest(model_name="tiny", raw_input_contents=[x.tobytes()])
+        req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        return req
+
+    repeated = tiny()
+    for _ in range(20_000):
+        repeated.outputs.add(name="OUTPUT0")
+    empty = service_pb2.ModelInferRequest(model_name="tiny", raw_input_contents=[b""])
+    empty.inputs.add(name="INPUT0", datatype="FP32", shape=[0, (1 << 63) - 1])
+    timeout, version = tiny(), tiny()
+    timeout.parameters["timeout"].uint64_param = (1 << 64) - 1
+    version.model_version = "99999999999999999999999999"
+    for req, words in [(repeated, "output 'OUTPUT0' is requested twice"),
+                       (empty, "input 'INPUT0': shape [0, 9223372036854775807] of FP32 needs"),
+                       (timeout, "parameter 'timeout' must be an integer in 0..9223372036854775807"),
+                       (version, "version should be an integral value in 1..9223372036854775807")]:
+        code, details = status_of(lambda req=req: stub.ModelInfer(req, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details, (code, details)
+    out = np.frombuffer(stub.ModelInfer(tiny(), timeout=30).raw_output_contents[0], np.float32)
+    np.testing.assert_allclose(out, direct(gpool.repo, "tiny", {"INPUT0": x})[0].ravel(), rtol=1e-6)
+
+
 def test_a_stream_answers_garbage_in_error_message_and_keeps_serving(gpool, channel):
     good = service_pb2.ModelInferRequest(model_name="tiny", id="ok", raw_input_contents=[np.ones((1, 16),
                                                                                                  np.float32).tobytes()])
@@ -356,6 +393,18 @@ def test_only_the_pools_user_loads_and_unloads_over_grpc(gpool, triton):
     assert triton.is_model_ready("tiny")
 
 
+def test_classification_is_served_over_grpc_as_over_http(triton):
+    """tritonclient's gRPC client sends ``class_count`` as the output parameter 'classification': the top N
+    classes come back as "value:index" BYTES, as HTTP serves them (gRPC refused the parameter)."""
+    x = np.array([[0, 5, 1, 7, 2, 3, 4, 6, 8, 9, 15, 10, 11, 12, 14, 13]], np.float32)
+    inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(x)
+    result = triton.infer("tiny", [inp], outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=3)])
+    assert result.as_numpy("OUTPUT0").tolist() == [[b"31.000000:10", b"29.000000:14", b"27.000000:15"]]
+    result = triton.infer("tiny", [inp], outputs=[grpcclient.InferRequestedOutput("OUTPUT0")])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x * 2 + 1)
+
+
 # -- health, reflection, metrics ----------------------------------------------------------------------
 def test_grpc_health_and_reflection(gpool, channel):
     health = health_pb2_grpc.HealthStub(channel)
@@ -364,6 +413,18 @@ def test_grpc_health_and_reflection(gpool, channel):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     code, _ = status_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="other"), timeout=30))
     assert code == grpc.StatusCode.NOT_FOUND
+    watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+    for garbage in (channel.unary_unary("/grpc.health.v1.Health/Check"),  # grpcio's own deserializer answered
+                    channel.unary_unary("/grpc.health.v1.Health/List"),  # UNKNOWN naming a Python class
+                    lambda raw, timeout: list(watch(raw, timeout=timeout))):
+        code, details = status_of(lambda garbage=garbage: garbage(b"\x0a\xff\xff\xff\xff\x0f", timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed Health" in details, (code, details)
+        assert "class" not in details and "DecodeError" not in details
+    assert health.List(health_pb2.HealthListRequest(), timeout=30).statuses[""].status == \
+        health_pb2.HealthCheckResponse.SERVING
+    watching = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    assert next(watching).status == health_pb2.HealthCheckResponse.SERVING
+    watching.cancel()
     for version in ("v1", "v1alpha"):  # grpcurl asks v1 first, older clients v1alpha
         info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
                                      response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)

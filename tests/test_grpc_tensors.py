@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from gepool import _wire
 from gepool.common.errors import InvalidArgument
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import model_config_pb2, tensors
@@ -138,11 +139,20 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     both = raw([1], b"\0" * 4)
     both.inputs[0].contents.fp32_contents.append(1.0)
     _bad(both, "contents field must not be specified when using raw_input_contents")
+    shared = pb.ModelInferRequest(model_name="m")  # shared memory was read and the contents quietly dropped
+    shared.inputs.add(name="X", datatype="FP32", shape=[1]).contents.fp32_contents.append(1.0)
+    shared.inputs[0].parameters["shared_memory_region"].string_param = "r"
+    _bad(shared, "input 'X': 'contents' and 'shared_memory_region' are both given; send the tensor one way")
+    shared.inputs[0].ClearField("contents")
+    shared.inputs[0].parameters["shared_memory_offset"].string_param = "abc"  # HTTP's words, as test_http_hostile
+    _bad(shared, "input 'X': parameter 'shared_memory_offset' must be a non-negative integer, got 'abc'")
     typed = pb.ModelInferRequest(model_name="m")
     typed.inputs.add(name="X", datatype="INT8", shape=[2]).contents.int_contents.extend([1, 300])
     _bad(typed, "value 300 is out of range for INT8")
-    typed.inputs[0].shape[:] = [1 << 40]
+    typed.inputs[0].shape[:] = [3]
     _bad(typed, "2 values in contents.int_contents, but shape")
+    typed.inputs[0].shape[:] = [1 << 40]
+    _bad(typed, r"shape \[1099511627776\] of INT8 needs 1099511627776 bytes, past the 1048576-byte limit")
     half = pb.ModelInferRequest(model_name="m")
     half.inputs.add(name="H", datatype="FP16", shape=[1]).contents.fp32_contents.append(1.0)
     _bad(half, "FP16 data must be sent in raw_input_contents")
@@ -154,6 +164,52 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     call = tensors.parse(flagged, _no_shm, 1 << 20)
     reply = tensors.response(flagged, call, "1", {"Y": np.zeros(2, np.float32)}, None)
     assert call.mark_final and reply.parameters["triton_final_response"].bool_param
+
+
+def test_shapes_numpy_cannot_hold_are_refused_before_any_allocation():
+    """A zero-element shape whose other dimensions pass what numpy can size, more dimensions than the one
+    bound HTTP shares, a dimension past int64: each named, where numpy raised ValueError (INTERNAL)."""
+    def raw(shape, datatype="FP32"):
+        req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b""])
+        req.inputs.add(name="X", datatype=datatype, shape=shape)
+        return req
+
+    for shape in ([0, (1 << 63) - 1], [0, 1 << 40, 1 << 40]):
+        _bad(raw(shape), r"input 'X': shape \[0, .* of FP32 needs \d+ bytes \(counting its non-zero dimensions")
+    _bad(raw([0, 1 << 40, 1 << 40], "BYTES"), "of BYTES needs")
+    _bad(raw([0] * 33), r"input 'X': shape has 33 dimensions, more than the 32 gepool allows")  # HTTP's words
+    _bad(raw([0] * 40 + [-1]), r"input 'X': shape must be a list of non-negative integers, got dimension -1")
+    assert tensors.parse(raw([0] * 32), _no_shm, 1 << 20).inputs["X"].shape == (0,) * 32
+    assert tensors.parse(raw([0, 1 << 10]), _no_shm, 1 << 20).inputs["X"].shape == (0, 1024)
+
+
+def test_a_repeated_output_and_unbounded_numbers_are_refused():
+    """An output asked for twice (each copy was answered: 80 MB from a 200 KB request), and numbers past
+    what the wire carries (a timeout of 2**64-1 us, a model version past int64) name their range."""
+    req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 16])
+    req.inputs.add(name="X", datatype="FP32", shape=[4])
+    req.outputs.add(name="Y")
+    req.outputs.add(name="Z")
+    assert [o.name for o in tensors.parse(req, _no_shm, 1 << 20).outputs] == ["Y", "Z"]
+    req.outputs.add(name="Y")
+    _bad(req, "output 'Y' is requested twice")
+    del req.outputs[:]
+    classes = req.outputs.add(name="Y")
+    classes.parameters["classification"].int64_param = 3
+    assert tensors.parse(req, _no_shm, 1 << 20).outputs[0].class_count == 3
+    classes.parameters["classification"].uint64_param = (1 << 64) - 1
+    _bad(req, r"output 'Y': parameter 'classification' must be an integer in 0..9223372036854775807")
+    del req.outputs[:]
+    req.parameters["timeout"].uint64_param = (1 << 64) - 1
+    _bad(req, r"parameter 'timeout' must be an integer in 0..9223372036854775807, got 18446744073709551615")
+    req.parameters["timeout"].int64_param = (1 << 63) - 1
+    largest = tensors.parse(req, _no_shm, 1 << 20).timeout_s
+    assert 0 < _wire._timeout_us(largest) <= (1 << 64) - 1  # 2**63 after the float round trip: msgpack's uint64
+    del req.parameters["timeout"]
+    req.model_version = "99999999999999999999999999"
+    _bad(req, r"version should be an integral value in 1..9223372036854775807")
+    req.model_version = "9223372036854775807"
+    assert tensors.parse(req, _no_shm, 1 << 20).version == (1 << 63) - 1
 
 
 def test_malformed_protobuf_is_invalid_argument():

@@ -307,11 +307,11 @@ def _infer(datatype: str, data, shape=(1, 16)) -> dict:
                                            "parameters": {"shared_memory_region": "r",
                                                           "shared_memory_offset": "abc",
                                                           "shared_memory_byte_size": 64}}]},
-     "'shared_memory_offset' must be a non-negative integer"),
+     "input 'INPUT0': parameter 'shared_memory_offset' must be a non-negative integer, got 'abc'"),  # gRPC's words
     ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                            "parameters": {"shared_memory_region": "r",
                                                           "shared_memory_byte_size": "lots"}}]},
-     "'shared_memory_byte_size' must be a non-negative integer"),
+     "input 'INPUT0': parameter 'shared_memory_byte_size' must be a non-negative integer, got 'lots'"),
     ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                            "parameters": [1]}]}, "'parameters' must be an object"),
     ("/v2/systemsharedmemory/region/x/register", {"key": "/a\u0000b", "byte_size": 64}, "must name one object"),
@@ -320,14 +320,105 @@ def _infer(datatype: str, data, shape=(1, 16)) -> dict:
     ("/v2/models/tiny/infer", {"inputs": []}, "expected 1 inputs but got 0 inputs for model 'tiny'"),
     ("/v2/models/nosuch/infer", b"{garbage", "unknown model"),
     ("/v2/models/nosuch/infer", {"inputs": []}, "unknown model"),
+    ("/v2/models/tiny/infer", {**GOOD, "outputs": [{"name": "OUTPUT0"}] * 2}, "output 'OUTPUT0' is requested twice"),
+    ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [0, 2**70], "data": []}]},
+     "shape dimension 1180591620717411303424 is past the largest a tensor may have (9223372036854775807)"),
+    ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [0, 2**61, 2**61],
+                                           "data": []}]},
+     "input 'INPUT0': shape [0, 2305843009213693952, 2305843009213693952] of FP32 needs"),
+    ("/v2/models/tiny/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [0] * 100, "data": []}]},
+     "input 'INPUT0': shape has 100 dimensions, more than the 32 gepool allows"),
+    ("/v2/models/tiny/infer", {**GOOD, "parameters": {"timeout": 10**23}},
+     "parameter 'timeout' must be an integer in 0..9223372036854775807, got 100000000000000000000000"),
+    ("/v2/models/tiny/infer", {**GOOD, "parameters": {"priority": 2**64}},
+     "parameter 'priority' must be an integer in 0..18446744073709551615"),
+    ("/v2/models/tiny/infer", {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 10**23}}]},
+     "output 'OUTPUT0': parameter 'classification' must be an integer in 0..9223372036854775807"),
+    ("/v2/models/tiny/versions/99999999999999999999999/infer", GOOD,
+     "version should be an integral value in 1..9223372036854775807"),
+    ("/v2/models/shout/infer", {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                                            "data": ["\ud800"]}]}, "input 'TEXT': BYTES data must be valid UTF-8"),
+    ("/v2/models/tiny/infer", {"inputs": [{**GOOD["inputs"][0], "name": "\ud800"}]},
+     "input name '\\ud800' is not valid UTF-8"),
+    ("/v2/models/tiny/infer", {**GOOD, "outputs": [{"name": "\udfff"}]}, "output name '\\udfff' is not valid UTF-8"),
+    ("/v2/repository/models/tiny/load", {"parameters": "abc"}, "'parameters' must be an object"),
+    ("/v2/repository/models/tiny/load", {"parameters": [1]}, "'parameters' must be an object"),
+    ("/v2/repository/index", {"ready": "false"}, "'ready' must be a bool (true or false), got 'false'"),
+    ("/v2/repository/index", {"ready": 1}, "'ready' must be a bool (true or false), got 1"),
+    ("/v2/models/tiny/infer", {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {"bogus": 1}}]},
+     "output 'OUTPUT0': parameter 'bogus' is not supported by gepool (supported: binary_data, classification, "
+     "shared_memory_region, shared_memory_byte_size, shared_memory_offset)"),
+    ("/v2/models/tiny/infer", {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": "false"}}]},
+     "output 'OUTPUT0': 'binary_data' must be a bool (true or false), got 'false'"),
+    ("/v2/models/tiny/infer", {"inputs": [{**GOOD["inputs"][0], "parameters": {"binary_data_size": 0}}]},
+     "input 'INPUT0': 'data' and 'binary_data_size' are both given"),
+    ("/v2/models/tiny/infer", {"inputs": [{**GOOD["inputs"][0], "parameters": {"shared_memory_region": "r"}}]},
+     "input 'INPUT0': 'data' and 'shared_memory_region' are both given"),
 ], ids=["deep-json", "deep-data", "bytes-not-str", "str-for-fp32", "version-abc", "offset-abc", "size-lots",
         "parameters-list", "key-nul", "key-dotdot", "size-str", "no-inputs", "unknown-model-garbage",
-        "unknown-model-no-inputs"])
+        "unknown-model-no-inputs", "output-twice", "dim-past-int64", "zero-size-past-numpy", "100-dims",
+        "timeout-past-int64", "priority-past-uint64", "classification-past-int64", "version-past-int64",
+        "bytes-surrogate", "input-name-surrogate", "output-name-surrogate", "load-parameters-str",
+        "load-parameters-list", "index-ready-str", "index-ready-int", "output-parameter-unknown", "binary-data-str",
+        "data-and-binary", "data-and-shm"])
 def test_bad_input_is_a_400_naming_it(hpool, path, body, words):
     code, reply = post(hpool.http_port, path, body)
     assert code == 400, reply
     assert words in reply["error"] and "Traceback" not in reply["error"]
     assert post(hpool.http_port, "/v2/models/tiny/infer", GOOD)[0] == 200
+
+
+def test_a_shared_memory_offset_past_the_region_is_a_400(hpool):
+    """A BYTES input (its size is not known from its shape) read from past its region's end: the size left
+    was negative, and numpy's error a 500."""
+    port, tag = hpool.http_port, f"{os.getpid()}"
+    path = segment(f"offset_{tag}", b"\0" * 64)
+    try:
+        assert post(port, "/v2/systemsharedmemory/region/r1/register", {"key": f"/offset_{tag}", "byte_size": 64})[
+            0] == 200
+        body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "parameters": {
+            "shared_memory_region": "r1", "shared_memory_offset": 100}}]}
+        code, reply = post(port, "/v2/models/shout/infer", body)
+        assert code == 400 and reply["error"] == "[100, 100) lies outside shared memory region 'r1' of 64 bytes"
+        ran = request(port, "GET", "/v2/models/tiny/stats")[1]["model_stats"][0]["inference_stats"]["success"]
+        past = {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {  # found only after the model had run
+            "shared_memory_region": "r1", "shared_memory_offset": 8, "shared_memory_byte_size": 64}}]}
+        code, reply = post(port, "/v2/models/tiny/infer", past)
+        assert code == 400 and reply["error"] == "[8, 72) lies outside shared memory region 'r1' of 64 bytes"
+        assert request(port, "GET", "/v2/models/tiny/stats")[1]["model_stats"][0]["inference_stats"]["success"] \
+            == ran
+    finally:
+        post(port, "/v2/systemsharedmemory/region/r1/unregister", b"")
+        os.unlink(path)
+    assert post(port, "/v2/models/tiny/infer", GOOD)[0] == 200
+
+
+def test_statistics_of_a_version_the_model_lacks_are_refused(hpool):
+    """As gRPC's ModelStatistics does (HTTP answered version 1's statistics)."""
+    port = hpool.http_port
+    code, reply = request(port, "GET", "/v2/models/tiny/versions/2/stats")
+    assert code == 400 and "'tiny' version 2 is not found" in reply["error"], reply
+    code, reply = request(port, "GET", "/v2/models/tiny/versions/1/stats")
+    assert code == 200 and [s["name"] for s in reply["model_stats"]] == ["tiny"]
+
+
+@pytest.mark.parametrize("text", [" 13 ", "1_3", "\u0661\u0663", "+13", "13\n"])
+def test_the_header_length_is_ascii_digits_only(text):
+    """int() reads each of these as 13 (or 10): Triton's header is a plain decimal count."""
+    from gepool.common.errors import InvalidArgument
+    from gepool.http import kserve
+
+    with pytest.raises(InvalidArgument, match="Inference-Header-Content-Length must be an integer"):
+        kserve.header_length(b"{}" * 20, text)
+    assert kserve.header_length(b"{}" * 20, "13") == 13
+
+
+def test_an_odd_header_length_is_a_400_over_http(hpool):
+    body = json.dumps(GOOD).encode()
+    length = str(len(body))
+    code, reply = post(hpool.http_port, "/v2/models/tiny/infer", body,
+                       {"Inference-Header-Content-Length": f"{length[0]}_{length[1:]}"})  # int() read it as the length
+    assert code == 400 and "must be an integer" in reply["error"], reply
 
 
 @pytest.mark.parametrize("datatype, value, words", [
@@ -344,6 +435,18 @@ def test_json_values_are_checked_against_their_datatype(datatype, value, words):
     body = json.dumps({"inputs": [{"name": "X", "shape": [2], "datatype": datatype, "data": [0, value]}]})
     with pytest.raises(InvalidArgument, match=words.replace("[", r"\[")):
         kserve.parse_request(body.encode(), None)
+
+
+def test_data_null_beside_binary_data_is_unset_not_a_second_copy():
+    """Clients that write unset fields as null send "data": null with binary_data_size: that was valid before
+    data given two ways was refused, and still is."""
+    from gepool.http import kserve
+
+    x = np.arange(4, dtype=np.float32)
+    head = json.dumps({"inputs": [{"name": "X", "shape": [4], "datatype": "FP32", "data": None,
+                                   "parameters": {"binary_data_size": 16}}]}).encode()
+    req = kserve.parse_request(head + x.tobytes(), str(len(head)))
+    np.testing.assert_array_equal(req.inputs["X"], x)
 
 
 # -- declared sizes ------------------------------------------------------------------------------------
@@ -394,11 +497,12 @@ def test_oversized_declarations_cost_no_memory_and_stall_no_one(hpool):
     bystander = threading.Thread(target=others)
     bystander.start()
     try:
-        bytes_header = json.dumps({"inputs": [{"name": "TEXT", "shape": [300_000_000, 1], "datatype": "BYTES",
-                                               "parameters": {"binary_data_size": 8}}]}).encode()
-        code, reply = post(port, "/v2/models/shout/infer", bytes_header + b"\0" * 8,
-                           {"Inference-Header-Content-Length": str(len(bytes_header))})
-        assert code == 400 and "hold at most 2" in reply["error"]
+        for rows, words in [(300_000_000, "of BYTES needs 1200000000 bytes, past the"), (1000, "hold at most 2")]:
+            bytes_header = json.dumps({"inputs": [{"name": "TEXT", "shape": [rows, 1], "datatype": "BYTES",
+                                                   "parameters": {"binary_data_size": 8}}]}).encode()
+            code, reply = post(port, "/v2/models/shout/infer", bytes_header + b"\0" * 8,
+                               {"Inference-Header-Content-Length": str(len(bytes_header))})
+            assert code == 400 and words in reply["error"], reply
         code, data = _raw(port, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2147483648\r\n"
                           b"\r\n", b"{}" * 50)
         assert code == 413 and b"--http-max-body-bytes" in data
@@ -828,9 +932,44 @@ def test_large_json_is_parsed_in_a_helper_process(hpool):
     bad = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [True] * 16}]}
     code, reply = post(port, "/v2/models/tiny/infer", json.dumps(bad).encode() + pad)
     assert code == 400 and "FP32 data must be numbers" in reply["error"]
+    # what numpy refused in the helper was a 500 naming ValueError or UnicodeEncodeError: the inline words now
+    for bad in ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [0, 2**62], "data": []}]},
+                {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["\ud800"]}]}):
+        path = "/v2/models/tiny/infer" if bad["inputs"][0]["name"] == "INPUT0" else "/v2/models/shout/infer"
+        inline = post(port, path, json.dumps(bad).encode())
+        helped = post(port, path, json.dumps(bad).encode() + pad)
+        assert inline[0] == helped[0] == 400 and inline == helped, (inline, helped)
+        assert "Error" not in helped[1]["error"]
     helpers = [p for p in _descendants(sidecar_pid(hpool)) if b"multiprocessing" in open(f"/proc/{p}/cmdline",
                                                                                           "rb").read()]
     assert helpers, "no helper process parsed the large body"
+
+
+def test_the_helper_processs_refusals_keep_their_class_and_its_crashes_stay_in_the_log(caplog):
+    """A refusal comes back as the class its code names, with its words; anything else is a 500
+    'internal error' without a Python class name, its traceback in the sidecar's log. Run on a thread pool
+    in place of the helper process, so that the parse can be made to fail."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from unittest import mock
+
+    from gepool.common import errors
+    from gepool.http import kserve, offload
+
+    helper = offload.JSONOffload()
+    helper._pool = ThreadPoolExecutor(1)
+    try:
+        with mock.patch.object(kserve, "parse_request", side_effect=errors.InvalidArgument("input 'X': bad")):
+            with pytest.raises(errors.InvalidArgument) as refused:
+                asyncio.run(helper.parse(b"{}", None, 1 << 20))
+        assert refused.value.http_status == 400 and refused.value.message == "input 'X': bad"
+        with mock.patch.object(kserve, "parse_request", side_effect=ValueError("negative dimensions")):
+            with pytest.raises(errors.Internal) as crashed:
+                asyncio.run(helper.parse(b"{}", None, 1 << 20))
+        assert crashed.value.message == "internal error (the sidecar's log has the details)"
+        assert "ValueError: negative dimensions" in caplog.text and "Traceback" in caplog.text
+    finally:
+        helper.close()
 
 
 def test_no_user_holds_more_than_its_share_of_regions(hpool):

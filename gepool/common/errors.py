@@ -5,6 +5,8 @@ client raises the matching class. Anything unexpected reaches a client as INTERN
 traceback stays in the log of the process where it happened.
 """
 
+INTERNAL_MESSAGE = "internal error (the sidecar's log has the details)"  # all a client hears of a crash
+
 
 class GepoolError(Exception):
     code = "INTERNAL"

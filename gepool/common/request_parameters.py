@@ -11,6 +11,9 @@ BINARY_DATA_OUTPUT = "binary_data_output"  # HTTP's: outputs as binary data (gRP
 FINAL_FLAG = "triton_enable_empty_final_response"  # gRPC streaming clients and perf_analyzer send it
 SUPPORTED = {HTTP: (BINARY_DATA_OUTPUT, PRIORITY, TIMEOUT), GRPC: (PRIORITY, TIMEOUT, FINAL_FLAG)}
 MICROSECONDS = 1e-6
+# Triton's versions, timeouts (gRPC's int64_param: its float round trip in _wire is 2**63, still a msgpack
+# uint64), dimensions and counts are int64; its priority is a uint64
+MAX_INT64, MAX_UINT64 = (1 << 63) - 1, (1 << 64) - 1
 MAX_KEY_SHOWN = 100  # characters of an unknown key a message repeats
 
 
@@ -25,10 +28,30 @@ class RequestParameters:
 DEFAULTS = RequestParameters()  # shared by every request without parameters: frozen, so none can change it
 
 
-def _non_negative_int(key: str, value: object, unit: str = "") -> int:
+def non_negative_int(key: str, value: object, maximum: int, what: str = "", unit: str = "") -> int:
+    """``value`` if it is an integer in 0..maximum, else InvalidArgument naming parameter ``key`` (of
+    ``what``, e.g. "input 'X'", if given) and the range."""
+    where = f"{what}: " if what else ""
     if type(value) is not int or value < 0:  # bool is an int subclass, and no count
-        raise InvalidArgument(f"parameter '{key}' must be a non-negative integer, got {value!r}{unit}")
+        raise InvalidArgument(f"{where}parameter '{key}' must be a non-negative integer, got {value!r}{unit}")
+    if value > maximum:
+        raise InvalidArgument(f"{where}parameter '{key}' must be an integer in 0..{maximum}, got {value}{unit}")
     return value
+
+
+def model_version(text: str | None) -> int | None:
+    """A requested model version (URL path or gRPC model_version): None when absent, else an integer in
+    1..MAX_INT64 or InvalidArgument."""
+    if not text:
+        return None
+    digits = text.lstrip("0")
+    refused = (f"failed to get model version from specified version string '{text[:MAX_KEY_SHOWN]}': version "
+               f"should be an integral value")
+    if not (text.isascii() and text.isdecimal()) or not digits:
+        raise InvalidArgument(f"{refused} > 0")
+    if len(digits) > len(str(MAX_INT64)) or int(digits) > MAX_INT64:  # int() refuses past 4300 digits
+        raise InvalidArgument(f"{refused} in 1..{MAX_INT64}")
+    return int(digits)
 
 
 def _bool(key: str, value: object) -> bool:
@@ -49,10 +72,10 @@ def check(params: Mapping[str, object], protocol: str) -> RequestParameters:
     for key, value in params.items():
         if key in supported:
             if key == TIMEOUT:
-                micros = _non_negative_int(key, value, " (a timeout in microseconds)")
+                micros = non_negative_int(key, value, MAX_INT64, unit=" (a timeout in microseconds)")
                 timeout = micros * MICROSECONDS if micros else None
             elif key == PRIORITY:
-                priority = _non_negative_int(key, value)
+                priority = non_negative_int(key, value, MAX_UINT64)
             elif key == BINARY_DATA_OUTPUT:
                 binary = _bool(key, value)
             else:

@@ -14,7 +14,7 @@ from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import health_pb2, health_pb2_grpc
 from gepool.grpc.reflection import Reflection
-from gepool.grpc.service import INTERNAL_MESSAGE, SERVICE, InferenceService, parse_message, status_of
+from gepool.grpc.service import SERVICE, InferenceService, parse_message, status_of
 
 log = logging.getLogger("gepool.grpc")
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -28,17 +28,33 @@ async def _abort(context, exc: BaseException, what: str) -> None:
     if isinstance(exc, errors.GepoolError):
         await context.abort(status_of(exc), exc.message)
     log.error("internal error on %s", what, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    await context.abort(grpc.StatusCode.INTERNAL, errors.INTERNAL_MESSAGE)
 
 
 def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
     async def handler(raw: bytes, context):
         try:
             return await method(parse_message(request_cls, raw), context)
+        except grpc.aio.AbortError:  # the method's own abort (an Exception): its status passes untouched
+            raise
         except Exception as exc:
             await _abort(context, exc, method.__name__)
     return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=None,
                                                response_serializer=response_cls.SerializeToString)
+
+
+def _unary_stream(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
+    """_unary for a method that yields its replies."""
+    async def handler(raw: bytes, context):
+        try:
+            async for reply in method(parse_message(request_cls, raw), context):
+                yield reply
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method.__name__)
+    return grpc.unary_stream_rpc_method_handler(handler, request_deserializer=None,
+                                                response_serializer=response_cls.SerializeToString)
 
 
 def inference_methods(service: InferenceService) -> dict[str, grpc.RpcMethodHandler]:
@@ -121,6 +137,14 @@ class Health(health_pb2_grpc.HealthServicer):
             self.watchers -= 1
 
 
+def health_methods(health: Health) -> dict[str, grpc.RpcMethodHandler]:
+    """Check, List and Watch taking their request as bytes, so that a malformed one is INVALID_ARGUMENT
+    (grpcio's own deserializer answers UNKNOWN naming a Python class)."""
+    return {"Check": _unary(health.Check, health_pb2.HealthCheckRequest, _Status),
+            "List": _unary(health.List, health_pb2.HealthListRequest, health_pb2.HealthListResponse),
+            "Watch": _unary_stream(health.Watch, health_pb2.HealthCheckRequest, _Status)}
+
+
 def _address(host: str, port: int) -> str:
     try:
         return f"[{host}]:{port}" if ipaddress.ip_address(host).version == 6 else f"{host}:{port}"
@@ -137,7 +161,7 @@ async def start(gw, host: str, port: int) -> grpc.aio.Server:
     ])
     service = InferenceService(gw, host, port)
     server.add_registered_method_handlers(SERVICE, inference_methods(service))
-    health_pb2_grpc.add_HealthServicer_to_server(Health(service), server)
+    server.add_registered_method_handlers(HEALTH_SERVICE, health_methods(Health(service)))
     server.add_generic_rpc_handlers(Reflection([SERVICE, HEALTH_SERVICE]).handlers())
     try:
         bound = server.add_insecure_port(_address(host, port))

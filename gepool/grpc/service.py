@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import json_format, message
 
 import gepool
-from gepool.common import errors
+from gepool.common import errors, request_parameters
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
 from gepool.http import peer
@@ -33,7 +33,6 @@ _STATUS = {  # gepool's error code -> the gRPC status Triton answers with
     "TIMEOUT": grpc.StatusCode.UNAVAILABLE, "POOL_UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "PROTOCOL": grpc.StatusCode.INTERNAL,
 }
-INTERNAL_MESSAGE = "internal error (the sidecar's log has the details)"
 
 
 class Unsupported(errors.GepoolError):
@@ -81,7 +80,7 @@ class InferenceService:
 
     async def model_meta(self, name: str, version_text: str) -> dict:
         meta = await (await self.gw.front()).model_metadata(name)
-        version = tensors.version(version_text)
+        version = request_parameters.model_version(version_text)
         if version is not None and str(version) not in meta.get("versions", []):
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta
@@ -146,8 +145,8 @@ class InferenceService:
                 # reading a region and copying large tensors stay off the event loop
                 call = await asyncio.to_thread(parse) if shm or request.ByteSize() > INLINE_PARSE_BYTES else parse()
                 for o in call.outputs or []:
-                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
-                        acquire(o.region)
+                    if o.region is not None:  # an unknown region, or a place past its end, fails before the model runs
+                        regions.check_output(acquire(o.region), o.region_offset, o.region_size)
             except errors.GepoolError:
                 if request.model_name:
                     await self.model_meta(request.model_name, "")  # an unknown model is what the caller hears first
@@ -156,7 +155,9 @@ class InferenceService:
                 meta = await self.model_meta(call.model, "")
                 raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
                                              f"model '{call.model}'")
-            names = [o.name for o in call.outputs] if call.outputs is not None else None
+            # an output asked for as classes travels as [name, class_count] (the front's classification)
+            names = [[o.name, o.class_count] if o.class_count else o.name for o in call.outputs] \
+                if call.outputs is not None else None
             outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
                                                           timeout=call.timeout_s, priority=call.priority,
                                                           origin=Origin.GRPC, wait=answer_wait(call.timeout_s))
@@ -188,7 +189,7 @@ class InferenceService:
                     answer = pb.ModelStreamInferResponse(error_message=exc.message)
                 except Exception:
                     log.exception("internal error on a ModelStreamInfer request")
-                    answer = pb.ModelStreamInferResponse(error_message=INTERNAL_MESSAGE)
+                    answer = pb.ModelStreamInferResponse(error_message=errors.INTERNAL_MESSAGE)
                 if answer.error_message and request is not None:  # so the caller can tell which request failed
                     answer.infer_response.id, answer.infer_response.model_name = request.id, request.model_name
                     answer.infer_response.model_version = request.model_version

@@ -27,8 +27,7 @@ CONTENTS_FIELD = {
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
-SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-MAX_DIMS = 32  # more dimensions than any model gepool serves
+OUTPUT_KEYS = ("classification", "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 @dataclass
@@ -37,6 +36,7 @@ class OutputRequest:
     region: str | None = None
     region_size: int = 0
     region_offset: int = 0
+    class_count: int = 0  # Triton's classification extension: the top N classes, not the tensor (0: the tensor)
 
 
 @dataclass
@@ -55,23 +55,10 @@ def param_value(p: pb.InferParameter):
     return None if which is None else getattr(p, which)
 
 
-def version(text: str) -> int | None:
-    """A version field: empty means the server's choice, else a positive integer (HTTP's rule)."""
-    if not text:
-        return None
-    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
-        raise InvalidArgument(f"failed to get model version from specified version string '{text}': "
-                              f"version should be an integral value > 0")
-    return int(text)
-
-
 def _int_param(what: str, params, key: str, default: int | None) -> int | None:
     if key not in params:
         return default
-    value = param_value(params[key])
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
-    return value
+    return request_parameters.non_negative_int(key, param_value(params[key]), request_parameters.MAX_INT64, what)
 
 
 def _region(what: str, params) -> str:
@@ -81,12 +68,13 @@ def _region(what: str, params) -> str:
     return region
 
 
-def _shape(name: str, shape) -> list[int]:
+def _shape(name: str, shape, datatype: str, limit: int) -> list[int]:
     dims = list(shape)
-    if len(dims) > MAX_DIMS or any(d < 0 for d in dims):
-        raise InvalidArgument(f"input '{name}': shape must be at most {MAX_DIMS} non-negative dimensions, "
-                              f"got {dims}")
-    return dims
+    negative = next((d for d in dims if d < 0), None)
+    if negative is not None:
+        raise InvalidArgument(f"input '{name}': shape must be a list of non-negative integers, got dimension "
+                              f"{negative}")
+    return kserve.check_shape(name, dims, datatype, limit)
 
 
 def _typed(name: str, datatype: str, shape: list[int], contents: pb.InferTensorContents) -> np.ndarray:
@@ -128,15 +116,16 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
     raw_used = 0
     inputs: dict[str, np.ndarray] = {}
     for item in request.inputs:
-        name, datatype = item.name, item.datatype
-        if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given twice")
+        name, datatype = kserve.unique("input", item.name, inputs), item.datatype
         if datatype == "BF16" or not dtypes.is_supported(datatype):
             raise InvalidArgument(f"input '{name}': datatype '{datatype}' is not supported by gepool")
-        shape = _shape(name, item.shape)
+        shape = _shape(name, item.shape, datatype, max_input)
         params = item.parameters
         what = f"input '{name}'"
         if "shared_memory_region" in params:
+            if item.HasField("contents"):
+                raise InvalidArgument(f"{what}: 'contents' and 'shared_memory_region' are both given; send the "
+                                      f"tensor one way")
             size = _int_param(what, params, "shared_memory_byte_size", None)
             want = kserve.expected_bytes(datatype, shape)
             if want is not None and size is not None and size != want:
@@ -161,17 +150,20 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
     outputs = None
     if request.outputs:
         outputs = []
+        seen: set[str] = set()
         for o in request.outputs:
+            seen.add(kserve.unique("output", o.name, seen))
             what = f"output '{o.name}'"
-            unknown = set(o.parameters) - set(SHM_KEYS)
+            unknown = set(o.parameters) - set(OUTPUT_KEYS)
             if unknown:
                 raise InvalidArgument(f"{what}: parameter '{sorted(unknown)[0]}' is not supported by gepool")
             region = _region(what, o.parameters) if "shared_memory_region" in o.parameters else None
             outputs.append(OutputRequest(o.name, region,
                                          _int_param(what, o.parameters, "shared_memory_byte_size", 0),
-                                         _int_param(what, o.parameters, "shared_memory_offset", 0)))
-    return InferCall(request.model_name, version(request.model_version), inputs, outputs, checked.timeout_s,
-                     checked.final_response, checked.priority)
+                                         _int_param(what, o.parameters, "shared_memory_offset", 0),
+                                         _int_param(what, o.parameters, "classification", 0)))
+    return InferCall(request.model_name, request_parameters.model_version(request.model_version), inputs, outputs,
+                     checked.timeout_s, checked.final_response, checked.priority)
 
 
 def response(request: pb.ModelInferRequest, call: InferCall, served: str, outputs: dict[str, np.ndarray],

@@ -18,6 +18,7 @@ import orjson
 
 from gepool.common import request_parameters
 from gepool.common.errors import InvalidArgument, RequestTooLarge
+from gepool.common.request_parameters import MAX_INT64, MAX_KEY_SHOWN
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -62,6 +63,11 @@ def numpy_dtype(datatype: str) -> np.dtype:
 
 
 MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
+MAX_DIMS = 32  # numpy 1.x holds at most 32 dimensions (2.x 64): the bound for HTTP and gRPC alike
+MAX_TENSOR_BYTES = 1 << 60  # below what numpy can size (its intp) for any element of up to 8 bytes
+MIN_BYTES_ELEMENT = 4  # a BYTES element's raw length prefix: the least any element costs
+OUTPUT_KEYS = ("binary_data", "classification", "shared_memory_region", "shared_memory_byte_size",
+               "shared_memory_offset")  # Triton's HTTP output parameters
 F32_MAX = float(np.finfo(np.float32).max)
 NUMERIC_MIN = 128  # from this many elements numpy's calls cost less than _checked's Python-level pass
 _INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
@@ -90,11 +96,60 @@ def expected_bytes(datatype: str, shape: list[int]) -> int | None:
     return None if datatype == "BYTES" else math.prod(shape) * numpy_dtype(datatype).itemsize
 
 
-def _shape(name: str, shape) -> list[int]:
+def _shape(name: str, shape, datatype: str, limit: int | None) -> list[int]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
-        raise InvalidArgument(f"input '{name}': shape must be a list of non-negative integers, got {shape!r}")
+        raise InvalidArgument(f"input '{name}': shape must be a list of non-negative integers, got {shape!r}"[:500])
+    return check_shape(name, shape, datatype, limit)
+
+
+def check_shape(name: str, shape: list[int], datatype: str, limit: int | None) -> list[int]:
+    """A shape of non-negative dimensions that numpy can hold and whose data fits ``limit`` bytes (None: only
+    what numpy can hold), checked before
+    anything is allocated for it. numpy sizes an array by the product of its non-zero dimensions (an empty
+    array of [0, 2**70] is still refused), so those are what is counted."""
+    if len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions, more than the {MAX_DIMS} gepool "
+                              f"allows")
+    big = next((d for d in shape if d > MAX_INT64), None)
+    if big is not None:
+        raise InvalidArgument(f"input '{name}': shape dimension {big} is past the largest a tensor may have "
+                              f"({MAX_INT64})")
+    elements = math.prod(d for d in shape if d)
+    need = elements * (MIN_BYTES_ELEMENT if datatype == "BYTES" else numpy_dtype(datatype).itemsize)
+    limit = MAX_TENSOR_BYTES if limit is None else min(limit, MAX_TENSOR_BYTES)
+    if need > limit:
+        counted = "" if all(shape) else " (counting its non-zero dimensions, as numpy sizes an array)"
+        raise InvalidArgument(f"input '{name}': shape {shape} of {datatype} needs {need} bytes{counted}, past the "
+                              f"{limit}-byte limit of one input")
     return shape
+
+
+def unique(what: str, name: str, seen) -> str:
+    """``name`` if ``seen`` does not hold it yet: an input or output named twice is refused (a repeated
+    output would be answered once per copy, a small request drawing a huge reply)."""
+    if name in seen:
+        raise InvalidArgument(f"{what} '{name}' is {'given' if what == 'input' else 'requested'} twice")
+    return name
+
+
+def _name(what: str, item) -> str:
+    """The name of an input or output entry, which the wire carries as UTF-8 (a lone surrogate is not)."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        article = "each input needs" if what == "input" else "each requested output needs"
+        raise InvalidArgument(f"{article} a 'name', got {str(item)[:200]}")
+    name = item["name"]
+    if not name.isascii() and not _utf8(name):
+        raise InvalidArgument(f"{what} name {ascii(name)[:200]} is not valid UTF-8 (it holds a lone surrogate)")
+    return name
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
@@ -167,7 +222,12 @@ def _checked(name: str, datatype: str, dtype: np.dtype, shape: list[int], count:
     if datatype == "BYTES":
         if not kinds <= {str}:
             raise InvalidArgument(f"input '{name}': BYTES data in JSON must be strings")
-        return np.array([d.encode("utf-8") for d in flat], dtype=object).reshape(shape)
+        try:
+            encoded = [d.encode("utf-8") for d in flat]
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"input '{name}': BYTES data must be valid UTF-8 text; a string holds a lone "
+                                  f"surrogate") from None
+        return np.array(encoded, dtype=object).reshape(shape)
     if datatype == "BOOL":
         if not kinds <= {bool}:
             raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
@@ -209,8 +269,13 @@ def _param_int(what: str, params: dict, key: str, default: int | None = None) ->
     value = params.get(key, default)
     if value is None and default is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{what}: '{key}' must be a non-negative integer, got {value!r}")
+    return request_parameters.non_negative_int(key, value, MAX_INT64, what)
+
+
+def _param_bool(what: str, params: dict, key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{what}: '{key}' must be a bool (true or false), got {value!r}")
     return value
 
 
@@ -274,9 +339,12 @@ def header_length(body, header_length: str | None) -> int:
     if header_length is None:
         return len(body)
     try:
+        if not (header_length.isascii() and header_length.isdigit()):  # int() takes " 13 ", "1_0" and other digits
+            raise ValueError
         hlen = int(header_length)
     except ValueError:
-        raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got '{header_length}'") from None
+        raise InvalidArgument(f"{HEADER_LENGTH} must be an integer, got "
+                              f"'{header_length[:MAX_KEY_SHOWN]}'") from None
     if hlen < 0 or hlen > len(body):
         raise InvalidArgument(f"{HEADER_LENGTH} {hlen} does not fit the {len(body)}-byte body")
     return hlen
@@ -315,14 +383,14 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
     pos = 0
     inputs: dict[str, np.ndarray] = {}
     for item in header["inputs"]:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise InvalidArgument(f"each input needs a 'name', got {str(item)[:200]}")
-        name, datatype = item["name"], item.get("datatype")
-        if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given twice")
-        shape = _shape(name, item.get("shape"))
+        name = unique("input", _name("input", item), inputs)
+        datatype = item.get("datatype")
         numpy_dtype(datatype)
+        shape = _shape(name, item.get("shape"), datatype, max_input)
         p = _params(f"input '{name}'", item)
+        sent = next((k for k in ("shared_memory_region", "binary_data_size") if k in p), None)
+        if sent is not None and item.get("data") is not None:  # clients may write an unset field as null
+            raise InvalidArgument(f"input '{name}': 'data' and '{sent}' are both given; send the tensor one way")
         if "shared_memory_region" in p:
             if regions is None:
                 raise InvalidArgument("system shared memory is not available here")
@@ -354,14 +422,19 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
         if not isinstance(header["outputs"], list):
             raise InvalidArgument("'outputs' must be a list")
         outputs = []
+        seen: set[str] = set()
         for o in header["outputs"]:
-            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                raise InvalidArgument(f"each requested output needs a 'name', got {str(o)[:200]}")
-            what = f"output '{o['name']}'"
+            name = unique("output", _name("output", o), seen)
+            seen.add(name)
+            what = f"output '{name}'"
             op = _params(what, o)
+            unknown = next((k for k in op if k not in OUTPUT_KEYS), None)
+            if unknown is not None:
+                raise InvalidArgument(f"{what}: parameter '{str(unknown)[:MAX_KEY_SHOWN]}' is not supported by "
+                                      f"gepool (supported: {', '.join(OUTPUT_KEYS)})")
             region = _region_name(what, op) if "shared_memory_region" in op else None
             outputs.append(OutputRequest(
-                o["name"], bool(op.get("binary_data", binary_output)), region,
+                name, _param_bool(what, op, "binary_data", binary_output), region,
                 _param_int(what, op, "shared_memory_byte_size", 0), _param_int(what, op, "shared_memory_offset", 0),
                 _param_int(what, op, "classification", 0)))
     return InferRequest(inputs, outputs, binary_output, header.get("id"), params, checked.priority, checked.timeout_s)

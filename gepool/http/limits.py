@@ -150,13 +150,3 @@ async def decode(chunks: AsyncIterable[bytes], max_body: int, encoding: str) -> 
         if not decoder.eof:
             raise web.HTTPBadRequest(reason="the request body ends inside its compressed stream")
     return b"".join(parts)
-
-
-def version(text: str | None) -> int | None:
-    """A version from the URL: None when absent, else a positive integer or InvalidArgument."""
-    if not text:
-        return None
-    if not (text.isascii() and text.isdecimal()) or int(text) <= 0:
-        raise errors.InvalidArgument(f"failed to get model version from specified version string '{text}': "
-                                     f"version should be an integral value > 0")
-    return int(text)

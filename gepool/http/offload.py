@@ -2,17 +2,23 @@
 of the process that answers every other HTTP client.
 
 json.loads holds the GIL for its whole run (about 100 ms for 2 MiB on a loaded 2-core host), so a
-thread does not help. The helper returns the parsed request (numpy arrays pickle as flat buffers) or
-an error as (code, message): exceptions never cross the process boundary.
+thread does not help. The helper returns the parsed request (numpy arrays pickle as flat buffers), a
+refusal as (its code, message), or the traceback of anything else: exceptions never cross the process
+boundary. The helper is given no JSON limit (the caller checked it), so no refusal is a subclass whose
+HTTP status its code does not give.
 """
 
 import asyncio
+import logging
 import multiprocessing
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from gepool.common import errors
 from gepool.http import kserve
+
+log = logging.getLogger("gepool.http")
 
 
 def _parse(body: bytes, header_length: str | None, max_input: int) -> tuple:
@@ -20,8 +26,8 @@ def _parse(body: bytes, header_length: str | None, max_input: int) -> tuple:
         return "ok", kserve.parse_request(body, header_length, None, None, max_input)
     except errors.GepoolError as exc:
         return "error", exc.code, exc.message
-    except Exception as exc:  # noqa: BLE001  (reported as internal, as anywhere else)
-        return "error", "INTERNAL", f"parsing the request failed: {type(exc).__name__}"
+    except Exception:  # noqa: BLE001  (reported as internal, as anywhere else; the traceback to the log)
+        return "crash", traceback.format_exc()
 
 
 class JSONOffload:
@@ -42,7 +48,10 @@ class JSONOffload:
                                      "again") from None
         if result[0] == "ok":
             return result[1]
-        raise errors.from_code(result[1], result[2])
+        if result[0] == "error":
+            raise errors.from_code(result[1], result[2])
+        log.error("internal error parsing a request in the helper process:\n%s", result[-1])
+        raise errors.Internal(errors.INTERNAL_MESSAGE)
 
     def close(self) -> None:
         if self._pool is not None:

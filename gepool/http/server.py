@@ -28,6 +28,7 @@ from gepool.aio import AsyncClient
 from gepool.clientcore import ANSWER_GRACE_S
 from gepool.common import errors
 from gepool.common.logsettings import LogSettings
+from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
 from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
@@ -139,7 +140,7 @@ class Gateway:
                 return _error(exc.status, exc.reason)
             except Exception:  # the traceback stays here; the client hears a 500 without Python in it
                 log.exception("internal error on %s %s", request.method, request.path)
-                return _error(500, "internal error (the sidecar's log has the details)")
+                return _error(500, errors.INTERNAL_MESSAGE)
         return wrapped
 
     async def _body(self, request: web.Request) -> bytes:
@@ -176,7 +177,7 @@ class Gateway:
 
     async def _model_meta(self, request: web.Request) -> dict:
         meta = await (await self.front()).model_metadata(request.match_info["model"])
-        version = limits.version(request.match_info.get("version"))
+        version = model_version(request.match_info.get("version"))
         if version is not None and str(version) not in meta.get("versions", []):
             raise errors.ModelNotFound(f"Request for unknown model: '{meta['name']}' version {version} is not found")
         return meta
@@ -222,6 +223,8 @@ class Gateway:
         wanted = request.match_info.get("model")
         if wanted is not None and wanted not in stats:
             raise errors.ModelNotFound(f"Request for unknown model: '{wanted}' is not found")
+        if request.match_info.get("version") is not None:  # a version the model lacks is not found, as over gRPC
+            await self._model_meta(request)
         out = [model_statistics(name, str(status["models"][name].get("version") or ""), s)
                for name, s in stats.items() if wanted is None or name == wanted]
         return web.json_response({"model_stats": out})
@@ -230,7 +233,7 @@ class Gateway:
     @route
     async def infer(self, request):
         model = request.match_info["model"]
-        version = limits.version(request.match_info.get("version"))
+        version = model_version(request.match_info.get("version"))
         header_length = request.headers.get(kserve.HEADER_LENGTH)
         body = await limits.read_body(request, self.max_body, self.body_timeout,
                                       MAX_JSON_BYTES if header_length is None else None, kserve.json_too_large)
@@ -261,8 +264,8 @@ class Gateway:
                 else:
                     req = parse()
                 for o in req.outputs or []:
-                    if o.region is not None:  # an unknown region fails before the model runs, and stays held
-                        acquire(o.region)
+                    if o.region is not None:  # an unknown region, or a place past its end, fails before the model runs
+                        self.regions.check_output(acquire(o.region), o.region_offset, o.region_size)
             except errors.GepoolError:
                 await self._model_meta(request)  # an unknown model is what the caller hears first
                 raise
@@ -291,14 +294,19 @@ class Gateway:
     @route
     async def repository_index(self, request):
         body = await self._json_body(request)
-        index = await (await self.front()).query("index", {"ready": bool(body.get("ready"))})
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise errors.InvalidArgument(f"'ready' must be a bool (true or false), got {repr(ready)[:MAX_KEY_SHOWN]}")
+        index = await (await self.front()).query("index", {"ready": ready})
         return web.json_response(index["models"])
 
     @route
     async def repository_control(self, request):
         body = await self._json_body(request)
-        if (body.get("parameters") or {}).get("config") or any(k.startswith("file:") for k in
-                                                                 (body.get("parameters") or {})):
+        params = body.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise errors.InvalidArgument("'parameters' must be an object")
+        if params.get("config") or any(k.startswith("file:") for k in params):
             raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
                                          "repository and load again")
         self._owner_only(request, "model-repository", "loading and unloading models")

@@ -132,6 +132,7 @@ class Regions:
     def read(self, region: Region, offset, size, limit: int) -> memoryview:
         """A copy of [offset, offset + size) of the region (size None: to its end), at most ``limit`` bytes."""
         offset = _count("shared_memory_offset", offset, 0)
+        _inside(region, offset, 0)  # before a size is taken from what lies past the offset
         size = region.byte_size - offset if size is None else _count("shared_memory_byte_size", size)
         _inside(region, offset, size)
         if size > limit:
@@ -144,6 +145,10 @@ class Regions:
                 raise InvalidArgument(_truncated(region, offset + pos))
             pos += n
         return view
+
+    def check_output(self, region: Region, offset: int, size: int) -> None:
+        """An output's place in ``region`` (size 0: to its end) lies inside it: checked before the model runs."""
+        _inside(region, offset, size)
 
     def write(self, region: Region, offset, size, data: bytes) -> None:
         offset, size = _count("shared_memory_offset", offset, 0), _count("shared_memory_byte_size", size, 0)
