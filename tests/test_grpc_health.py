@@ -31,7 +31,7 @@ class Service:
 
 async def _serve(health: grpc_server.Health) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_registered_method_handlers(grpc_server.HEALTH_SERVICE, grpc_server.health_methods(health))
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     await server.start()
     return server, port
