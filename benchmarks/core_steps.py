@@ -14,7 +14,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -88,30 +87,14 @@ def main() -> None:
         print(f"RESULT {child(args.seconds, args.batch, args.fastest)}")
         return
     sys.path.insert(0, HERE)
-    from gateway_ab import tree
+    from gateway_ab import ab_rounds
 
-    work = tempfile.mkdtemp(prefix="gepool-coresteps-ab-")
-    try:
-        versions = {}
-        for label, rev in (("base", args.base), ("head", args.head)) if args.base else (("head", args.head),):
-            into = os.path.join(work, label)
-            tree(rev, into)
-            versions[label] = os.path.join(into, "root")
-        results: dict[str, list[float]] = {label: [] for label in versions}
-        for r in range(args.rounds):
-            order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]
-            for label, root in order:
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--seconds",
-                                       str(args.seconds), "--batch", str(args.batch)]
-                                      + (["--fastest"] if args.fastest else []), capture_output=True,
-                                      text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    raise SystemExit(f"no result from {label}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-                results[label].append(float(line.split()[1]))
-                print(f"round {r + 1} {label}: {results[label][-1]:.2f} us/request", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    results: dict[str, list[float]] = {}
+    flags = ["--seconds", str(args.seconds), "--batch", str(args.batch)] + ["--fastest"] * args.fastest
+    for r, label, _, (us,) in ab_rounds(__file__, args.base, args.head, args.rounds, lambda label, r: flags,
+                                        "gepool-coresteps-ab-"):
+        results.setdefault(label, []).append(us)
+        print(f"round {r + 1} {label}: {us:.2f} us/request", flush=True)
     med = {label: statistics.median(v) for label, v in results.items()}
     line = " ".join(f"{label} {v:.2f}" for label, v in med.items())
     if "base" in med:

@@ -18,7 +18,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,35 +123,19 @@ def main() -> None:
         print(f"RESULT {ens} {direct}")
         return
     sys.path.insert(0, HERE)
-    from gateway_ab import tree
+    from gateway_ab import ab_rounds
 
-    work = tempfile.mkdtemp(prefix="gepool-enscore-ab-")
-    try:
-        versions = {}
-        for label, rev in (("base", args.base), ("head", args.head)) if args.base else (("head", args.head),):
-            into = os.path.join(work, label)
-            tree(rev, into)
-            versions[label] = os.path.join(into, "root")
-        results: dict[str, list[tuple[float, float]]] = {label: [] for label in versions}
-        for r in range(args.rounds):
-            order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]
-            for label, root in order:
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seconds", str(args.seconds),
-                       "--batch", str(args.batch)] + ["--wait"] * args.wait
-                if args.profile and label == "head" and r == 0:
-                    cmd.append("--profile")
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
-                                      env=dict(os.environ, PYTHONPATH=root))
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    raise SystemExit(f"no result from {label}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-                if "--profile" in cmd:
-                    print(proc.stdout)
-                ens, direct = map(float, line.split()[1:])
-                results[label].append((ens, direct))
-                print(f"round {r + 1} {label}: ensemble {ens:.1f} direct {direct:.1f} us/request", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    def flags(label: str, r: int) -> list[str]:
+        return (["--seconds", str(args.seconds), "--batch", str(args.batch)] + ["--wait"] * args.wait
+                + ["--profile"] * (args.profile and label == "head" and r == 0))
+
+    results: dict[str, list[tuple[float, float]]] = {}
+    for r, label, out, (ens, direct) in ab_rounds(__file__, args.base, args.head, args.rounds, flags,
+                                                  "gepool-enscore-ab-"):
+        if args.profile and label == "head" and r == 0:
+            print(out)
+        results.setdefault(label, []).append((ens, direct))
+        print(f"round {r + 1} {label}: ensemble {ens:.1f} direct {direct:.1f} us/request", flush=True)
     print(f"core CPU per request, batches of {args.batch}{', steps waiting' if args.wait else ''}, median of "
           f"{args.rounds} ({time.strftime('%F %T')}, load {os.getloadavg()[0]:.2f}):")
     for label, rs in results.items():

@@ -48,6 +48,29 @@ def tree(rev: str | None, into: str) -> str:
     return src
 
 
+
+def ab_rounds(script: str, base: str | None, head: str | None, rounds: int, args_for, prefix: str):
+    """Runs ``script --child ARGS`` (``args_for(label, round)``) from each version's own tree in turn, base
+    first in even rounds and head first in odd ones, and yields (round, label, stdout, its RESULT floats)."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    try:
+        versions = {}
+        for label, rev in (("base", base), ("head", head)) if base else (("head", head),):
+            into = os.path.join(work, label)
+            tree(rev, into)
+            versions[label] = os.path.join(into, "root")
+        for r in range(rounds):
+            for label, root in list(versions.items())[::1 if r % 2 == 0 else -1]:
+                proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", *args_for(label, r)],
+                                      capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    raise SystemExit(f"no result from {label}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+                yield r, label, proc.stdout, [float(v) for v in line.split()[1:]]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def run(src: str, root: str, args: argparse.Namespace, http_server: str) -> dict:
     """{(model, tool, conc): {"rps": .., label: cpu us}} from one gateway_bench run."""
     env = dict(os.environ, PYTHONPATH=root)
