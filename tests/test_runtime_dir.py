@@ -23,7 +23,8 @@ def test_a_runtime_folder_someone_else_made_is_refused_clearly(fallback, monkeyp
     os.mkdir(fallback, 0o755)  # made in advance by another user: seen from a uid that is not its owner
     owner = os.stat(fallback).st_uid
     monkeypatch.setattr(os, "getuid", lambda: owner + 1)
-    os.rename(fallback, fallback.replace(f"-{owner}", f"-{owner + 1}"))
+    # Only the folder's own name changes: its parent (pytest-0 on a fresh machine) may hold "-0" too.
+    os.rename(fallback, os.path.join(os.path.dirname(fallback), f"gepool-{owner + 1}"))
     with pytest.raises(PermissionError, match=f"belongs to uid {owner}, not to this user .uid {owner + 1}."):
         runtime_dir()
     monkeypatch.undo()
