@@ -451,9 +451,13 @@ def test_data_null_beside_binary_data_is_unset_not_a_second_copy():
 
 # -- declared sizes ------------------------------------------------------------------------------------
 def _raw(port: int, head: bytes, body: bytes, wait: float = 60) -> tuple[int, bytes]:
-    """Sends exactly these bytes and returns the status and reply (0 if the sidecar closed silently)."""
+    """Sends exactly these bytes and returns the status and reply (0 if the sidecar closed silently, which
+    includes closing before it took all of them)."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
-        s.sendall(head + body)
+        try:
+            s.sendall(head + body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed mid-send: whatever it answered first may still be readable
         data = b""
         try:
             while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
@@ -797,7 +801,9 @@ def test_oversized_headers_are_refused_and_the_server_lives(restricted):
     for head in (b"X-Big: " + b"a" * (1 << 20) + b"\r\n", b"X-Big: " + b"a" * (300 << 10) + b"\r\n",
                  b"".join(b"X-%d: v\r\n" % i for i in range(200))):
         code, data = _raw(port, b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n", b"")
-        assert code in (400, 431), data[:300]
+        # Past the bytes a server buffers (hyper: 64 KiB), it may close while the rest is still
+        # being sent, and the reset can discard its 431 before it is read: that too is a refusal.
+        assert code in (400, 431) or (code == 0 and len(head) > 64 << 10), data[:300]
     assert request(port, "GET", "/v2")[0] == 200
 
 
