@@ -26,7 +26,7 @@ from aiohttp import web
 import gepool
 from gepool.aio import AsyncClient
 from gepool.clientcore import ANSWER_GRACE_S
-from gepool.common import errors
+from gepool.common import errors, gc_policy
 from gepool.common.logsettings import LogSettings
 from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
 from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
@@ -454,6 +454,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         from gepool.grpc import server as grpc_server
 
         grpc_listener = await grpc_server.start(gw, host, grpc_port)
+    gc_policy.settle()
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
     parent = os.getppid()
