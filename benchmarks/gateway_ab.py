@@ -91,8 +91,8 @@ def run(src: str, root: str, args: argparse.Namespace, http_server: str) -> dict
         m = ROW.match(line)
         if m is None:
             continue
-        model, tool, conc, rps, _p50, _p99, _batch, rest = m.groups()
-        row = {"rps": float(rps)}
+        model, tool, conc, rps, _p50, p99, _batch, rest = m.groups()
+        row = {"rps": float(rps), "p99_us": float(p99) * 1000}
         row.update(zip(labels, (float(v) for v in rest.split())))
         out[(model, tool, int(conc))] = row
     return out
@@ -128,11 +128,11 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nmedians over {args.rounds} rounds (base {args.base} on {servers['base']}, head "
-          f"{args.head or 'working tree'} on {servers['head']}; CPU in us per request)")
+          f"{args.head or 'working tree'} on {servers['head']}; p99 latency and CPU per request in us)")
     keys = sorted(set().union(*(set(r) for r in results["base"] + results["head"])))
     for key in keys:
         fields = sorted({f for label in results for r in results[label] for f in r.get(key, {})},
-                        key=lambda f: (f != "rps", f != "sidecar", f != "front", f))
+                        key=lambda f: (f != "rps", f != "p99_us", f != "sidecar", f != "front", f))
         for f in fields:
             med = {label: statistics.median([r[key][f] for r in results[label] if key in r and f in r[key]])
                    for label in results}
