@@ -321,6 +321,10 @@ def test_a_future_sent_straight_does_not_wake_the_io_thread(pool, client, gate_f
         try:
             held = c.infer_async("recorder", {"INPUT": np.full((8, 4), -1, np.float32)}, timeout=60)
             assert wait_until(lambda: c.stats()["recorder"]["batches"] == batches + 1)
+            # the held request's wake-up was read and the loop's poll now waits for its deadline: until the
+            # I/O thread has run once more (a loaded host may not schedule it yet), wait_until is still
+            # None and a straight send cannot know that the loop wakes in time anyway
+            assert wait_until(lambda: c._io.wait_until is not None)
             wakes = c._io.wakes
             futures = [c.infer_async("tiny", {"INPUT0": x + i}) for i in range(20)]
             for i, fut in enumerate(futures):
