@@ -78,7 +78,7 @@ def test_reload_config_change_unload_and_failed_load_under_load(tmp_path):
             assert c.load("a")["versions"] == [2]
             n = len(load_a.versions)
             assert wait_until(lambda: len(load_a.versions) > n + 50)
-            assert load_a.versions[-1] == 2.0
+            assert wait_until(lambda: load_a.versions[-1] == 2.0)  # a thread's answer from before may come last
             versioned(repo, "a", versions=(), delay_us=2000)  # a config change
             c.load("a")
             n = len(load_a.versions)
@@ -180,5 +180,7 @@ def test_load_unload_cycles_stay_flat(tmp_path):
                 time.sleep(0.2)
                 figures.append((rss_kb(front), len(os.listdir(f"/proc/{front}/fd")), len(naming.list_segments())))
         print(f"load/unload x20: front RSS, fds, segments after cycle 2: {figures[0]}, after cycle 20: {figures[1]}")
-        assert figures[1][1] <= figures[0][1] + 2  # file descriptors do not grow with cycles
+        # file descriptors do not grow with cycles (a worker's last sockets may still be closing)
+        assert figures[1][1] <= figures[0][1] + 2 or wait_until(
+            lambda: len(os.listdir(f"/proc/{front}/fd")) <= figures[0][1] + 2, 10)
         assert figures[1][0] - figures[0][0] < 16 * 1024  # nor does memory (kB)

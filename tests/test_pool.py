@@ -91,7 +91,7 @@ def test_tcp_endpoint_on_loopback_with_both_carriers(small_repo):
 
 def test_sigterm_grace_reports_not_ready_but_keeps_serving(small_repo):
     repo, _ = small_repo
-    pool = Pool(repo, exit_grace_s=1.5).start()
+    pool = Pool(repo, exit_grace_s=5).start()  # the request after SIGTERM must reach the front within it
     try:
         with Client(pool.endpoint) as c:
             x = np.ones((1, 16), np.float32)
