@@ -265,8 +265,8 @@ def bls_chain(msg: protocol.Infer, target: str, workers: Workers, now: float) ->
     it, and the key that worker's process was started with): the chains of that batch's requests, then the
     batch's model. Refused when the key is not that worker's (only its own process may name its batches),
     when ``target`` is in the chain already (its execute would wait on itself: a deadlock while its
-    instances are all waiting) or it is too deep. The call's timeout becomes no later than the calling
-    requests' own deadline."""
+    instances are all waiting) or it is too deep. The call's timeout becomes no later than the last of the
+    calling requests' deadlines (none when one of them has none)."""
     caller = msg.caller
     if not (type(caller) is list and len(caller) == 4 and all(type(v) is int for v in caller[:3])
             and type(caller[3]) is bytes):
@@ -284,7 +284,7 @@ def bls_chain(msg: protocol.Infer, target: str, workers: Workers, now: float) ->
             raise Unavailable(f"the batch of model '{w.model.name}' that made this BLS call is no longer running")
         for req in batch.requests:
             chain.update(dict.fromkeys(req.chain))
-        _cap_timeout(msg, [r.deadline for r in batch.requests if r.deadline is not None], now)
+        _cap_timeout(msg, [r.deadline for r in batch.requests], now)
     chain[w.model.name] = None
     if target in chain:
         names = list(chain)
@@ -303,14 +303,16 @@ def _shown(caller: object) -> str:
     return repr(caller)[:200]
 
 
-def _cap_timeout(msg: protocol.Infer, deadlines: list[float], now: float) -> None:
-    """Nobody waits for a BLS call's answer past the deadline of the requests that made it: that is the
-    call's client deadline at the latest (deadline_us: dropped unrun once it passes)."""
-    if not deadlines or type(msg.deadline_us) is not int or msg.deadline_us < 0:
+def _cap_timeout(msg: protocol.Infer, deadlines: list[float | None], now: float) -> None:
+    """Nobody waits for a BLS call's answer once every request of the batch that made it is past its
+    deadline: the last of them is the call's client deadline at the latest (deadline_us: dropped unrun once
+    it passes). A batch's execute may make one call for all its requests, so the earliest deadline would
+    fail the others' call with it; a request without a deadline leaves the call's own."""
+    if not deadlines or None in deadlines or type(msg.deadline_us) is not int or msg.deadline_us < 0:
         return  # (a bad deadline is refused by admission)
-    left = int((min(deadlines) - now) * 1e6)
+    left = int((max(deadlines) - now) * 1e6)
     if left <= 0:
-        raise Timeout("the request that made this BLS call is past its timeout")
+        raise Timeout("every request of the batch that made this BLS call is past its timeout")
     msg.deadline_us = min(msg.deadline_us, left) if msg.deadline_us > 0 else left
 
 

@@ -521,22 +521,35 @@ def test_the_front_derives_the_chain_from_the_calling_batch_and_limits_its_depth
             bls_chain(_call(bad), "m1", workers, 0.0)
 
 
-def test_a_call_gets_the_calling_requests_deadline_as_its_own_at_the_latest():
+def test_a_call_gets_the_last_deadline_of_its_calling_batch_as_its_own_at_the_latest():
+    """One execute may make one call for its whole batch: the call lives while any of the batch's requests
+    does (the last deadline), and a request in it without a deadline leaves the call's own timeout alone."""
     from gepool.scheduler.books import Workers
     from gepool.scheduler.requests import Request, bls_chain
 
     workers = Workers()
     w = _worker(workers, "a")
     w.free = [0, 1]
-    reqs = [Request(b"c", i, "a", [], [], 1, 0, None, -1, 0, 0, 0.0, deadline=d) for i, d in enumerate((None, 12.0,
-                                                                                                        10.0))]
-    w.take(3, reqs, 3, False, 0.0)
-    for asked, want in ((0, 2_000_000), (5_000_000, 2_000_000), (1_000_000, 1_000_000)):
+    reqs = [Request(b"c", i, "a", [], [], 1, 0, None, -1, 0, 0, 0.0, deadline=d) for i, d in enumerate((12.0, 10.0))]
+    w.take(3, reqs, 2, False, 0.0)
+    for asked, want in ((0, 4_000_000), (5_000_000, 4_000_000), (1_000_000, 1_000_000)):
         msg = _call([w.id, 1, 3, w.key], asked)
         bls_chain(msg, "b", workers, 8.0)
-        assert msg.deadline_us == want and msg.timeout_us == 0  # 2 s left of the earliest deadline (10.0 at 8.0)
-    with pytest.raises(errors.Timeout, match="past its timeout"):
-        bls_chain(_call([w.id, 1, 3, w.key]), "b", workers, 10.5)
+        assert msg.deadline_us == want and msg.timeout_us == 0  # 4 s left of the last deadline (12.0 at 8.0)
+    msg = _call([w.id, 1, 3, w.key])
+    bls_chain(msg, "b", workers, 11.0)  # the request of deadline 10.0 is past it; the other still waits
+    assert msg.deadline_us == 1_000_000
+    with pytest.raises(errors.Timeout, match="every request of the batch .* is past its timeout"):
+        bls_chain(_call([w.id, 1, 3, w.key]), "b", workers, 12.5)
+
+    w.free = [0]
+    open_ended = [Request(b"c", i, "a", [], [], 1, 0, None, -1, 0, 0, 0.0, deadline=d)
+                  for i, d in enumerate((None, 10.0), start=2)]
+    w.take(4, open_ended, 2, False, 0.0)
+    for asked in (0, 5_000_000):
+        msg = _call([w.id, 0, 4, w.key], asked)
+        bls_chain(msg, "b", workers, 30.0)
+        assert msg.deadline_us == asked
 
 
 def test_a_caller_without_its_workers_key_is_refused_naming_the_field():
