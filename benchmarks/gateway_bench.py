@@ -224,11 +224,12 @@ finally:
 """
 
 
-def start_profiled_sidecar(endpoint: str, port: int, profile: str) -> subprocess.Popen:
+def start_profiled_sidecar(endpoint: str, port: int, profile: str, http_server: str = "aiohttp") -> subprocess.Popen:
     """The sidecar as gepool starts it, under cProfile (its stats written when it is stopped)."""
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen([sys.executable, "-c", PROFILED_SIDECAR, profile, "--endpoint", endpoint,
-                             "--http-port", str(port), "--metrics-port", "0", "--ready-fd", str(write_fd)],
+                             "--http-port", str(port), "--metrics-port", "0", "--ready-fd", str(write_fd),
+                             "--http-server", http_server],
                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     os.close(write_fd)
     with os.fdopen(read_fd) as reader:
@@ -266,7 +267,8 @@ def main() -> None:
         extra = {"http_server": args.http_server} if args.http_server != "aiohttp" else {}  # older trees lack it
         with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
             if args.profile_sidecar:
-                sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar))
+                sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar),
+                                                 args.http_server)
             url = f"http://127.0.0.1:{port}"
             client = pool.client()
             procs = processes(pool.process.pid, sidecar.pid if sidecar else None)

@@ -38,7 +38,7 @@ class PoolOptions:
     grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar on http_host; 0: none
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
-    http_server: str = DEFAULT_HTTP_SERVER  # what serves http_port: aiohttp or granian (gepool/http/servers.py)
+    http_server: str = DEFAULT_HTTP_SERVER  # what serves http_port (gepool/http/servers.py)
     strict_readiness: bool = True  # False: /v2/health/ready is ready while any model is unavailable
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: a RAM share
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a model still loading after this is UNAVAILABLE

@@ -79,14 +79,16 @@ def _ephemeral_low() -> int:
 _handed_out: set[int] = set()
 
 
-SIDECAR_SERVERS = ("aiohttp", "granian")  # every sidecar test module runs on both HTTP servers
+SIDECAR_SERVERS = ("aiohttp", "granian", "httptools")  # every sidecar test module runs on each HTTP server
 
 
 def pytest_collection_modifyitems(config, items):
     """A test marked ``aiohttp_only`` runs on the aiohttp sidecar alone: it exercises a handler, which is the
-    same code behind granian's adapter, not the server; the adapter's paths are what the rest run on both."""
-    items[:] = [item for item in items if not (item.get_closest_marker("aiohttp_only") and "granian" in
-                                               getattr(getattr(item, "callspec", None), "params", {}).values())]
+    same code behind the other servers' adapters, not the server; the adapters' paths are what the rest run on
+    every server."""
+    others = set(SIDECAR_SERVERS) - {"aiohttp"}
+    items[:] = [item for item in items if not (item.get_closest_marker("aiohttp_only") and others & set(
+        getattr(getattr(item, "callspec", None), "params", {}).values()))]
 
 
 def free_port() -> int:

@@ -86,12 +86,20 @@ def test_granian_is_refused_naming_the_package_when_it_is_not_installed(tmp_path
                            f"PoolOptions({str(tmp_path)!r}, http_port=8000, http_server='granian').check()"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "http_server: the HTTP server granian needs the package granian" in proc.stderr
-    assert servers.refusal("nginx") == "the HTTP server must be one of aiohttp, granian, not 'nginx'"
+    assert servers.refusal("nginx") == "the HTTP server must be one of aiohttp, granian, httptools, not 'nginx'"
+
+
+def test_httptools_is_refused_naming_the_package_when_it_is_not_installed():
+    hide = "import sys; sys.modules['httptools'] = None; "
+    proc = subprocess.run([sys.executable, "-c", hide + "from gepool.http.server import main; main()",
+                           "--endpoint", "ipc:///nowhere", "--http-server", "httptools"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs the package httptools" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("server", servers.HTTP_SERVERS)
 def test_gepool_start_serves_on_the_server_it_names(tmp_path, server):
-    """--http-server reaches the sidecar: its Server header says which one answered."""
+    """--http-server reaches the sidecar: its Server header says which one answered (httptools writes none)."""
     repo = str(tmp_path / "models")
     test_repo.make_models.make_tiny(repo)
     port = free_port()
@@ -102,7 +110,9 @@ def test_gepool_start_serves_on_the_server_it_names(tmp_path, server):
         resp.read()
         conn.close()
     assert resp.status == 200
-    assert ("granian" in resp.getheader("Server", "")) == (server == "granian")
+    said = resp.getheader("Server", "")
+    assert ("granian" in said, "aiohttp" in said, said == "") == (server == "granian", server == "aiohttp",
+                                                                  server == "httptools"), said
 
 
 def test_a_body_deadline_ends_only_the_read_past_it():

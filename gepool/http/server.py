@@ -437,6 +437,13 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         add_routes(gw, router)
         listener = rsgi.Listener(rsgi.App(router), host, http_port, body_timeout)
         await listener.start()
+    elif http_port and http_server == "httptools":
+        from gepool.http import native
+
+        router = rsgi.Router()
+        add_routes(gw, router)
+        listener = native.Listener(router, host, http_port, body_timeout, max_body)
+        await listener.start()
     for port, app in ((0 if listener else http_port, http_app(gw)), (metrics_port, None)):
         if not port:
             continue

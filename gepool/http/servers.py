@@ -2,11 +2,12 @@
 
 import importlib.util
 
-HTTP_SERVERS = ("aiohttp", "granian")
+HTTP_SERVERS = ("aiohttp", "granian", "httptools")
 DEFAULT_HTTP_SERVER = "aiohttp"
 GRANIAN_REQUIREMENT = "granian>=2.5,<3"
-HELP = (f"what serves the KServe HTTP port: granian (HTTP parsed in Rust; the package granian, "
-        f"gepool[granian]) or aiohttp (default {DEFAULT_HTTP_SERVER}); /metrics is served by aiohttp either way")
+HELP = (f"what serves the KServe HTTP port: httptools (HTTP parsed in C by httptools, on a bare asyncio "
+        f"protocol), granian (HTTP parsed in Rust; the package granian, gepool[granian]) or aiohttp (default "
+        f"{DEFAULT_HTTP_SERVER}); /metrics is served by aiohttp in every case")
 
 
 def refusal(name: str) -> str | None:
@@ -16,6 +17,8 @@ def refusal(name: str) -> str | None:
     if name == "granian" and not _installed("granian"):
         return f"the HTTP server granian needs the package granian, which is not installed " \
                f"(pip install '{GRANIAN_REQUIREMENT}', or gepool[granian])"
+    if name == "httptools" and not _installed("httptools"):
+        return "the HTTP server httptools needs the package httptools, which is not installed (pip install httptools)"
     return None
 
 

@@ -1,0 +1,480 @@
+"""The sidecar's KServe port on a bare asyncio protocol: HTTP/1.1 parsed by httptools (llhttp, in C).
+
+The handlers in ``server.py`` are written against aiohttp's ``web.Request``; a request here has the
+part of it they read (as ``rsgi.Request`` has for granian), and the ``web.Response`` a handler
+returns is written straight to the transport. No task, timer or stream object is made per request
+beyond the handler's own task: a body that came with its headers is handed over as it is, the
+connections' timeouts are kept by one sweep.
+
+A connection answers its requests one at a time, in order (pipelined ones wait, with reading paused);
+its headers must come within the idle timeout and fit ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` (431);
+a body is bounded as it arrives (413) and read within the body timeout (408); a request the parser
+refuses is a 400, and the connection is then closed. A response written before its body has all
+arrived closes the connection once the rest has been read and dropped (``LINGER_S`` at most), so
+that the client still sending it hears the answer instead of a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from email.utils import formatdate
+from http import HTTPStatus
+from urllib.parse import unquote
+
+import httptools
+from aiohttp import web
+
+from gepool.http import limits, rsgi
+from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
+
+log = logging.getLogger("gepool.http")
+MAX_HEAD_BYTES = 64 << 10  # a request line and headers, as hyper's read buffer under granian
+MAX_HEADERS = 100  # hyper's bound
+LINGER_S = 5.0  # the most a refused body's rest is read (and dropped) before its connection closes
+LINGER_IDLE_S = 1.0  # ... or until it pauses this long
+SWEEP_S = 0.25  # how often the connections' timeouts are looked at
+STOP_GRACE_S = 5.0  # requests running when the server stops get this long to be answered
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Headers(dict):
+    """A request's headers by lower-cased name, looked up case-insensitively as aiohttp's are; of a repeated
+    one, the first copy."""
+
+    __slots__ = ()
+
+    def get(self, key: str, default=None):
+        return dict.get(self, key.lower(), default)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and dict.__contains__(self, key.lower())
+
+    def __getitem__(self, key: str) -> str:
+        return dict.__getitem__(self, key.lower())
+
+
+class Request:
+    """One request, as the handlers use an aiohttp one; its body as it arrives."""
+
+    __slots__ = ("method", "path", "match_info", "headers", "transport", "keep_alive", "http_10", "_conn",
+                 "_parts", "_size", "_limit", "done", "_error", "_waiter", "_continue", "_linger_until")
+
+    def __init__(self, conn: Connection, method: str, path: str, headers: Headers, keep_alive: bool,
+                 http_10: bool) -> None:
+        self.method, self.path, self.headers, self.keep_alive, self.http_10 = method, path, headers, keep_alive, \
+            http_10
+        self.match_info: dict[str, str] = {}
+        self.transport = conn.transport
+        self._conn = conn
+        self._parts: deque[bytes] = deque()
+        self._size = 0
+        self._limit = conn.listener.max_body  # until the handler names its own: nothing is held past it
+        self.done = False  # the whole body has arrived
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future | None = None
+        self._continue = headers.get("expect", "").lower() == "100-continue"
+        self._linger_until: float | None = None  # dropping what still comes of the body, until then
+
+    # -- fed by the connection ------------------------------------------------------------------
+    def _body(self, chunk: bytes) -> None:
+        if self._error is not None or self._linger_until is not None:
+            return  # refused, or answered: what still comes is dropped
+        self._size += len(chunk)
+        if self._size > self._limit:
+            self._fail(BodyTooLarge(limits.too_large(self._limit)))
+            return
+        self._parts.append(chunk)
+        self._wake()
+
+    def _complete(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _fail(self, exc: Exception) -> None:
+        if self._error is None and not self.done:
+            self._error = exc
+            self._parts.clear()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- read by the handler --------------------------------------------------------------------
+    async def read_body(self, max_body: int, timeout: float) -> bytes:
+        """The whole body, decompressed as its Content-Encoding says; 413 by its declared size before a byte is
+        read and as it arrives past ``max_body``; 408 when it is not all here within ``timeout`` seconds."""
+        declared = self.headers.get("content-length")
+        length = int(declared) if declared is not None and declared.isdecimal() else None  # llhttp checked it
+        if length is not None and length > max_body:
+            raise BodyTooLarge(limits.too_large(max_body, length))
+        encoding = limits.content_encoding(self.headers)
+        if self._size > max_body:
+            self._fail(BodyTooLarge(limits.too_large(max_body)))
+        self._limit = max_body
+        if encoding == "identity" and self.done and self._error is None:  # came with its headers: no timer
+            return self._joined()
+        try:
+            async with asyncio.timeout(timeout):
+                if encoding != "identity":
+                    return await limits.decode(self._chunks(), max_body, encoding)
+                while not self.done:
+                    await self._next()
+                return self._joined()
+        except TimeoutError:
+            raise BodyTimeout(limits.too_slow(timeout, length)) from None
+
+    def _joined(self) -> bytes:
+        if self._error is not None:
+            raise self._error
+        parts = self._parts
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()
+        return body
+
+    async def _next(self) -> None:
+        """Waits for more of the body (its end, or its failure, which is raised)."""
+        if self._error is not None:
+            raise self._error
+        if self._continue:  # the client waits for this before it sends the body
+            self._continue = False
+            self._conn.write(_CONTINUE)
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self._error is not None:
+            raise self._error
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        parts = self._parts
+        while True:
+            while parts:
+                yield parts.popleft()
+            if self.done and self._error is None:
+                return
+            await self._next()
+
+    async def discard_body(self, timeout: float) -> None:
+        """Nothing to do before the answer: an answer written before its body has arrived drops the rest as
+        it comes and then closes the connection."""
+
+
+def _json_response(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=json.dumps({"error": message}).encode(),
+                        content_type="application/json")
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: the parser's callbacks build requests, which are answered one at a time."""
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[Request] = deque()  # requests headed, not yet answered; the first one runs
+        self.arriving: Request | None = None  # the request whose body the parser is reading
+        self.idle_since = 0.0
+        self.closing = False
+        self.reading = True
+        self.writable: asyncio.Future | None = None  # set while the transport's buffer is over its mark
+        self._url = b""
+        self._raw: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._in_head = True
+        self._ended_here = False  # a message ended in the chunk being parsed
+        self._refusal: tuple[int, str] | None = None  # a request refused by the parser, answered in turn
+        self.finishing = False  # answered with close: what still comes of the body is dropped, then it closes
+        self.last_data = 0.0  # while finishing: when data last came
+
+    # -- asyncio --------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.idle_since = self.listener.loop.time()
+        self.listener.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.listener.connections.discard(self)
+        gone = ClientGone(limits.CLIENT_GONE)
+        for req in self.queue:
+            req._fail(gone)
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self.writable is None or self.writable.done():
+            self.writable = self.listener.loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return
+        if self.finishing:
+            self.last_data = self.listener.loop.time()
+        self._ended_here = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "upgrading the connection (to WebSocket or another protocol) is not supported")
+            return
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}")
+            return
+        if self._in_head and self._refusal is None:
+            # bounded before the parser holds more of a head than this (one read past it at most)
+            self._head_bytes = 0 if self._ended_here else self._head_bytes + len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, f"the request's headers are over {MAX_HEAD_BYTES} bytes")
+
+    # -- the parser's callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url, self._in_head = b"", True
+        self._raw = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        if self.finishing or self._refusal is not None:  # past a close announced, or a refusal: never run
+            return
+        raw = self._raw
+        if len(raw) > MAX_HEADERS:
+            self._refuse(431, f"the request has {len(raw)} headers, more than the {MAX_HEADERS} allowed")
+            return
+        # the first copy of a repeated header wins: the dict keeps the value it is given last
+        headers = Headers((name.decode("latin-1").lower(), value.decode("utf-8", "replace"))
+                          for name, value in reversed(raw))
+        try:
+            path = httptools.parse_url(self._url).path
+        except httptools.HttpParserInvalidURLError:
+            self._refuse(400, f"malformed request target {self._url[:200]!r}")
+            return
+        parser = self.parser
+        req = Request(self, parser.get_method().decode("ascii", "replace"),
+                      unquote(path.decode("utf-8", "replace"), errors="replace"), headers,
+                      parser.should_keep_alive(), parser.get_http_version() == "1.0")
+        self.arriving = req
+        self.queue.append(req)
+        if len(self.queue) == 1:
+            self.listener.loop.create_task(self._serve(req))
+        elif self.reading:  # a pipelined request waits: read no further until it runs
+            self.transport.pause_reading()
+            self.reading = False
+
+    def on_body(self, body: bytes) -> None:
+        if self.arriving is not None:
+            self.arriving._body(body)
+
+    def on_message_complete(self) -> None:
+        self._ended_here, self._in_head = True, True
+        req, self.arriving = self.arriving, None
+        if req is None:
+            return
+        req._complete()
+        if self.finishing:  # the rest of an answered request's body has been dropped
+            self._close()
+
+    # -- answering ------------------------------------------------------------------------------
+    def _refuse(self, status: int, message: str) -> None:
+        """The parser refused what came: read no more; the requests before it are answered, then this."""
+        self._refusal = (status, message)
+        if self.arriving is not None:
+            self.arriving._fail(web.HTTPBadRequest(reason=f"{limits.NOT_FRAMED}: {message}"))
+        if self.reading and self.transport is not None:
+            self.transport.pause_reading()
+            self.reading = False
+        if not self.queue:
+            self._answer_refusal()
+
+    def _answer_refusal(self) -> None:
+        status, message = self._refusal
+        self._write_response(None, _json_response(status, message), close=True)
+        self._close()
+
+    def write(self, data: bytes) -> None:
+        if not self.closing:
+            self.transport.write(data)
+
+    async def _serve(self, req: Request) -> None:
+        """Answers ``req`` and the requests pipelined behind it; a bug here closes only this connection."""
+        try:
+            await self._run(req)
+        except Exception:
+            log.exception("internal error answering %s %s", req.method, req.path)
+            if not self.closing:
+                self.closing = True
+                self.transport.abort()
+
+    async def _run(self, req: Request) -> None:
+        listener = self.listener
+        while True:
+            response = await listener.answer(req)
+            close = not req.done or not req.keep_alive or response.keep_alive is False
+            self._write_response(req, response, close)
+            self.idle_since = listener.loop.time()
+            if self.closing:
+                return
+            if close:
+                self.queue.clear()  # requests pipelined after one answered with close never run
+                if req.done or self._refusal is not None:
+                    self._close()
+                else:  # the client may still be sending the body: drop it as it comes, then close
+                    self.finishing, self.last_data = True, self.idle_since
+                    req._linger_until = self.idle_since + LINGER_S
+                    if not self.reading:
+                        self.transport.resume_reading()
+                        self.reading = True
+                return
+            if self.writable is not None and not self.writable.done():
+                # one answer at most waits in the buffer of a client that does not read; the request stays
+                # first in the queue meanwhile, so one that comes waits behind it (this task runs it)
+                await self.writable
+                if self.closing:
+                    return
+            self.queue.popleft()
+            if not self.queue and self._refusal is not None:
+                self._answer_refusal()
+                return
+            if len(self.queue) <= 1 and not self.reading and self._refusal is None:
+                self.transport.resume_reading()  # the next one's body may not all be here yet
+                self.reading = True
+            if not self.queue:
+                return
+            req = self.queue[0]
+
+    def _write_response(self, req: Request | None, response: web.StreamResponse, close: bool) -> None:
+        if self.closing:
+            return
+        body = response.body if isinstance(response, web.Response) else None
+        if body is None:
+            body = b""
+        elif not isinstance(body, bytes | bytearray | memoryview):
+            raise TypeError(f"a response body of type {type(body).__name__} cannot be written")
+        status = response.status
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+        headers = response.headers
+        typed = False
+        for key, value in headers.items():
+            low = key.lower()
+            if low in _DROPPED:
+                continue
+            typed = typed or low == "content-type"
+            lines.append(f"{key}: {value}\r\n".encode("latin-1"))
+        if body and not typed:
+            lines.append(b"Content-Type: application/octet-stream\r\n")
+        lines.append(self.listener.date)
+        if close:
+            lines.append(b"Connection: close\r\n")
+        elif req is not None and req.http_10:
+            lines.append(b"Connection: keep-alive\r\n")
+        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        if req is not None and req.method == "HEAD" or not body:
+            self.transport.write(b"".join(lines))
+        elif len(body) <= 16384:
+            lines.append(body)
+            self.transport.write(b"".join(lines))
+        else:
+            self.transport.writelines([b"".join(lines), body])
+
+    def _close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.transport.close()
+
+    def sweep(self, now: float, idle_timeout: float) -> None:
+        """Closes the connection when it waits for a request's headers (or for its client to read an answer)
+        past the idle timeout, or has lingered long enough on a refused body."""
+        if self.closing:
+            return
+        if self.queue and (self.writable is None or self.writable.done()):
+            return
+        if self.finishing:
+            if now >= self.arriving._linger_until or now - self.last_data >= LINGER_IDLE_S:
+                self._close()
+        elif now - self.idle_since >= idle_timeout:
+            if self.transport.get_write_buffer_size():
+                self.closing = True
+                self.transport.abort()
+            else:
+                self._close()
+
+
+def _date() -> bytes:
+    """The Date header an HTTP/1.1 server with a clock sends (RFC 9110 6.6.1), renewed by each sweep."""
+    return f"Date: {formatdate(usegmt=True)}\r\n".encode()
+
+
+class Listener:
+    """The server on one address: connections on this loop, each request routed by ``rsgi.Router``.
+
+    ``idle_timeout_s`` bounds how long a connection may take to send a request's headers, counted from
+    its opening or its previous answer, and how long a body may take to arrive (408)."""
+
+    def __init__(self, router: rsgi.Router, host: str, port: int, idle_timeout_s: float, max_body: int) -> None:
+        self.router, self.host, self.port = router, host, port
+        self.idle_timeout_s, self.max_body = idle_timeout_s, max_body
+        self.connections: set[Connection] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+        self.date = _date()
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._server = await self.loop.create_server(lambda: Connection(self), self.host, self.port,
+                                                     reuse_address=True, backlog=1024)
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.date = _date()
+            now = self.loop.time()
+            for conn in list(self.connections):
+                conn.sweep(now, self.idle_timeout_s)
+
+    async def answer(self, req: Request) -> web.StreamResponse:
+        handler, match_info, status = self.router.resolve(req.method, req.path)
+        if handler is None:
+            return _json_response(status, "Not Found" if status == 404 else "Method Not Allowed")
+        req.match_info = match_info
+        try:
+            return await handler(req)
+        except web.HTTPException as exc:  # the sidecar's routes answer these themselves; another app may not
+            return _json_response(exc.status, exc.reason)
+        except Exception:  # the handlers answer their own errors: this is a bug, and the server lives on
+            log.exception("internal error on %s %s", req.method, req.path)
+            response = _json_response(500, "internal error (the sidecar's log has the details)")
+            response.force_close()
+            return response
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is None:
+            return
+        self._server.close()
+        deadline = self.loop.time() + STOP_GRACE_S
+        while any(c.queue and not c.closing for c in self.connections) and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            if not conn.closing:
+                conn.closing = True
+                conn.transport.abort()
+        await self._server.wait_closed()
