@@ -1,7 +1,7 @@
 """Two versions of gepool under the gateway benchmark, alternating in one run: CPU per request by process.
 
     python benchmarks/gateway_ab.py --base REV [--head REV] [--rounds 3] [--seconds 8] [--models tiny,mlp]
-        [--levels 64] [--tools wrk] [--base-http-server aiohttp] [--head-http-server aiohttp]
+        [--levels 64] [--tools wrk] [--base-http-server SERVER] [--head-http-server SERVER]
     python benchmarks/gateway_ab.py --base HEAD --head-http-server granian ...   (one tree, both servers)
 
 Each round runs ``benchmarks/gateway_bench.py`` of the base and of the head (the working tree when no
@@ -12,7 +12,8 @@ ahead of the editable install. The table at the end gives, per model, tool and c
 over the rounds of req/s and of each process's CPU microseconds per request (on a shared host the
 CPU per request is the figure to compare, not req/s), and the head's change against the base.
 ``--base-http-server``/``--head-http-server`` choose the sidecar's HTTP server on each side
-(``gateway_bench.py --http-server``; a tree from before that option has only aiohttp).
+(``gateway_bench.py --http-server``; without one, each side's pool default; a tree from before that option has
+only aiohttp).
 """
 
 import argparse
@@ -71,12 +72,12 @@ def ab_rounds(script: str, base: str | None, head: str | None, rounds: int, args
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(src: str, root: str, args: argparse.Namespace, http_server: str) -> dict:
+def run(src: str, root: str, args: argparse.Namespace, http_server: str | None) -> dict:
     """{(model, tool, conc): {"rps": .., label: cpu us}} from one gateway_bench run."""
     env = dict(os.environ, PYTHONPATH=root)
     cmd = [sys.executable, os.path.join(src, "benchmarks", "gateway_bench.py"), "--seconds", str(args.seconds),
            "--levels", args.levels, "--models", args.models, "--tools", args.tools]
-    if http_server != "aiohttp":
+    if http_server:
         cmd += ["--http-server", http_server]
     # not from src: its gepool/ (without ipc/) would come first on sys.path
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
@@ -107,8 +108,9 @@ def main() -> None:
     p.add_argument("--models", default="tiny,mlp")
     p.add_argument("--levels", default="64")
     p.add_argument("--tools", default="wrk")
-    p.add_argument("--base-http-server", default="aiohttp", help="the base's sidecar server: aiohttp or granian")
-    p.add_argument("--head-http-server", default="aiohttp", help="the head's sidecar server: aiohttp or granian")
+    p.add_argument("--base-http-server", help="the base's sidecar server: aiohttp, granian or httptools (default: "
+                                              "its pool's)")
+    p.add_argument("--head-http-server", help="the head's sidecar server (default: its pool's)")
     args = p.parse_args()
     servers = {"base": args.base_http_server, "head": args.head_http_server}
     work = tempfile.mkdtemp(prefix="gepool-ab-")
@@ -127,8 +129,9 @@ def main() -> None:
                           + " ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nmedians over {args.rounds} rounds (base {args.base} on {servers['base']}, head "
-          f"{args.head or 'working tree'} on {servers['head']}; p99 latency and CPU per request in us)")
+    on = {label: server or "its default server" for label, server in servers.items()}
+    print(f"\nmedians over {args.rounds} rounds (base {args.base} on {on['base']}, head {args.head or 'working tree'} "
+          f"on {on['head']}; p99 latency and CPU per request in us)")
     keys = sorted(set().union(*(set(r) for r in results["base"] + results["head"])))
     for key in keys:
         fields = sorted({f for label in results for r in results[label] for f in r.get(key, {})},

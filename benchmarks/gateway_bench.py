@@ -224,12 +224,12 @@ finally:
 """
 
 
-def start_profiled_sidecar(endpoint: str, port: int, profile: str, http_server: str = "aiohttp") -> subprocess.Popen:
+def start_profiled_sidecar(endpoint: str, port: int, profile: str, http_server: str | None) -> subprocess.Popen:
     """The sidecar as gepool starts it, under cProfile (its stats written when it is stopped)."""
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen([sys.executable, "-c", PROFILED_SIDECAR, profile, "--endpoint", endpoint,
                              "--http-port", str(port), "--metrics-port", "0", "--ready-fd", str(write_fd),
-                             "--http-server", http_server],
+                             *(["--http-server", http_server] if http_server else [])],
                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     os.close(write_fd)
     with os.fdopen(read_fd) as reader:
@@ -245,7 +245,8 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,64", help="client concurrencies")
     parser.add_argument("--models", default="tiny,mlp")
     parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies) and/or pa (perf_analyzer, binary)")
-    parser.add_argument("--http-server", default="aiohttp", help="the sidecar's HTTP server: aiohttp or granian")
+    parser.add_argument("--http-server", help="the sidecar's HTTP server: aiohttp, granian or httptools (default: "
+                                              "the pool's)")
     parser.add_argument("--profile-sidecar", metavar="FILE",
                         help="run the sidecar under cProfile, write its stats here and print the top entries")
     args = parser.parse_args()
@@ -264,7 +265,7 @@ def main() -> None:
     rows = []
     sidecar = None
     try:
-        extra = {"http_server": args.http_server} if args.http_server != "aiohttp" else {}  # older trees lack it
+        extra = {"http_server": args.http_server} if args.http_server else {}  # older trees lack it
         with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
             if args.profile_sidecar:
                 sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar),

@@ -9,9 +9,11 @@ connections' timeouts are kept by one sweep.
 A connection answers its requests one at a time, in order (pipelined ones wait, with reading paused);
 its headers must come within the idle timeout and fit ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` (431);
 a body is bounded as it arrives (413) and read within the body timeout (408); a request the parser
-refuses is a 400, and the connection is then closed. A response written before its body has all
-arrived closes the connection once the rest has been read and dropped (``LINGER_S`` at most), so
-that the client still sending it hears the answer instead of a reset.
+refuses is a 400, and the connection is then closed, as it is after trailers (refused: nothing
+would bound them) and after a request asking to upgrade (answered as HTTP/1.1 when it has no body,
+refused when it has one, which the parser would not read). A response written before its body has
+all arrived closes the connection once the rest has been read and dropped (``LINGER_S`` at most),
+so that the client still sending it hears the answer instead of a reset.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ STOP_GRACE_S = 5.0  # requests running when the server stops get this long to be
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+MAX_TRAILER_READS = 2  # reads a last chunk's trailer section may span before it is refused
+TRAILERS = "trailers after a chunked body are not accepted"
 
 
 class Headers(dict):
@@ -191,6 +195,7 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._in_head = True
         self._ended_here = False  # a message ended in the chunk being parsed
+        self._chunk_reads = 0  # reads since a chunk size line with no data after it yet (0: none such)
         self._refusal: tuple[int, str] | None = None  # a request refused by the parser, answered in turn
         self.finishing = False  # answered with close: what still comes of the body is dropped, then it closes
         self.last_data = 0.0  # while finishing: when data last came
@@ -209,6 +214,10 @@ class Connection(asyncio.Protocol):
             req._fail(gone)
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
+        # the parser holds this protocol's methods, the queued requests hold it: without these cycles what a
+        # closed connection held goes now, not at a full collection (rare once start-up is frozen)
+        self.parser, self.arriving, self._raw = None, None, []
+        self.queue.clear()
 
     def pause_writing(self) -> None:
         if self.writable is None or self.writable.done():
@@ -227,7 +236,15 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "upgrading the connection (to WebSocket or another protocol) is not supported")
+            # the parser stops at a request that asks to upgrade; on_headers_complete queued it (to be answered
+            # as HTTP/1.1, then closed: what follows is not HTTP/1.1) or refused it
+            if self.reading:
+                self.transport.pause_reading()
+                self.reading = False
+            return
+        except httptools.HttpParserCallbackError as exc:  # a bug in a callback below, not the client's bytes
+            log.error("internal error parsing a request", exc_info=exc.__context__ or exc)
+            self._refuse(500, "internal error (the sidecar's log has the details)")
             return
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
@@ -237,6 +254,12 @@ class Connection(asyncio.Protocol):
             self._head_bytes = 0 if self._ended_here else self._head_bytes + len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, f"the request's headers are over {MAX_HEAD_BYTES} bytes")
+        elif self._chunk_reads:
+            # the parser is past a chunk size line with no data after it: in a last chunk's trailers (a chunk
+            # with data starts at the next byte). It grows a header value it holds with each read, unbounded
+            self._chunk_reads += 1
+            if self._chunk_reads > MAX_TRAILER_READS:
+                self._refuse(400, TRAILERS)
 
     # -- the parser's callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -247,10 +270,20 @@ class Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.arriving is not None:  # after the headers: a trailer of a chunked body
+            if self._refusal is None:
+                self._refuse(400, TRAILERS)
+            return
         self._raw.append((name, value))
 
+    def on_chunk_header(self) -> None:
+        self._chunk_reads = 1
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_reads = 0
+
     def on_headers_complete(self) -> None:
-        self._in_head, self._head_bytes = False, 0
+        self._in_head, self._head_bytes, self._chunk_reads = False, 0, 0
         if self.finishing or self._refusal is not None:  # past a close announced, or a refusal: never run
             return
         raw = self._raw
@@ -261,14 +294,23 @@ class Connection(asyncio.Protocol):
         headers = Headers((name.decode("latin-1").lower(), value.decode("utf-8", "replace"))
                           for name, value in reversed(raw))
         try:
-            path = httptools.parse_url(self._url).path
+            path = httptools.parse_url(self._url).path or b"/"  # (none in an absolute URL without one)
         except httptools.HttpParserInvalidURLError:
             self._refuse(400, f"malformed request target {self._url[:200]!r}")
             return
         parser = self.parser
-        req = Request(self, parser.get_method().decode("ascii", "replace"),
-                      unquote(path.decode("utf-8", "replace"), errors="replace"), headers,
-                      parser.should_keep_alive(), parser.get_http_version() == "1.0")
+        method = parser.get_method().decode("ascii", "replace")
+        keep_alive = parser.should_keep_alive()
+        if parser.should_upgrade():
+            # the parser reads nothing after such a request (not its body either): one without a body is answered
+            # as HTTP/1.1, ignoring the Upgrade as aiohttp does, and the connection closed after it
+            if method == "CONNECT" or "transfer-encoding" in headers or headers.get("content-length", "0") != "0":
+                self._refuse(400, f"{method} asking to upgrade the connection ({headers.get('upgrade', '')[:100]!r})"
+                                  f" is not supported: send the request without an Upgrade header")
+                return
+            keep_alive = False
+        req = Request(self, method, unquote(path.decode("utf-8", "replace"), errors="replace"), headers, keep_alive,
+                      parser.get_http_version() == "1.0")
         self.arriving = req
         self.queue.append(req)
         if len(self.queue) == 1:
@@ -278,11 +320,12 @@ class Connection(asyncio.Protocol):
             self.reading = False
 
     def on_body(self, body: bytes) -> None:
+        self._chunk_reads = 0
         if self.arriving is not None:
             self.arriving._body(body)
 
     def on_message_complete(self) -> None:
-        self._ended_here, self._in_head = True, True
+        self._ended_here, self._in_head, self._chunk_reads = True, True, 0
         req, self.arriving = self.arriving, None
         if req is None:
             return
@@ -293,9 +336,14 @@ class Connection(asyncio.Protocol):
     # -- answering ------------------------------------------------------------------------------
     def _refuse(self, status: int, message: str) -> None:
         """The parser refused what came: read no more; the requests before it are answered, then this."""
+        if self.finishing:  # the last answer said it closes: nothing more is written
+            self._refusal = (status, message)
+            self._close()
+            return
         self._refusal = (status, message)
         if self.arriving is not None:
-            self.arriving._fail(web.HTTPBadRequest(reason=f"{limits.NOT_FRAMED}: {message}"))
+            reason = message if message == TRAILERS else f"{limits.NOT_FRAMED}: {message}"
+            self.arriving._fail(web.HTTPBadRequest(reason=reason))
         if self.reading and self.transport is not None:
             self.transport.pause_reading()
             self.reading = False
@@ -448,6 +496,7 @@ class Listener:
             now = self.loop.time()
             for conn in list(self.connections):
                 conn.sweep(now, self.idle_timeout_s)
+            conn = None  # else the last one swept stays referenced here until the next sweep
 
     async def answer(self, req: Request) -> web.StreamResponse:
         handler, match_info, status = self.router.resolve(req.method, req.path)
