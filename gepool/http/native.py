@@ -10,10 +10,11 @@ A connection answers its requests one at a time, in order (pipelined ones wait, 
 its headers must come within the idle timeout and fit ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` (431);
 a body is bounded as it arrives (413) and read within the body timeout (408); a request the parser
 refuses is a 400, and the connection is then closed, as it is after trailers (refused: nothing
-would bound them) and after a request asking to upgrade (answered as HTTP/1.1 when it has no body,
-refused when it has one, which the parser would not read). A response written before its body has
-all arrived closes the connection once the rest has been read and dropped (``LINGER_S`` at most),
-so that the client still sending it hears the answer instead of a reset.
+would bound them) and after a request asking to upgrade (answered as HTTP/1.1, its body read by a new
+parser, since llhttp reads nothing past such a head). A response written before its body has all
+arrived closes the connection once the rest has been read and dropped (``LINGER_S`` at most), so
+that the client still sending it hears the answer instead of a reset. A client that half-closes is
+still answered. On stop, idle connections close at once and running requests are answered first.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ STOP_GRACE_S = 5.0  # requests running when the server stops get this long to be
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date", "server"))
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-MAX_TRAILER_READS = 2  # reads a last chunk's trailer section may span before it is refused
+MAX_TRAILER_BYTES = 8 << 10  # bytes read past a chunk size line with no data after it (a last chunk's trailers)
 TRAILERS = "trailers after a chunked body are not accepted"
 
 
@@ -120,8 +121,9 @@ class Request:
         if length is not None and length > max_body:
             raise BodyTooLarge(limits.too_large(max_body, length))
         encoding = limits.content_encoding(self.headers)
-        if self._size > max_body:
+        if self._size > max_body:  # more than this handler takes came already (the listener's bound is larger)
             self._fail(BodyTooLarge(limits.too_large(max_body)))
+            raise BodyTooLarge(limits.too_large(max_body))
         self._limit = max_body
         if encoding == "identity" and self.done and self._error is None:  # came with its headers: no timer
             return self._joined()
@@ -172,6 +174,20 @@ class Request:
         it comes and then closes the connection."""
 
 
+def _framing(headers: Headers) -> bytes | str:
+    """The header that frames a request's body as the parser read it (b"" for none), or why it cannot be
+    given to a new parser."""
+    te = headers.get("transfer-encoding")
+    if te is not None:
+        if te.strip().lower() != "chunked":
+            return f"Transfer-Encoding {te[:100]!r} with an Upgrade header is not supported"
+        return b"Transfer-Encoding: chunked\r\n"
+    length = headers.get("content-length", "0").strip()
+    if not length.isdecimal():  # (the parser has refused such a head already)
+        return f"Content-Length {length[:100]!r} is not a number"
+    return b"Content-Length: %d\r\n" % int(length) if int(length) else b""
+
+
 def _json_response(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=json.dumps({"error": message}).encode(),
                         content_type="application/json")
@@ -195,7 +211,11 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._in_head = True
         self._ended_here = False  # a message ended in the chunk being parsed
-        self._chunk_reads = 0  # reads since a chunk size line with no data after it yet (0: none such)
+        self._chunk_open = False  # past a chunk size line, with none of its data yet
+        self._chunks_seen = 0  # chunk size lines parsed on this connection
+        self._trailer_bytes = 0  # bytes read in whole while _chunk_open
+        self._reattach: Request | None = None  # the request whose body a new parser reads (see _upgraded)
+        self._upgrade_framing: bytes | None = None  # that body's framing, for the new parser's head (b"": none)
         self._refusal: tuple[int, str] | None = None  # a request refused by the parser, answered in turn
         self.finishing = False  # answered with close: what still comes of the body is dropped, then it closes
         self.last_data = 0.0  # while finishing: when data last came
@@ -233,14 +253,11 @@ class Connection(asyncio.Protocol):
         if self.finishing:
             self.last_data = self.listener.loop.time()
         self._ended_here = False
+        chunks_before = self._chunks_seen
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # the parser stops at a request that asks to upgrade; on_headers_complete queued it (to be answered
-            # as HTTP/1.1, then closed: what follows is not HTTP/1.1) or refused it
-            if self.reading:
-                self.transport.pause_reading()
-                self.reading = False
+        except httptools.HttpParserUpgrade as exc:
+            self._upgraded(data, exc)
             return
         except httptools.HttpParserCallbackError as exc:  # a bug in a callback below, not the client's bytes
             log.error("internal error parsing a request", exc_info=exc.__context__ or exc)
@@ -254,12 +271,39 @@ class Connection(asyncio.Protocol):
             self._head_bytes = 0 if self._ended_here else self._head_bytes + len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, f"the request's headers are over {MAX_HEAD_BYTES} bytes")
-        elif self._chunk_reads:
-            # the parser is past a chunk size line with no data after it: in a last chunk's trailers (a chunk
-            # with data starts at the next byte). It grows a header value it holds with each read, unbounded
-            self._chunk_reads += 1
-            if self._chunk_reads > MAX_TRAILER_READS:
+        elif self._chunk_open and self._chunks_seen == chunks_before:
+            # this whole read came past a chunk size line that no data has followed: a last chunk's trailers
+            # (a chunk's data starts at the next byte), which the parser grows a header value of with each read
+            self._trailer_bytes += len(data)
+            if self._trailer_bytes > MAX_TRAILER_BYTES:
                 self._refuse(400, TRAILERS)
+
+    def _upgraded(self, data: bytes, exc: httptools.HttpParserUpgrade) -> None:
+        """The parser stopped after the head of a request asking to upgrade (queued by on_headers_complete): one
+        with a body gets a new parser, fed a head of the body's framing alone and then what followed the
+        original head, which reads the body as that request's; the connection closes after its answer."""
+        framing, self._upgrade_framing = self._upgrade_framing, None
+        offset = exc.args[0] if exc.args else None
+        if framing and self.arriving is not None and type(offset) is int and 0 <= offset <= len(data):
+            self._reattach = self.arriving
+            self.parser = httptools.HttpRequestParser(self)
+            self.data_received(b"POST / HTTP/1.1\r\n" + framing + b"\r\n" + data[offset:])
+            return
+        if framing:
+            self._refuse(400, "the body of a request asking to upgrade the connection could not be read")
+        elif self.reading:  # nothing more is read: what follows such a request is not HTTP/1.1
+            self.transport.pause_reading()
+            self.reading = False
+
+    def eof_received(self) -> bool | None:
+        """The client has sent all it will (a half-close): the requests it sent are still answered, the last
+        one with close; one whose body did not all come fails. Nothing queued: the connection closes."""
+        if not self.queue or self.closing:
+            return None
+        self.queue[-1].keep_alive = False
+        if self.arriving is not None:
+            self.arriving._fail(ClientGone(limits.CLIENT_GONE))
+        return True
 
     # -- the parser's callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -270,21 +314,32 @@ class Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.arriving is not None:  # after the headers: a trailer of a chunked body
-            if self._refusal is None:
-                self._refuse(400, TRAILERS)
+        if self._refusal is not None:
+            return
+        if self.arriving is not None and self._reattach is None:  # after the headers: a chunked body's trailer
+            self._refuse(400, TRAILERS)
+            return
+        if len(self._raw) >= MAX_HEADERS:  # refused now, not held (each costs ~100 bytes of objects)
+            self._refuse(431, f"the request has more than the {MAX_HEADERS} header fields allowed")
             return
         self._raw.append((name, value))
 
     def on_chunk_header(self) -> None:
-        self._chunk_reads = 1
+        self._chunk_open, self._trailer_bytes = True, 0
+        self._chunks_seen += 1
 
     def on_chunk_complete(self) -> None:
-        self._chunk_reads = 0
+        self._chunk_open = False
 
     def on_headers_complete(self) -> None:
-        self._in_head, self._head_bytes, self._chunk_reads = False, 0, 0
+        self._in_head, self._head_bytes, self._chunk_open = False, 0, False
+        if self._reattach is not None:  # the framing head _upgraded gave a new parser: the body is this request's
+            self.arriving, self._reattach = self._reattach, None
+            return
         if self.finishing or self._refusal is not None:  # past a close announced, or a refusal: never run
+            return
+        if self.listener.stopping:
+            self._refuse(503, "the HTTP server is stopping")
             return
         raw = self._raw
         if len(raw) > MAX_HEADERS:
@@ -302,12 +357,17 @@ class Connection(asyncio.Protocol):
         method = parser.get_method().decode("ascii", "replace")
         keep_alive = parser.should_keep_alive()
         if parser.should_upgrade():
-            # the parser reads nothing after such a request (not its body either): one without a body is answered
-            # as HTTP/1.1, ignoring the Upgrade as aiohttp does, and the connection closed after it
-            if method == "CONNECT" or "transfer-encoding" in headers or headers.get("content-length", "0") != "0":
-                self._refuse(400, f"{method} asking to upgrade the connection ({headers.get('upgrade', '')[:100]!r})"
-                                  f" is not supported: send the request without an Upgrade header")
+            # answered as HTTP/1.1, ignoring the Upgrade as aiohttp does (Java's HttpClient asks for h2c on its
+            # first request), and the connection closed after it: the parser reads nothing past such a head, so
+            # a body is read by a new parser (_upgraded)
+            if method == "CONNECT":
+                self._refuse(405, "the method CONNECT is not supported")
                 return
+            framing = _framing(headers)
+            if isinstance(framing, str):
+                self._refuse(400, framing)
+                return
+            self._upgrade_framing = framing
             keep_alive = False
         req = Request(self, method, unquote(path.decode("utf-8", "replace"), errors="replace"), headers, keep_alive,
                       parser.get_http_version() == "1.0")
@@ -320,12 +380,14 @@ class Connection(asyncio.Protocol):
             self.reading = False
 
     def on_body(self, body: bytes) -> None:
-        self._chunk_reads = 0
+        self._chunk_open = False
         if self.arriving is not None:
             self.arriving._body(body)
 
     def on_message_complete(self) -> None:
-        self._ended_here, self._in_head, self._chunk_reads = True, True, 0
+        if self._upgrade_framing:  # the parser skipped the body of a request asking to upgrade: not its end
+            return
+        self._ended_here, self._in_head, self._chunk_open = True, True, False
         req, self.arriving = self.arriving, None
         if req is None:
             return
@@ -342,6 +404,7 @@ class Connection(asyncio.Protocol):
             return
         self._refusal = (status, message)
         if self.arriving is not None:
+            self.arriving.keep_alive = False
             reason = message if message == TRAILERS else f"{limits.NOT_FRAMED}: {message}"
             self.arriving._fail(web.HTTPBadRequest(reason=reason))
         if self.reading and self.transport is not None:
@@ -373,7 +436,8 @@ class Connection(asyncio.Protocol):
         listener = self.listener
         while True:
             response = await listener.answer(req)
-            close = not req.done or not req.keep_alive or response.keep_alive is False
+            close = not req.done or not req.keep_alive or response.keep_alive is False \
+                or self._refusal is not None or listener.stopping
             self._write_response(req, response, close)
             self.idle_since = listener.loop.time()
             if self.closing:
@@ -478,6 +542,7 @@ class Listener:
         self.router, self.host, self.port = router, host, port
         self.idle_timeout_s, self.max_body = idle_timeout_s, max_body
         self.connections: set[Connection] = set()
+        self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task | None = None
@@ -514,11 +579,17 @@ class Listener:
             return response
 
     async def stop(self) -> None:
+        """Stops accepting; idle connections close now, and each running request is answered (with close) within
+        STOP_GRACE_S; a request that comes meanwhile is answered 503. Then every connection is closed."""
+        self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is None:
             return
         self._server.close()
+        for conn in list(self.connections):
+            if not conn.queue:
+                conn._close()
         deadline = self.loop.time() + STOP_GRACE_S
         while any(c.queue and not c.closing for c in self.connections) and self.loop.time() < deadline:
             await asyncio.sleep(0.05)
