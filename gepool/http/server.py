@@ -1,16 +1,13 @@
 """The HTTP sidecar process: Triton's KServe v2 REST API and /metrics, as an asyncio client of the front.
 
-aiohttp was measured against uvicorn+httptools on this 2-core host (wrk, 8 connections, a small JSON
-POST answered in place): 23k vs 29k requests/s. Both are 10x what the pool itself serves, so the
-HTTP layer is not the bottleneck either way; aiohttp is one well-kept dependency with its own
-routing, where the other needs three. It runs in its own process so the front's loop stays a
-plain zmq poll, and so that a slow HTTP client can never stall batching.
+It runs in its own process so the front's loop stays a plain zmq poll, and so that a slow HTTP client
+can never stall batching. The KServe port is served by ``native.py`` (httptools' C parser on a bare
+asyncio protocol, the default), by aiohttp, or by granian through ``rsgi.py``: the same handlers, which
+are written against aiohttp's request and response; /metrics is always aiohttp's.
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
-        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...] [--http-server aiohttp|granian]
-
-``--http-server granian`` serves the KServe port on granian (HTTP parsed in Rust) through ``rsgi.py``,
-the same handlers; /metrics stays on aiohttp.
+        [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
+        [--http-server httptools|aiohttp|granian]
 
 What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
 """
@@ -428,7 +425,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
                 strict_readiness: bool = True, grpc_port: int = 0, front_ready: bool = False,
-                http_server: str = "aiohttp") -> None:
+                http_server: str = servers.DEFAULT_HTTP_SERVER) -> None:
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None

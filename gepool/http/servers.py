@@ -3,11 +3,11 @@
 import importlib.util
 
 HTTP_SERVERS = ("aiohttp", "granian", "httptools")
-DEFAULT_HTTP_SERVER = "aiohttp"
+DEFAULT_HTTP_SERVER = "httptools"
 GRANIAN_REQUIREMENT = "granian>=2.5,<3"
 HELP = (f"what serves the KServe HTTP port: httptools (HTTP parsed in C by httptools, on a bare asyncio "
-        f"protocol), granian (HTTP parsed in Rust; the package granian, gepool[granian]) or aiohttp (default "
-        f"{DEFAULT_HTTP_SERVER}); /metrics is served by aiohttp in every case")
+        f"protocol), aiohttp, or granian (HTTP parsed in Rust; the package granian, gepool[granian]); default "
+        f"{DEFAULT_HTTP_SERVER}; /metrics is served by aiohttp in every case")
 
 
 def refusal(name: str) -> str | None:
