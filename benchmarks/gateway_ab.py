@@ -40,6 +40,9 @@ def tree(rev: str | None, into: str) -> str:
         os.makedirs(src)
         archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+        tools = os.path.join(ROOT, ".perf_analyzer")  # untracked (.ci/run extracts it): the export lacks it
+        if os.path.isdir(tools):
+            os.symlink(tools, os.path.join(src, ".perf_analyzer"))
     pkg = os.path.join(into, "root", "gepool")
     os.makedirs(pkg)
     for entry in os.listdir(os.path.join(src, "gepool")):
