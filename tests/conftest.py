@@ -42,6 +42,14 @@ def running(pid: int) -> bool:
         return False
 
 
+def sidecar_pid(pool) -> int:
+    """The pid of a pool's HTTP sidecar process."""
+    pids = [pid for pid in _descendants(pool.process.pid)
+            if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
 def rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))

@@ -17,7 +17,7 @@ import pytest
 from gepool import Pool
 from gepool.http import peer
 from tests import repo as test_repo
-from tests.conftest import SIDECAR_SERVERS, _descendants, free_port, rss_kb, wait_until
+from tests.conftest import SIDECAR_SERVERS, _descendants, free_port, rss_kb, sidecar_pid, wait_until
 
 NOBODY = 65534
 GOOD = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": list(range(16))}]}
@@ -57,13 +57,6 @@ def request(port: int, method: str, path: str, body: bytes = b"", headers: dict 
 
 def post(port: int, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
     return request(port, "POST", path, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
-
-
-def sidecar_pid(pool) -> int:
-    pids = [pid for pid in _descendants(pool.process.pid)
-            if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
-    assert len(pids) == 1, pids
-    return pids[0]
 
 
 def as_nobody(fn, *args):

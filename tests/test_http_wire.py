@@ -11,7 +11,7 @@ import pytest
 
 from gepool import Pool
 from tests import repo as test_repo
-from tests.conftest import SIDECAR_SERVERS, _descendants, free_port, rss_kb
+from tests.conftest import SIDECAR_SERVERS, free_port, rss_kb, sidecar_pid
 
 GOOD = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                "data": list(range(16))}]}).encode()
@@ -29,13 +29,6 @@ def served(tmp_path_factory, request):
 @pytest.fixture
 def port(served):
     return served[0].http_port
-
-
-def _sidecar_pid(pool) -> int:
-    pids = [pid for pid in _descendants(pool.process.pid)
-            if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
-    assert len(pids) == 1, pids
-    return pids[0]
 
 
 class Reader:
@@ -194,7 +187,7 @@ def test_trailers_of_a_chunked_body_cannot_grow_the_server(served, kind):
     pool, server = served
     if server == "aiohttp":
         pytest.skip("aiohttp may stop reading the trailers and answer 408 at the body timeout (30 s here)")
-    pid = _sidecar_pid(pool)
+    pid = sidecar_pid(pool)
     before = rss_kb(pid)
     piece = b"".join(b"X-%d: %s\r\n" % (i, b"v" * 50) for i in range(1000)) if kind == "many" else b"v" * (64 << 10)
     head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -20,7 +20,6 @@ still answered. On stop, idle connections close at once and running requests are
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from urllib.parse import unquote
 import httptools
 from aiohttp import web
 
+from gepool.common import errors
 from gepool.http import limits, rsgi
 from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
 
@@ -188,11 +188,6 @@ def _framing(headers: Headers) -> bytes | str:
     return b"Content-Length: %d\r\n" % int(length) if int(length) else b""
 
 
-def _json_response(status: int, message: str) -> web.Response:
-    return web.Response(status=status, body=json.dumps({"error": message}).encode(),
-                        content_type="application/json")
-
-
 class Connection(asyncio.Protocol):
     """One client connection: the parser's callbacks build requests, which are answered one at a time."""
 
@@ -261,7 +256,7 @@ class Connection(asyncio.Protocol):
             return
         except httptools.HttpParserCallbackError as exc:  # a bug in a callback below, not the client's bytes
             log.error("internal error parsing a request", exc_info=exc.__context__ or exc)
-            self._refuse(500, "internal error (the sidecar's log has the details)")
+            self._refuse(500, errors.INTERNAL_MESSAGE)
             return
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
@@ -341,13 +336,9 @@ class Connection(asyncio.Protocol):
         if self.listener.stopping:
             self._refuse(503, "the HTTP server is stopping")
             return
-        raw = self._raw
-        if len(raw) > MAX_HEADERS:
-            self._refuse(431, f"the request has {len(raw)} headers, more than the {MAX_HEADERS} allowed")
-            return
         # the first copy of a repeated header wins: the dict keeps the value it is given last
         headers = Headers((name.decode("latin-1").lower(), value.decode("utf-8", "replace"))
-                          for name, value in reversed(raw))
+                          for name, value in reversed(self._raw))
         try:
             path = httptools.parse_url(self._url).path or b"/"  # (none in an absolute URL without one)
         except httptools.HttpParserInvalidURLError:
@@ -398,11 +389,10 @@ class Connection(asyncio.Protocol):
     # -- answering ------------------------------------------------------------------------------
     def _refuse(self, status: int, message: str) -> None:
         """The parser refused what came: read no more; the requests before it are answered, then this."""
+        self._refusal = (status, message)
         if self.finishing:  # the last answer said it closes: nothing more is written
-            self._refusal = (status, message)
             self._close()
             return
-        self._refusal = (status, message)
         if self.arriving is not None:
             self.arriving.keep_alive = False
             reason = message if message == TRAILERS else f"{limits.NOT_FRAMED}: {message}"
@@ -415,7 +405,7 @@ class Connection(asyncio.Protocol):
 
     def _answer_refusal(self) -> None:
         status, message = self._refusal
-        self._write_response(None, _json_response(status, message), close=True)
+        self._write_response(None, web.json_response({"error": message}, status=status), close=True)
         self._close()
 
     def write(self, data: bytes) -> None:
@@ -428,9 +418,7 @@ class Connection(asyncio.Protocol):
             await self._run(req)
         except Exception:
             log.exception("internal error answering %s %s", req.method, req.path)
-            if not self.closing:
-                self.closing = True
-                self.transport.abort()
+            self._abort()
 
     async def _run(self, req: Request) -> None:
         listener = self.listener
@@ -509,6 +497,12 @@ class Connection(asyncio.Protocol):
             self.closing = True
             self.transport.close()
 
+    def _abort(self) -> None:
+        """Closes at once, dropping what the transport still holds to write."""
+        if not self.closing:
+            self.closing = True
+            self.transport.abort()
+
     def sweep(self, now: float, idle_timeout: float) -> None:
         """Closes the connection when it waits for a request's headers (or for its client to read an answer)
         past the idle timeout, or has lingered long enough on a refused body."""
@@ -521,8 +515,7 @@ class Connection(asyncio.Protocol):
                 self._close()
         elif now - self.idle_since >= idle_timeout:
             if self.transport.get_write_buffer_size():
-                self.closing = True
-                self.transport.abort()
+                self._abort()
             else:
                 self._close()
 
@@ -564,19 +557,11 @@ class Listener:
             conn = None  # else the last one swept stays referenced here until the next sweep
 
     async def answer(self, req: Request) -> web.StreamResponse:
-        handler, match_info, status = self.router.resolve(req.method, req.path)
-        if handler is None:
-            return _json_response(status, "Not Found" if status == 404 else "Method Not Allowed")
-        req.match_info = match_info
-        try:
-            return await handler(req)
-        except web.HTTPException as exc:  # the sidecar's routes answer these themselves; another app may not
-            return _json_response(exc.status, exc.reason)
-        except Exception:  # the handlers answer their own errors: this is a bug, and the server lives on
-            log.exception("internal error on %s %s", req.method, req.path)
-            response = _json_response(500, "internal error (the sidecar's log has the details)")
-            response.force_close()
-            return response
+        def routed(match_info: dict[str, str]) -> Request:
+            req.match_info = match_info
+            return req
+
+        return await rsgi.respond(self.router, req.method, req.path, routed)
 
     async def stop(self) -> None:
         """Stops accepting; idle connections close now, and each running request is answered (with close) within
@@ -594,7 +579,5 @@ class Listener:
         while any(c.queue and not c.closing for c in self.connections) and self.loop.time() < deadline:
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
-            if not conn.closing:
-                conn.closing = True
-                conn.transport.abort()
+            conn._abort()
         await self._server.wait_closed()

@@ -7,7 +7,6 @@ connection's two addresses (``transport.get_extra_info``) and a bounded body rea
 """
 
 import asyncio
-import json
 import logging
 import re
 import resource
@@ -16,12 +15,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from gepool.common import errors
 from gepool.http import limits
 from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_JSON = [("content-type", "application/json; charset=utf-8")]
 _CLOSE = ("connection", "close")
 MAX_CONNECTIONS = 1 << 20
 # hyper's read buffer per connection, which a request's headers must fit (431 above it; one read may
@@ -259,21 +258,27 @@ class App:
     async def __rsgi__(self, scope, proto) -> None:
         if scope.proto != "http":
             return
-        method = scope.method
-        handler, match_info, status = self.router.resolve(method, scope.path)
-        if handler is None:
-            reason = "Not Found" if status == 404 else "Method Not Allowed"
-            proto.response_bytes(status, _JSON, f'{{"error":"{reason}"}}'.encode())
-            return
-        try:
-            response = await handler(Request(scope, proto, match_info, self.deadlines))
-            _answer(proto, response)
-        except web.HTTPException as exc:  # the sidecar's routes answer these themselves; another app may not
-            proto.response_bytes(exc.status, _JSON, json.dumps({"error": exc.reason}).encode())
-        except Exception:  # the handlers answer their own errors: this is a bug, and the server lives on
-            log.exception("internal error on %s %s", method, scope.path)
-            proto.response_bytes(500, _JSON + [_CLOSE], b'{"error":"internal error (the sidecar\'s log has '
-                                                        b'the details)"}')
+        _answer(proto, await respond(self.router, scope.method, scope.path,
+                                     lambda match_info: Request(scope, proto, match_info, self.deadlines)))
+
+
+async def respond(router: Router, method: str, path: str,
+                  request_for: Callable[[dict[str, str]], object]) -> web.StreamResponse:
+    """What a request is answered, on granian and on ``native``: its route's handler's response, given the
+    request ``request_for(match_info)`` makes, or an error in JSON: 404 or 405 without a route, an
+    HTTPException's status, or 500 for a bug (logged; the connection then closes)."""
+    handler, match_info, status = router.resolve(method, path)
+    if handler is None:
+        return web.json_response({"error": "Not Found" if status == 404 else "Method Not Allowed"}, status=status)
+    try:
+        return await handler(request_for(match_info))
+    except web.HTTPException as exc:  # the sidecar's routes answer these themselves; another app may not
+        return web.json_response({"error": exc.reason}, status=exc.status)
+    except Exception:  # the handlers answer their own errors: this is a bug, and the server lives on
+        log.exception("internal error on %s %s", method, path)
+        response = web.json_response({"error": errors.INTERNAL_MESSAGE}, status=500)
+        response.force_close()
+        return response
 
 
 def connection_limit() -> int:
