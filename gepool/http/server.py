@@ -429,17 +429,15 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None
-    if http_port and http_server == "granian":
+    if http_port and http_server != "aiohttp":  # the KServe port on granian or httptools, routed by rsgi.Router
         router = rsgi.Router()
         add_routes(gw, router)
-        listener = rsgi.Listener(rsgi.App(router), host, http_port, body_timeout)
-        await listener.start()
-    elif http_port and http_server == "httptools":
-        from gepool.http import native
+        if http_server == "granian":
+            listener = rsgi.Listener(rsgi.App(router), host, http_port, body_timeout)
+        else:
+            from gepool.http import native
 
-        router = rsgi.Router()
-        add_routes(gw, router)
-        listener = native.Listener(router, host, http_port, body_timeout, max_body)
+            listener = native.Listener(router, host, http_port, body_timeout, max_body)
         await listener.start()
     for port, app in ((0 if listener else http_port, http_app(gw)), (metrics_port, None)):
         if not port:
