@@ -1,7 +1,8 @@
 """gepool's KServe v2 gRPC and HTTP endpoints against PyTriton's, with perf_analyzer (benchmarks/README.md).
 
     python benchmarks/grpc_bench.py [--seconds S] [--peer pytriton|none] [--triton-grpc HOST:PORT]
-        [--models tiny,mlp] [--levels 1,8,64] [--compare-io | --compare-sync [--sync-threads N]] [--rounds N]
+        [--models tiny,mlp] [--levels 1,8,64] [--grpc-server native|grpcio]
+        [--compare-servers | --compare-io | --compare-sync [--sync-threads N]] [--rounds N]
 
 Runs ``perf_analyzer -i grpc`` (unary and ``--streaming``) and ``-i http`` against one pool at
 concurrency 1, 8 and 64 on tiny and mlp, and the same commands against PyTriton (Triton's own fronts,
@@ -14,6 +15,8 @@ names. perf_analyzer comes from the tritonclient 2.40.0 wheel (see .ci/run).
 Every gepool cell also gets the sidecar's CPU per request (utime+stime from /proc over the requests
 the pool counted in the same window) and its context switches per request (every thread's, from
 /proc/PID/task/*/status): a thread hand-off costs one of each, and on a busy host a wait for a core.
+``--compare-servers`` alternates, round by round (the order swapped each round), two pools that differ
+only in what serves their gRPC port: gepool's native server and grpc.aio (``--grpc-server``).
 ``--compare-io`` alternates, round by round, two pools that differ only in grpcio's socket I/O: on
 grpcio's EventEngine threads (its default, "engine") or on the thread that polls the completion queue
 (GRPC_EXPERIMENTS turning the EventEngine listener and endpoints off, "poller"). ``--compare-sync``
@@ -165,6 +168,33 @@ def gepool_runs(pool, model: str, conc: int, pa, http: bool = True, tag: str = "
     return runs
 
 
+def compare_servers(repo: str, args, pa) -> None:
+    """Rounds alternating a pool whose gRPC port is served by the native server with one served by grpc.aio,
+    the same levels on each; HTTP on the native one's pool, as the bar both should reach."""
+    from gepool import Pool
+
+    rows: dict[tuple, dict] = {}
+    kinds = ("native", "grpcio")
+    for rnd in range(args.rounds):
+        for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
+            with Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads,
+                      grpc_server=kind) as pool:
+                check_answers(f"127.0.0.1:{pool.grpc_port}", repo)
+                for model in args.models:
+                    for conc in args.levels:
+                        runs = gepool_runs(pool, model, conc, pa, http=kind == "native", tag=kind)
+                        rows.setdefault((model, conc), {}).update({f"{k}#{rnd}": v for k, v in runs.items()})
+    print(f"\n{args.rounds} round(s) alternating; {args.threads} onnxruntime thread(s); window {args.seconds:g} s")
+    for rnd in range(args.rounds):
+        print(f"\nround {rnd}")
+        cells = [(m, c, {k.split("#")[0]: v for k, v in runs.items() if k.endswith(f"#{rnd}")})
+                 for (m, c), runs in rows.items()]
+        table(cells)
+        ratios(cells, "native-grpc", "grpcio-grpc")
+        ratios(cells, "native-stream", "grpcio-stream")
+        ratios(cells, "native-grpc", "native-http")
+
+
 def compare_io(repo: str, args, pa) -> None:
     """Rounds alternating a pool whose gRPC socket I/O runs on grpcio's EventEngine threads (its default)
     with one whose I/O runs on the completion-queue thread, the same levels on each."""
@@ -177,7 +207,8 @@ def compare_io(repo: str, args, pa) -> None:
             if experiments is not None:
                 os.environ["GRPC_EXPERIMENTS"] = experiments  # the sidecar inherits it
             try:
-                pool = Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads)
+                pool = Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads,
+                            grpc_server="grpcio")
                 pool.start()
             finally:
                 if experiments is not None:
@@ -205,7 +236,8 @@ def compare_sync(repo: str, args, pa) -> None:
     from gepool import Pool
 
     rows: dict[tuple, dict] = {}
-    with Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads) as pool:
+    with Pool(repo, http_port=peers.free_port(), grpc_port=peers.free_port(), cpu_threads=args.threads,
+              grpc_server="grpcio") as pool:
         port = peers.free_port()
         proto = subprocess.Popen([sys.executable, os.path.join(HERE, "grpc_sync_proto.py"), "--endpoint",
                                   pool.endpoint, "--port", str(port), "--threads", str(args.sync_threads)],
@@ -252,6 +284,10 @@ def main() -> None:
     parser.add_argument("--triton-grpc", help="HOST:PORT of a Triton gRPC endpoint serving tiny and mlp")
     parser.add_argument("--models", type=lambda t: t.split(","), default=list(MODELS))
     parser.add_argument("--levels", type=lambda t: [int(c) for c in t.split(",")], default=list(CONCURRENCY))
+    parser.add_argument("--grpc-server", choices=("native", "grpcio"), default=None,
+                        help="what serves the pool's gRPC port (default: the pool's default)")
+    parser.add_argument("--compare-servers", action="store_true",
+                        help="rounds alternating pools on the native gRPC server and on grpc.aio")
     parser.add_argument("--compare-io", action="store_true",
                         help="gepool only: alternate gRPC socket I/O on grpcio's EventEngine threads (its "
                              "default) and on the completion-queue thread, --rounds times")
@@ -269,9 +305,10 @@ def main() -> None:
     def pa(model: str, url: str, protocol: str, conc: int, **kw) -> dict | None:
         return perf_analyzer(model, url, protocol, conc, args.seconds, stability=args.stability, **kw)
 
-    if args.compare_io or args.compare_sync:
+    if args.compare_servers or args.compare_io or args.compare_sync:
         try:
-            (compare_io if args.compare_io else compare_sync)(repo, args, pa)
+            (compare_servers if args.compare_servers else compare_io if args.compare_io else compare_sync)(
+                repo, args, pa)
         finally:
             shutil.rmtree(repo, ignore_errors=True)
         return
@@ -284,7 +321,8 @@ def main() -> None:
     http_port, grpc_port = peers.free_port(), peers.free_port()
     rows = []
     try:
-        with Pool(repo, http_port=http_port, grpc_port=grpc_port, cpu_threads=args.threads) as pool:
+        with Pool(repo, http_port=http_port, grpc_port=grpc_port, cpu_threads=args.threads,
+                  **({"grpc_server": args.grpc_server} if args.grpc_server else {})) as pool:
             check_answers(f"127.0.0.1:{grpc_port}", repo)
             if peer is not None:
                 check_answers(f"127.0.0.1:{peer[1]}", repo)

@@ -5,7 +5,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
-from gepool.http.servers import DEFAULT_HTTP_SERVER
+from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_SERVERS
 from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint
 from gepool.scheduler.options import MODEL_LOAD_TIMEOUT_S, FrontOptions
@@ -39,6 +39,7 @@ class PoolOptions:
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
     http_server: str = DEFAULT_HTTP_SERVER  # what serves http_port (gepool/http/servers.py)
+    grpc_server: str = DEFAULT_GRPC_SERVER  # what serves grpc_port (gepool/http/servers.py)
     strict_readiness: bool = True  # False: /v2/health/ready is ready while any model is unavailable
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: a RAM share
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a model still loading after this is UNAVAILABLE
@@ -74,6 +75,8 @@ class PoolOptions:
         refusal = servers.refusal(self.http_server) if self.http_port else None
         if refusal:
             raise ValueError(f"http_server: {refusal}")
+        if self.grpc_server not in GRPC_SERVERS:
+            raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, not '{self.grpc_server}'")
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

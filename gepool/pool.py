@@ -98,7 +98,8 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
             "--log-level", logging.getLevelName(options.log_level),
             "--strict-readiness", "true" if options.strict_readiness else "false",
             *(["--curve-key", options.curve_secret_key] if options.curve_secret_key else []),
-            "--http-max-body-bytes", str(max_body), "--http-server", options.http_server, "--front-ready",
+            "--http-max-body-bytes", str(max_body), "--http-server", options.http_server,
+            "--grpc-server", options.grpc_server, "--front-ready",
             *(f"--http-restricted-api={group}" for group in options.http_restricted_api)]
 
 

@@ -1,5 +1,6 @@
 """Triton's KServe v2 gRPC service in the gateway, with real clients: tritonclient.grpc (sync, asyncio,
-streaming), raw gRPC calls for hostile input, grpc.health.v1, reflection, perf_analyzer -i grpc."""
+streaming), raw gRPC calls for hostile input, grpc.health.v1, reflection, perf_analyzer -i grpc; each on
+both gRPC servers (the native one and grpc.aio)."""
 
 import asyncio
 import os
@@ -20,6 +21,7 @@ from google.protobuf import descriptor_pb2
 from gepool import Pool
 from gepool.common import errors
 from gepool.grpc import health_pb2, health_pb2_grpc, reflection_pb2
+from gepool.http.servers import GRPC_SERVERS
 from tests import repo as test_repo
 from tests.conftest import free_port, wait_until
 
@@ -58,15 +60,15 @@ def make_mixed(repo: str) -> None:
     """)
 
 
-@pytest.fixture(scope="module")
-def gpool(tmp_path_factory):
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def gpool(tmp_path_factory, request):
     repo = str(tmp_path_factory.mktemp("grpc-models"))
     test_repo.make_models.make_tiny(repo)
     test_repo.make_models.make_mlp(repo, (64, 256, 10))
     test_repo.bytes_model(repo)
     make_mixed(repo)
     with Pool(repo, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(),
-              http_max_body_bytes=MAX_BODY) as pool:
+              http_max_body_bytes=MAX_BODY, grpc_server=request.param) as pool:
         pool.repo = repo
         pool.url = f"127.0.0.1:{pool.grpc_port}"
         yield pool
@@ -138,6 +140,16 @@ def test_infer_raw_contents_matches_onnxruntime(gpool, triton):
     np.testing.assert_allclose(result.as_numpy("LOGITS"), want, rtol=1e-5, atol=1e-5)
     response = result.get_response()
     assert response.id == "r7" and response.model_version == "1" and response.model_name == "mlp"
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_a_client_timeout(gpool, triton, algorithm):
+    x = RNG.standard_normal((2, 64)).astype(np.float32)
+    inp = grpcclient.InferInput("INPUT", [2, 64], "FP32")
+    inp.set_data_from_numpy(x)
+    result = triton.infer("mlp", [inp], compression_algorithm=algorithm, client_timeout=30)
+    np.testing.assert_allclose(result.as_numpy("LOGITS"), direct(gpool.repo, "mlp", {"INPUT": x})[0],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_fp16_and_int32_inputs_and_typed_contents(gpool, triton, channel):
@@ -486,12 +498,13 @@ def test_a_bad_request_parameter_gets_the_same_message_over_http_and_grpc(gpool,
         np.testing.assert_allclose(out, direct(gpool.repo, "tiny", {"INPUT0": x})[0].ravel(), rtol=1e-6)
 
 
-def test_health_is_not_serving_while_the_pool_drains(tmp_path):
+@pytest.mark.parametrize("grpc_server", GRPC_SERVERS)
+def test_health_is_not_serving_while_the_pool_drains(tmp_path, grpc_server):
     """SIGTERM with a grace period longer than the test: NOT_SERVING while the pool still serves, then
     SIGINT drains it at once and it exits cleanly."""
     repo = str(tmp_path)
     test_repo.make_models.make_tiny(repo)
-    pool = Pool(repo, grpc_port=free_port(), exit_grace_s=30).start()
+    pool = Pool(repo, grpc_port=free_port(), exit_grace_s=30, grpc_server=grpc_server).start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{pool.grpc_port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
@@ -513,14 +526,15 @@ def test_health_is_not_serving_while_the_pool_drains(tmp_path):
         pool.stop()
 
 
-def test_a_grpc_port_in_use_fails_the_start_naming_it(tmp_path):
+@pytest.mark.parametrize("grpc_server", GRPC_SERVERS)
+def test_a_grpc_port_in_use_fails_the_start_naming_it(tmp_path, grpc_server):
     """Held by a plain listener, or by another gRPC server (grpcio sets SO_REUSEPORT by default, so without
     turning it off the pool would share the port and answer half of that server's calls)."""
     repo = str(tmp_path)
     test_repo.make_models.make_tiny(repo)
 
     def start_fails(port: int) -> None:
-        pool = Pool(repo, grpc_port=port)
+        pool = Pool(repo, grpc_port=port, grpc_server=grpc_server)
         try:
             with pytest.raises(errors.Unavailable, match=f"gRPC on 127.0.0.1:{port}"):
                 pool.start()

@@ -7,7 +7,7 @@ import sys
 
 from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, verbosity
 from gepool.http.access import API_NAMES
-from gepool.http.servers import DEFAULT_HTTP_SERVER, HTTP_SERVERS
+from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_HELP, GRPC_SERVERS, HTTP_SERVERS
 from gepool.http.servers import HELP as HTTP_SERVER_HELP
 from gepool.options import DEFAULT, MODEL_CONTROL_MODES, OPTION_NAMES, PoolOptions
 
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve Triton's KServe v2 gRPC protocol (default true)")
     p.add_argument("--grpc-port", type=int, default=8001,
                    help="KServe v2 gRPC port (default 8001; 0: off); binds --http-host")
+    p.add_argument("--grpc-server", choices=GRPC_SERVERS, default=DEFAULT_GRPC_SERVER, help=GRPC_HELP)
     p.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL",
                    help="serve Prometheus metrics (default true)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002; 0: off)")

@@ -70,7 +70,7 @@ class Reflection:
                 continue
             yield self.answer(request)
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
-        method = grpc.stream_stream_rpc_method_handler(self.info, request_deserializer=None,
-                                                       response_serializer=pb.ServerReflectionResponse.SerializeToString)
-        return [grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": method}) for name in SERVICE_NAMES]
+    def methods(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The service's one method, for each of SERVICE_NAMES."""
+        return {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            self.info, request_deserializer=None, response_serializer=pb.ServerReflectionResponse.SerializeToString)}

@@ -1,7 +1,7 @@
 """The gateway's gRPC server: Triton's inference service, gRPC health and reflection, on the gateway's loop.
 
-One ``grpc.aio`` server shares the gateway's event loop, its client of the front, its shared-memory
-regions and its size limit (``grpc.max_receive_message_length`` is the HTTP body limit).
+The server (``native.py`` by default, or ``grpc.aio``) shares the gateway's event loop, its client of the
+front, its shared-memory regions and its size limit (the HTTP body limit bounds a request message).
 """
 
 import asyncio
@@ -13,8 +13,10 @@ import grpc
 from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import health_pb2, health_pb2_grpc
+from gepool.grpc.reflection import SERVICE_NAMES as REFLECTION_SERVICES
 from gepool.grpc.reflection import Reflection
 from gepool.grpc.service import SERVICE, InferenceService, parse_message, status_of
+from gepool.http.servers import DEFAULT_GRPC_SERVER
 
 log = logging.getLogger("gepool.grpc")
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -152,17 +154,36 @@ def _address(host: str, port: int) -> str:
         return f"{host}:{port}"
 
 
-async def start(gw, host: str, port: int) -> grpc.aio.Server:
+def methods(gw, host: str, port: int) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+    """Every RPC the port serves, by service and method name."""
+    service = InferenceService(gw, host, port)
+    table = {SERVICE: inference_methods(service), HEALTH_SERVICE: health_methods(Health(service))}
+    reflection = Reflection([SERVICE, HEALTH_SERVICE])
+    for name in REFLECTION_SERVICES:
+        table[name] = reflection.methods()
+    return table
+
+
+async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER):
     """Listens on host:port (refusing a port another process holds) and serves until ``stop``."""
+    table = methods(gw, host, port)
+    if kind == "native":
+        from gepool.grpc import native
+
+        listener = native.Listener({f"/{service}/{name}": h for service, handlers in table.items()
+                                    for name, h in handlers.items()}, host, port, gw.max_body)
+        try:
+            await listener.start()
+        except OSError as exc:
+            raise errors.Unavailable(f"cannot listen for gRPC on {_address(host, port)}: {exc}") from None
+        return listener
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", gw.max_body),
         ("grpc.max_send_message_length", -1),  # outputs are bounded by the pool's slots
         ("grpc.so_reuseport", 0),  # else a second server binds the same port and steals half the calls
     ])
-    service = InferenceService(gw, host, port)
-    server.add_registered_method_handlers(SERVICE, inference_methods(service))
-    server.add_registered_method_handlers(HEALTH_SERVICE, health_methods(Health(service)))
-    server.add_generic_rpc_handlers(Reflection([SERVICE, HEALTH_SERVICE]).handlers())
+    for service, handlers in table.items():
+        server.add_registered_method_handlers(service, handlers)
     try:
         bound = server.add_insecure_port(_address(host, port))
     except RuntimeError as exc:
@@ -173,5 +194,8 @@ async def start(gw, host: str, port: int) -> grpc.aio.Server:
     return server
 
 
-async def stop(server: grpc.aio.Server) -> None:
-    await server.stop(STOP_GRACE_S)
+async def stop(server) -> None:
+    if isinstance(server, grpc.aio.Server):
+        await server.stop(STOP_GRACE_S)
+    else:
+        await server.stop()

@@ -7,7 +7,7 @@ are written against aiohttp's request and response; /metrics is always aiohttp's
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
         [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
-        [--http-server httptools|aiohttp|granian]
+        [--http-server httptools|aiohttp|granian] [--grpc-server native|grpcio]
 
 What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
 """
@@ -425,7 +425,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 curve_key: str | None = None, restrictions: Restrictions | None = None,
                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
                 strict_readiness: bool = True, grpc_port: int = 0, front_ready: bool = False,
-                http_server: str = servers.DEFAULT_HTTP_SERVER) -> None:
+                http_server: str = servers.DEFAULT_HTTP_SERVER,
+                grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER) -> None:
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None
@@ -455,7 +456,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     if grpc_port:
         from gepool.grpc import server as grpc_server
 
-        grpc_listener = await grpc_server.start(gw, host, grpc_port)
+        grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind)
     gc_policy.settle()
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
@@ -508,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
     p.add_argument("--http-server", choices=servers.HTTP_SERVERS, default=servers.DEFAULT_HTTP_SERVER,
                    help=servers.HELP)
+    p.add_argument("--grpc-server", choices=servers.GRPC_SERVERS, default=servers.DEFAULT_GRPC_SERVER,
+                   help=servers.GRPC_HELP)
     p.add_argument("--front-ready", action="store_true",
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
@@ -530,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
-                      args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server))
+                      args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server,
+                      args.grpc_server))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Which HTTP server may serve the sidecar's KServe port, and whether this host has it installed."""
+"""Which servers may serve the sidecar's KServe ports (HTTP, gRPC), and whether this host has them installed."""
 
 import importlib.util
 
@@ -8,6 +8,12 @@ GRANIAN_REQUIREMENT = "granian>=2.5,<3"
 HELP = (f"what serves the KServe HTTP port: httptools (HTTP parsed in C by httptools, on a bare asyncio "
         f"protocol), aiohttp, or granian (HTTP parsed in Rust; the package granian, gepool[granian]); default "
         f"{DEFAULT_HTTP_SERVER}; /metrics is served by aiohttp in every case")
+
+
+GRPC_SERVERS = ("native", "grpcio")
+DEFAULT_GRPC_SERVER = "native"
+GRPC_HELP = ("what serves the gRPC port: native (HTTP/2 and gRPC on the sidecar's asyncio loop, no threads) or "
+             f"grpcio (grpc.aio); default {DEFAULT_GRPC_SERVER}")
 
 
 def refusal(name: str) -> str | None:
