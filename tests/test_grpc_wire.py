@@ -40,6 +40,9 @@ class Methods:
             raise
         return b"released"
 
+    async def blob(self, request: bytes, context) -> bytes:
+        return bytes(int(request))
+
     async def boom(self, request: bytes, context) -> bytes:
         raise RuntimeError("a secret path /etc/shadow")
 
@@ -64,6 +67,7 @@ class Methods:
         return {"/t.S/Echo": grpc.unary_unary_rpc_method_handler(self.echo),
                 "/t.S/Slow": grpc.unary_unary_rpc_method_handler(self.slow),
                 "/t.S/Boom": grpc.unary_unary_rpc_method_handler(self.boom),
+                "/t.S/Blob": grpc.unary_unary_rpc_method_handler(self.blob),
                 "/t.S/Chat": grpc.stream_stream_rpc_method_handler(self.chat),
                 "/t.S/Total": grpc.stream_unary_rpc_method_handler(self.total),
                 "/t.S/Count": grpc.unary_stream_rpc_method_handler(self.count),
@@ -90,9 +94,17 @@ class Served:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def held(self) -> int:
-        async def total() -> int:
-            return sum(c.held for c in self.listener.connections)
-        return self.call(total())
+        """Bytes of requests the connections hold; never below 0, whatever was refused."""
+        async def total() -> list[int]:
+            return [c.held for c in self.listener.connections]
+        held = self.call(total())
+        assert all(h >= 0 for h in held), held
+        return sum(held)
+
+    def connections(self, *names: str) -> list[tuple]:
+        async def read() -> list[tuple]:
+            return [tuple(getattr(c, n) for n in names) for c in self.listener.connections]
+        return self.call(read())
 
     def echo_works(self) -> bool:
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
@@ -174,12 +186,15 @@ class Raw:
                 return int.from_bytes(f[3][4:8], "big"), f[3][8:].decode()
 
     def closed(self) -> bool:
+        """Whether the server closes the connection (a reset, when it closed with our bytes unread)."""
         try:
             while self.frame() is not None:
                 pass
-            return True
-        except (ConnectionResetError, TimeoutError):
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
             return False
+        return True
 
     def close(self) -> None:
         self.sock.close()
@@ -234,6 +249,11 @@ def test_compressed_requests_are_inflated_within_the_limit(served):
     raw.send(raw.headers(3, extra=(("grpc-encoding", "gzip"),)), raw.data(3, b"not gzip", compressed=1))
     status, text, _ = raw.result(3)
     assert status == INTERNAL and "cannot be decompressed" in text
+    whole = gzip.compress(b"abc" * 1000)
+    for sid, cut, why in ((5, whole[:-9], "ends inside its stream"), (7, whole + b"more", "data after the end")):
+        raw.send(raw.headers(sid, extra=(("grpc-encoding", "gzip"),)), raw.data(sid, cut, compressed=1))
+        status, text, _ = raw.result(sid)
+        assert status == INTERNAL and why in text, (status, text)
     raw.close()
 
 
@@ -273,8 +293,8 @@ def test_a_refused_call_gets_its_status_and_the_connection_serves_on(served, cas
     assert "Traceback" not in message and "shadow" not in message
     raw.send(raw.headers(3), raw.data(3, b"next"))
     assert raw.result(3) == (OK, "", [b"next"])
+    assert served.held() == 0
     raw.close()
-    assert wait_until(lambda: served.held() == 0, 10)
 
 
 def test_more_calls_than_max_streams_are_refused_and_the_rest_run(served):
@@ -289,6 +309,65 @@ def test_more_calls_than_max_streams_are_refused_and_the_rest_run(served):
     served.loop.call_soon_threadsafe(served.methods.release.set)
     assert raw.result(1) == (OK, "", [b"released"])
     raw.close()
+
+
+def test_a_second_call_on_a_finished_stream_is_reset_not_left_waiting(served):
+    raw = Raw(served.port)
+    raw.send(raw.headers(1), raw.data(1, b"first"))
+    assert raw.result(1) == (OK, "", [b"first"])
+    raw.send(raw.headers(1), raw.data(1, b"again"))
+    assert raw.result(1)[0] == f"RST {native.STREAM_CLOSED}"
+    raw.send(raw.headers(3), raw.data(3, b"next"))
+    assert raw.result(3) == (OK, "", [b"next"])
+    raw.close()
+
+
+def test_a_client_that_does_not_read_its_refusals_stops_being_read(served):
+    """Each small request is refused with a longer answer (its path named): once the transport's buffer is
+    full, the server stops parsing, so what it holds to write stays bounded however much is sent."""
+    raw = Raw(served.port)
+    path = "/\xff" + "\xff" * 1000  # indexed by the client after the first call: a 12-byte request each
+    first = raw.headers(1, path=path, end=True)
+    raw.send(first + b"".join(raw.headers(2 * i + 1, path=path, end=True) for i in range(1, 20000)))
+    assert wait_until(lambda: any(paused for paused, in served.connections("paused")), 15)
+    for transport, pending in served.connections("transport", "pending"):
+        assert served.call(_buffered(transport)) + pending <= 4 * native.MAX_PENDING_WRITE
+    raw.close()
+
+
+async def _buffered(transport) -> int:
+    return transport.get_write_buffer_size()
+
+
+def test_answers_the_client_does_not_read_are_bounded_then_reset(monkeypatch):
+    """The client never opens its window: answers past the connection's bound are refused RESOURCE_EXHAUSTED
+    at once, and those held are reset once they have waited STALL_TIMEOUT_S."""
+    monkeypatch.setattr(native, "STALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(native, "SWEEP_S", 0.1)
+    served = Served()
+    try:
+        raw = Raw(served.port)
+        size = MAX_BODY - 100
+        calls = 8
+        raw.send(*(raw.headers(2 * i + 1, path="/t.S/Blob") + raw.data(2 * i + 1, str(size).encode())
+                   for i in range(calls)))
+        outcomes = {}
+        while len(outcomes) < calls:
+            kind, flags, sid, payload = raw.frame()
+            if kind == native.HEADERS:
+                fields = dict(raw.dec.decode(payload))
+                if "grpc-status" in fields:
+                    outcomes[sid] = (fields["grpc-status"], fields.get("grpc-message", ""))
+            elif kind == native.RST_STREAM:
+                outcomes[sid] = ("RST", int.from_bytes(payload, "big"))
+        refused = [o for o in outcomes.values() if o[0] == str(RESOURCE_EXHAUSTED)]
+        reset = [o for o in outcomes.values() if o == ("RST", native.CANCEL)]
+        assert refused and reset and len(refused) + len(reset) == calls, outcomes
+        assert "waiting for its client to read them" in refused[0][1]
+        assert served.connections("unsent") == [(0,)]
+        raw.close()
+    finally:
+        served.close()
 
 
 def test_a_connection_holding_too_many_bytes_of_requests_is_refused_more(served):
@@ -334,6 +413,12 @@ def _big_block(raw: Raw) -> bytes:
         + native.frame(native.CONTINUATION, native.END_HEADERS, 1, block[60000:])
 
 
+def _made_you_reset(raw: Raw) -> bytes:
+    """DATA after END_STREAM: the server resets each stream itself (CVE-2025-8671's pattern)."""
+    return b"".join(raw.headers(2 * i + 1) + raw.data(2 * i + 1, b"x") + raw.data(2 * i + 1, b"y")
+                    for i in range(native.MAX_CONTROL_FRAMES + 1))
+
+
 def _rapid_reset(raw: Raw) -> bytes:
     return b"".join(raw.headers(2 * i + 1) + native.frame(native.RST_STREAM, 0, 2 * i + 1, bytes(4))
                     for i in range(native.MAX_CONTROL_FRAMES + 1))
@@ -357,6 +442,13 @@ CONNECTION_ERRORS = {  # what is sent (made with the connection's own encoder), 
     "a PING flood": (lambda raw: native.frame(native.PING, 0, 0, bytes(8)) * (native.MAX_CONTROL_FRAMES + 1),
                      native.ENHANCE_YOUR_CALM),
     "a rapid reset flood": (_rapid_reset, native.ENHANCE_YOUR_CALM),
+    "a made-you-reset flood": (_made_you_reset, native.ENHANCE_YOUR_CALM),
+    "a PRIORITY flood": (lambda raw: native.frame(native.PRIORITY, 0, 1, bytes(5)) * (native.MAX_CONTROL_FRAMES + 1),
+                         native.ENHANCE_YOUR_CALM),
+    "an unknown frame flood": (lambda raw: native.frame(0x20, 0, 0, b"?") * (native.MAX_CONTROL_FRAMES + 1),
+                               native.ENHANCE_YOUR_CALM),
+    "an empty padded DATA flood": (lambda raw: raw.headers(1) + native.frame(native.DATA, native.PADDED, 1, b"\x00")
+                                   * (native.MAX_CONTROL_FRAMES + 1), native.ENHANCE_YOUR_CALM),
 }
 
 
@@ -395,8 +487,16 @@ def test_slow_requests_and_silent_connections_time_out(monkeypatch):
     monkeypatch.setattr(native, "BODY_TIMEOUT_S", 0.5)
     monkeypatch.setattr(native, "PREFACE_TIMEOUT_S", 0.5)
     monkeypatch.setattr(native, "SWEEP_S", 0.1)
+    monkeypatch.setattr(native, "IDLE_TIMEOUT_S", 1.0)
     served = Served()
     try:
+        idle = Raw(served.port)
+        assert idle.goaway() == (native.NO_ERROR, "no call for 1 s") and idle.closed()
+        idle.close()
+        unfinished = Raw(served.port)
+        unfinished.send(native.frame(native.HEADERS, 0, 1, b"\x83"))
+        assert unfinished.goaway()[0] == native.PROTOCOL_ERROR and unfinished.closed()
+        unfinished.close()
         silent = Raw(served.port, preface=False)
         raw = Raw(served.port)
         raw.send(raw.headers(1), raw.data(1, b"part", end=False, declared=10))

@@ -43,10 +43,16 @@ STREAM_WINDOW = 1 << 20  # what a stream may send ahead of being read
 CONNECTION_WINDOW = 16 << 20  # ... and all of a connection's streams
 QUEUED_BYTES = 1 << 20  # whole messages a streaming call holds unread before its window stops opening
 PREFACE_TIMEOUT_S = 10.0  # the client preface and its SETTINGS must come within this
-MAX_CONTROL_FRAMES = 2000  # PING, SETTINGS, RST_STREAM and empty DATA frames a connection may send per sweep
+MAX_CONTROL_FRAMES = 2000  # frames carrying no call or request bytes a connection may cause per sweep
+CALL_CREDIT = 2  # ... and per request message in that time, for the client's WINDOW_UPDATEs about its answer
 SWEEP_S = 1.0
+IDLE_TIMEOUT_S = 300.0  # a connection with no call this long is sent GOAWAY (grpc's max_connection_idle)
+STALL_TIMEOUT_S = 30.0  # an answer the client's window has let nothing of through this long is reset
+MAX_PENDING_WRITE = 64 << 10  # frames gathered before they are handed to the transport (which may then pause us)
+MAX_INDEXED_BLOCK = 128  # longer all-indexed header blocks go through the decoder, which bounds the list's size
 STOP_GRACE_S = 5.0  # calls in flight when the gateway stops get this long to finish
-MAX_MESSAGE_TEXT = 4096  # the longest grpc-message sent, so that a trailers frame always fits one frame
+MAX_MESSAGE_TEXT = 1024  # the longest grpc-message sent (before percent-encoding): a trailers frame fits one frame
+MAX_ECHO = 200  # the most of a client's own text (a path, a header) repeated in an answer
 
 _HEADER = struct.Struct(">BHBBL")  # length (24 bits, split), type, flags, stream id
 _SETTING = struct.Struct(">HL")
@@ -101,6 +107,14 @@ def _percent(text: str) -> bytes:
 def _status_block(code: grpc.StatusCode, details: str) -> bytes:
     block = _literal(b"grpc-status", str(code.value[0]).encode())
     return block + _literal(b"grpc-message", _percent(details)) if details else block
+
+
+def _echo(value: bytes | None) -> str:
+    """A client's header value, as an answer may name it: ASCII-escaped, and cut short."""
+    if value is None:
+        return "none"
+    text = value[:MAX_ECHO].decode("ascii", "backslashreplace")
+    return f"'{text}...'" if len(value) > MAX_ECHO else f"'{text}'"
 
 
 def _read_head(fields: list[tuple[bytes, bytes]]) -> tuple:
@@ -177,7 +191,7 @@ class Stream:
 
     __slots__ = ("conn", "sid", "handler", "serialize", "encoding", "deadline", "opened", "buf", "messages",
                  "inbox", "queued", "unacked", "remote_ended", "task", "send_window", "out", "out_bytes",
-                 "drained", "head_sent", "done", "error")
+                 "drained", "head_sent", "ending", "done", "error", "stalled_since")
 
     def __init__(self, conn: Connection, sid: int, now: float) -> None:
         self.conn, self.sid, self.opened = conn, sid, now
@@ -197,6 +211,8 @@ class Stream:
         self.out_bytes = 0
         self.drained: asyncio.Future | None = None
         self.head_sent = False
+        self.ending = False  # its trailers are written or queued
+        self.stalled_since = 0.0  # when its queued answer last found no window (0: not stalled)
         self.done = False  # its answer has ended (or it was reset)
         self.error: tuple[grpc.StatusCode, str] | None = None  # a refusal found while its request arrived
 
@@ -228,6 +244,11 @@ class Connection(asyncio.Protocol):
         self.continuing: tuple[int, int, bytearray] | None = None  # (stream id, flags, block) until END_HEADERS
         self.writes: list[bytes] = []  # frames to send, joined into one write at the end of this loop iteration
         self._writing = False
+        self.pending = 0  # bytes in writes
+        self.unsent = 0  # bytes of answers waiting for the client's window, on every stream
+        self.running = 0  # calls whose task has not finished (a reset call's task still counts until it ends)
+        self.last_active = 0.0  # when a call last ended or opened
+        self.block_started = 0.0  # when the header block in continuing began
         self.paused = False
         self.closing = False
         self.draining = False  # GOAWAY sent or received: no new calls, closed once its calls end
@@ -236,7 +257,7 @@ class Connection(asyncio.Protocol):
     # -- asyncio --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        self.opened_at = self.loop.time()
+        self.opened_at = self.last_active = self.loop.time()
         addr = transport.get_extra_info("peername")
         if isinstance(addr, tuple) and len(addr) == 4:
             self.peer = f"ipv6:[{addr[0]}]:{addr[1]}"
@@ -267,6 +288,8 @@ class Connection(asyncio.Protocol):
         if not self.closing:
             self.transport.resume_reading()
             self._flush_blocked()
+            if self.buf:
+                self.data_received(b"")  # frames read before the pause, not yet parsed
 
     def eof_received(self) -> bool | None:
         return None  # a half-closed HTTP/2 connection is over: close it
@@ -280,6 +303,9 @@ class Connection(asyncio.Protocol):
             self.goaway(exc.code, exc.text)
         except HPACKError as exc:
             self.goaway(COMPRESSION_ERROR, f"malformed header block: {exc}")
+        except Exception:
+            log.exception("internal error reading a gRPC connection from %s", self.peer)
+            self.goaway(INTERNAL_ERROR, "internal error")
         self._send_writes()
 
     # -- receiving --------------------------------------------------------------------------------
@@ -298,7 +324,8 @@ class Connection(asyncio.Protocol):
         n = len(buf)
         view = memoryview(buf)
         payload = None
-        while n - pos >= 9 and not self.closing:
+        # parsing stops while the client does not read what it has caused us to write (resume_writing goes on)
+        while n - pos >= 9 and not self.closing and not self.paused:
             hi, lo, kind, flags, sid = _HEADER.unpack_from(buf, pos)
             length = hi << 16 | lo
             if length > MAX_FRAME_SIZE:
@@ -319,6 +346,8 @@ class Connection(asyncio.Protocol):
             if kind != SETTINGS or flags & ACK:
                 raise ConnectionError_(PROTOCOL_ERROR, "the client preface must end with a SETTINGS frame")
             self.settings_seen = True
+        if kind != DATA and kind != HEADERS:  # each of these costs us work and carries no request
+            self._count_control()
         if self.continuing is not None:
             if kind != CONTINUATION or sid != self.continuing[0]:
                 raise ConnectionError_(PROTOCOL_ERROR, "a header block was interrupted by another frame")
@@ -345,13 +374,11 @@ class Connection(asyncio.Protocol):
             if len(payload) != 8:
                 raise ConnectionError_(FRAME_SIZE_ERROR, "a PING frame must hold 8 bytes")
             if not flags & ACK:
-                self._count_control()
                 self._write(frame(PING, ACK, 0, bytes(payload)))
         elif kind == RST_STREAM:
             if not sid or len(payload) != 4:
                 raise ConnectionError_(PROTOCOL_ERROR if not sid else FRAME_SIZE_ERROR, "a malformed RST_STREAM")
             self._idle_check(sid)
-            self._count_control()
             s = self.streams.get(sid)
             if s is not None:
                 self._forget(s, cancel=True)
@@ -372,7 +399,8 @@ class Connection(asyncio.Protocol):
     def _count_control(self) -> None:
         self.control += 1
         if self.control > MAX_CONTROL_FRAMES:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, f"over {MAX_CONTROL_FRAMES} control frames in {SWEEP_S:g} s")
+            raise ConnectionError_(ENHANCE_YOUR_CALM, f"over {MAX_CONTROL_FRAMES} frames that carry no call in "
+                                                      f"{SWEEP_S:g} s")
 
     def _idle_check(self, sid: int) -> None:
         if sid > self.last_sid:
@@ -398,7 +426,6 @@ class Connection(asyncio.Protocol):
             return
         if len(payload) % 6:
             raise ConnectionError_(FRAME_SIZE_ERROR, "a SETTINGS frame's length is not a multiple of 6")
-        self._count_control()
         for i in range(0, len(payload), 6):
             key, value = _SETTING.unpack_from(payload, i)
             if key == 2 and value > 1:
@@ -409,6 +436,9 @@ class Connection(asyncio.Protocol):
                 delta, self.peer_window = value - self.peer_window, value
                 for s in self.streams.values():
                     s.send_window += delta
+                    if s.send_window > MAX_WINDOW:
+                        raise ConnectionError_(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE takes a stream's "
+                                                                   "window over 2^31-1")
             elif key == 5:
                 if not 16384 <= value <= 16777215:
                     raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
@@ -452,6 +482,7 @@ class Connection(asyncio.Protocol):
             self._headers(sid, flags, bytes(payload))
         else:
             self.continuing = (sid, flags, bytearray(payload))
+            self.block_started = self.loop.time()
 
     def _head(self, block: bytes) -> tuple:
         """What a call's headers say: (method, path, content-type, grpc-timeout, grpc-encoding). A block of
@@ -460,7 +491,7 @@ class Connection(asyncio.Protocol):
         head = self._indexed.get(block)
         if head is not None:
             return head
-        if block and all(0x80 < c < 0xFF for c in block):
+        if 0 < len(block) <= MAX_INDEXED_BLOCK and all(0x80 < c < 0xFF for c in block):
             table = self.decoder.header_table
             try:
                 fields = [table.get_by_index(c & 0x7F) for c in block]
@@ -477,22 +508,30 @@ class Connection(asyncio.Protocol):
         head = self._head(block)  # always decoded, so that the decoder's table stays the client's
         s = self.streams.get(sid)
         if s is not None:  # trailers: nothing in them is read
+            self._count_control()
             if not flags & END_STREAM:
                 self._reset(s, PROTOCOL_ERROR)
-            elif not s.remote_ended:
+            elif s.remote_ended:
+                self._reset(s, STREAM_CLOSED)
+            else:
                 self._remote_end(s)
             return
-        if sid <= self.last_sid:
-            return  # a stream already closed: what comes on it is dropped
+        if sid <= self.last_sid:  # a stream closed (or skipped): nothing on it is served
+            self._count_control()
+            if not flags & END_STREAM:  # a call on it would wait for ever: tell its client
+                self._write(frame(RST_STREAM, 0, sid, _U32.pack(STREAM_CLOSED)))
+            return
         if sid % 2 == 0:
             raise ConnectionError_(PROTOCOL_ERROR, f"stream {sid}: a client's streams are odd-numbered")
         self.last_sid = sid
         if self.draining:
             return  # after GOAWAY, new streams are ignored (RFC 9113 6.8)
-        if len(self.streams) >= MAX_STREAMS:
+        if len(self.streams) >= MAX_STREAMS or self.running >= MAX_STREAMS:
             self._write(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            self._count_control()
             return
-        s = Stream(self, sid, self.loop.time())
+        self.last_active = self.loop.time()
+        s = Stream(self, sid, self.last_active)
         self.streams[sid] = s
         self._open(s, head)
         if s.error is not None:
@@ -504,32 +543,33 @@ class Connection(asyncio.Protocol):
     def _open(self, s: Stream, head: tuple) -> None:
         method, path, ctype, timeout, encoding = head
         if method != b"POST":
-            s.error = (grpc.StatusCode.UNIMPLEMENTED, f"gRPC calls are POST requests, not {method!a}")
+            s.error = (grpc.StatusCode.UNIMPLEMENTED, f"gRPC calls are POST requests, not {_echo(method)}")
             return
         if ctype is None or not (ctype == b"application/grpc" or ctype.startswith((b"application/grpc+",
                                                                                    b"application/grpc;"))):
-            s.error = (grpc.StatusCode.INVALID_ARGUMENT, f"the content-type {ctype!a} is not application/grpc")
+            s.error = (grpc.StatusCode.INVALID_ARGUMENT, f"the content-type {_echo(ctype)} is not application/grpc")
             return
         handler = self.listener.methods.get(path)
         if handler is None:
-            s.error = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1') if path else ''}")
+            shown = _echo(path)[1:-1] if path is not None else ""
+            s.error = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {shown}")
             return
         if encoding is not None and encoding != b"identity":
             if encoding not in _ENCODINGS:
-                s.error = (grpc.StatusCode.UNIMPLEMENTED, f"the grpc-encoding {encoding!a} is not supported "
+                s.error = (grpc.StatusCode.UNIMPLEMENTED, f"the grpc-encoding {_echo(encoding)} is not supported "
                                                           f"(identity, gzip, deflate)")
                 return
             s.encoding = _ENCODINGS[encoding]
         if timeout is not None:
             m = _TIMEOUT.fullmatch(timeout)
             if m is None:
-                s.error = (grpc.StatusCode.INVALID_ARGUMENT, f"the grpc-timeout {timeout!a} is malformed")
+                s.error = (grpc.StatusCode.INVALID_ARGUMENT, f"the grpc-timeout {_echo(timeout)} is malformed")
                 return
             s.deadline = s.opened + int(m[1]) * _UNITS[m[2]]
         s.handler, s.serialize = handler, handler.response_serializer or bytes
         if handler.request_streaming:
             s.inbox = Messages(s)
-            s.task = self.loop.create_task(self._run_stream(s))
+            self._start(s, self._run_stream(s))
 
     def _data(self, sid: int, flags: int, payload: memoryview) -> None:
         if not sid:
@@ -542,10 +582,10 @@ class Connection(asyncio.Protocol):
         if self.recv_unacked >= CONNECTION_WINDOW // 2:
             self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
             self.recv_unacked = 0
-        elif not length and not flags & END_STREAM:
-            self._count_control()
         data = self._unpad(flags, payload)
         s = self.streams.get(sid)
+        if s is None or not data and not flags & END_STREAM:  # no request bytes for a call: counted
+            self._count_control()
         if s is None:
             return  # a stream already closed: the connection's window was given back above
         if s.remote_ended:
@@ -571,44 +611,57 @@ class Connection(asyncio.Protocol):
         if not s.buf and len(data) >= 5:  # the usual case: one whole message in one frame
             compressed, length = _PREFIX.unpack_from(data)
             if length + 5 == len(data) and length <= max_body and compressed == 0:
-                self._whole(s, bytes(data[5:]), length + 5)
-                self._check_held(s)
+                refusal = self._whole(s, bytes(data[5:]), length + 5)
+                if refusal:
+                    self._refuse(s, *refusal)
+                else:
+                    self._check_held(s)
                 return
         buf = s.buf
         buf += data
-        pos = 0
+        pos, refusal = 0, None
         while len(buf) - pos >= 5:
             compressed, length = _PREFIX.unpack_from(buf, pos)
             if length > max_body:
-                self._refuse(s, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"Received message larger than max ({length} vs. {max_body})")
-                return
+                refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"Received message larger than max ({length} vs. {max_body})")
+                break
             if len(buf) - pos - 5 < length:
                 break
-            if compressed > 1 or compressed and s.encoding is None:
-                self._refuse(s, grpc.StatusCode.INTERNAL, "a message marked compressed without a grpc-encoding")
-                return
+            if compressed > 1:
+                refusal = (grpc.StatusCode.INTERNAL, f"a message's compressed flag is {compressed}, not 0 or 1")
+                break
+            if compressed and s.encoding is None:
+                refusal = (grpc.StatusCode.INTERNAL, "a message marked compressed without a grpc-encoding")
+                break
             with memoryview(buf) as view:
                 message = bytes(view[pos + 5:pos + 5 + length])
             pos += 5 + length
-            self._whole(s, (message, s.encoding) if compressed else message, length + 5)
-            if s.error is not None:
-                return
+            refusal = self._whole(s, (message, s.encoding) if compressed else message, length + 5)
+            if refusal:
+                break
+        # what was taken out leaves the buffer before any refusal counts what the stream holds
         del buf[:pos]
-        self._check_held(s)
+        if refusal:
+            self._refuse(s, *refusal)
+        else:
+            self._check_held(s)
 
-    def _whole(self, s: Stream, message, size: int) -> None:
+    def _whole(self, s: Stream, message, size: int) -> tuple | None:
+        """Hands a whole message on (held until its handler takes it); a refusal when the call cannot take it."""
+        # a request earns room for the frames a client sends about it (grpc's C core: WINDOW_UPDATEs per answer)
+        self.control = max(self.control - CALL_CREDIT, -MAX_CONTROL_FRAMES)
         s.queued += size
         if s.inbox is not None:
             s.inbox.put(message, size)
         elif s.messages:
-            self._refuse(s, grpc.StatusCode.UNIMPLEMENTED, "a unary call carries one request message, and this one "
-                                                           "has more")
+            return grpc.StatusCode.UNIMPLEMENTED, "a unary call carries one request message, and this one has more"
         else:
             s.messages.append(message)
+        return None
 
     def _check_held(self, s: Stream) -> None:
-        limit = 4 * self.listener.max_body + MAX_FRAME_SIZE
+        limit = self.listener.max_held
         if self.held > limit:
             self._refuse(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this connection's calls hold over {limit} bytes "
                                                                 f"of requests not yet read")
@@ -638,7 +691,7 @@ class Connection(asyncio.Protocol):
         if s.inbox is not None:
             s.inbox.end()
         elif s.task is None:
-            s.task = self.loop.create_task(self._run_unary(s))
+            self._start(s, self._run_unary(s))
 
     def consumed(self, s: Stream, size: int) -> None:
         """A handler took a message: what it held is freed, and a stream may send again."""
@@ -651,6 +704,14 @@ class Connection(asyncio.Protocol):
             s.unacked = 0
 
     # -- running calls -----------------------------------------------------------------------------
+    def _start(self, s: Stream, coro) -> None:
+        s.task = self.loop.create_task(coro)
+        self.running += 1
+        s.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self.running -= 1
+
     async def _message(self, raw) -> bytes:
         if not isinstance(raw, tuple):
             return raw
@@ -667,6 +728,10 @@ class Connection(asyncio.Protocol):
             if len(out) > max_body or d.unconsumed_tail:
                 raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"Received message larger than max (over {max_body} once decompressed)")
+            if not d.eof or d.unused_data:
+                raise Abort(grpc.StatusCode.INTERNAL, "a compressed message that cannot be decompressed: it "
+                                                      + ("ends inside its stream" if not d.eof else
+                                                         "has data after the end of its stream"))
             return out
         return await asyncio.to_thread(inflate) if len(data) > INLINE_PARSE_BYTES else inflate()
 
@@ -743,27 +808,34 @@ class Connection(asyncio.Protocol):
     # -- sending ----------------------------------------------------------------------------------
     async def send_message(self, s: Stream, payload: bytes) -> None:
         """Queues one message on the call and sends what the windows allow; waits while much is unsent."""
-        if s.done:
+        if s.done or s.ending:
             return  # reset, or its answer ended: the handler's task is cancelled
+        size = len(payload) + 5
+        now = not s.out and size <= min(s.send_window, self.send_window, self.peer_frame) and not self.paused
+        if not now and self.unsent + size > self.listener.max_held:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this connection's answers waiting for its client to "
+                                                            f"read them are over {self.listener.max_held} bytes")
         if not s.head_sent:
             s.head_sent = True
             self._write(frame(HEADERS, END_HEADERS, s.sid, _RESPONSE_HEAD))
         message = _PREFIX.pack(0, len(payload)) + payload
-        if not s.out and len(message) <= min(s.send_window, self.send_window, self.peer_frame) and not self.paused:
-            s.send_window -= len(message)
-            self.send_window -= len(message)
+        if now:
+            s.send_window -= size
+            self.send_window -= size
             self._write(frame(DATA, 0, s.sid, message))
             return
         s.out.append((message, None))
-        s.out_bytes += len(message)
+        s.out_bytes += size
+        self.unsent += size
         self._flush(s)
         while s.out_bytes > QUEUED_BYTES and not s.done:
             s.drained = self.loop.create_future()
             await s.drained
 
     def _trailers(self, s: Stream, code: grpc.StatusCode, details: str) -> None:
-        if s.done:
+        if s.done or s.ending:
             return
+        s.ending = True
         if not s.head_sent:  # trailers only
             self._end(s, frame(HEADERS, END_HEADERS | END_STREAM, s.sid, _RESPONSE_HEAD + _status_block(code, details)))
             return
@@ -802,11 +874,15 @@ class Connection(asyncio.Protocol):
             n = min(len(data), s.send_window, self.send_window, self.peer_frame)
             if n <= 0:
                 self.blocked[s.sid] = s
+                if not parts and not s.stalled_since:
+                    s.stalled_since = self.loop.time()
                 break
             parts.append(frame(DATA, 0, s.sid, data[:n]))
+            s.stalled_since = 0.0
             s.send_window -= n
             self.send_window -= n
             s.out_bytes -= n
+            self.unsent -= n
             if n == len(data):
                 s.out.popleft()
             else:
@@ -828,7 +904,10 @@ class Connection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if data and not self.closing:
             self.writes.append(data)
-            if not self._writing:
+            self.pending += len(data)
+            if self.pending > MAX_PENDING_WRITE:
+                self._send_writes()  # the transport may pause us now, which stops the parsing
+            elif not self._writing:
                 self._writing = True
                 self.loop.call_soon(self._send_writes)
 
@@ -837,18 +916,25 @@ class Connection(asyncio.Protocol):
         if self.writes and not self.closing:
             data = b"".join(self.writes) if len(self.writes) > 1 else self.writes[0]
             self.writes.clear()
+            self.pending = 0
             self.transport.write(data)
 
     def _reset(self, s: Stream, code: int) -> None:
+        """Resets a stream the client got wrong; counted as its frames are, since it costs us a call's work."""
         self._write(frame(RST_STREAM, 0, s.sid, _U32.pack(code)))
         self._forget(s, cancel=True)
+        self._count_control()
 
     def _forget(self, s: Stream, cancel: bool) -> None:
         s.done = True
         if self.streams.get(s.sid) is not s:
             return
         self._release(s)
+        self.unsent -= s.out_bytes
+        s.out.clear()
+        s.out_bytes = 0
         del self.streams[s.sid]
+        self.last_active = self.loop.time()
         self.blocked.pop(s.sid, None)
         if s.drained is not None and not s.drained.done():
             s.drained.set_result(None)
@@ -894,12 +980,27 @@ class Connection(asyncio.Protocol):
         if not self.settings_seen and now - self.opened_at >= PREFACE_TIMEOUT_S:
             self._close()
             return
+        if self.continuing is not None and now - self.block_started >= PREFACE_TIMEOUT_S:
+            self.goaway(PROTOCOL_ERROR, f"a header block not finished within {PREFACE_TIMEOUT_S:g} s")
+            return
+        if not self.streams and not self.draining and now - self.last_active >= IDLE_TIMEOUT_S:
+            self.goaway(NO_ERROR, f"no call for {IDLE_TIMEOUT_S:g} s")
+            return
         for s in list(self.streams.values()):
-            if s.inbox is None and not s.remote_ended and not s.done and now - s.opened >= BODY_TIMEOUT_S:
+            if s.done or s.ending:
+                if s.stalled_since and now - s.stalled_since >= STALL_TIMEOUT_S:
+                    # the client's window let nothing of its answer through: it is not reading this call
+                    self._write(frame(RST_STREAM, 0, s.sid, _U32.pack(CANCEL)))
+                    self._forget(s, cancel=True)
+                continue
+            if s.inbox is None and not s.remote_ended and now - s.opened >= BODY_TIMEOUT_S:
                 self._refuse(s, grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"the request message did not arrive within {BODY_TIMEOUT_S:g} s")
-            elif s.deadline is not None and s.task is None and not s.done and now >= s.deadline:
+            elif s.deadline is not None and s.task is None and now >= s.deadline:
                 self._refuse(s, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            elif s.stalled_since and now - s.stalled_since >= STALL_TIMEOUT_S:
+                self._write(frame(RST_STREAM, 0, s.sid, _U32.pack(CANCEL)))
+                self._forget(s, cancel=True)
 
 
 class Listener:
@@ -908,6 +1009,7 @@ class Listener:
     def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int) -> None:
         self.methods = {path.encode(): h for path, h in methods.items()}
         self.host, self.port, self.max_body = host, port, max_body
+        self.max_held = 4 * max_body + MAX_FRAME_SIZE  # bytes of requests (and of answers) a connection may hold
         self.connections: set[Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
