@@ -7,9 +7,10 @@ an answer goes out in one write. The handlers are the ones grpc.aio serves (``gr
 
 Every byte is hostile: a frame over our MAX_FRAME_SIZE, a header block over MAX_HEADER_BLOCK, a message
 declaring more than the body limit (RESOURCE_EXHAUSTED, before it is read), more than MAX_STREAMS calls at
-once (REFUSED_STREAM), bytes a connection holds past ``4 x`` the body limit (RESOURCE_EXHAUSTED), floods of
-control frames (GOAWAY), a unary request that does not arrive within BODY_TIMEOUT_S; flow control bounds
-what a stream may send ahead of its handler, and a client that does not read its answers stops being read.
+once (REFUSED_STREAM), requests still arriving past ``Listener.max_partial`` (RESOURCE_EXHAUSTED), floods
+of frames that carry no request (GOAWAY), a unary request that does not arrive within BODY_TIMEOUT_S; flow
+control bounds what a stream may send ahead of its handler and what we send ahead of the client, and a
+client that does not read what it is sent stops being read, then is cut off after STALL_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ CONNECTION_WINDOW = 16 << 20  # ... and all of a connection's streams
 QUEUED_BYTES = 1 << 20  # whole messages a streaming call holds unread before its window stops opening
 PREFACE_TIMEOUT_S = 10.0  # the client preface and its SETTINGS must come within this
 MAX_CONTROL_FRAMES = 2000  # frames carrying no call or request bytes a connection may cause per sweep
+MIN_CREDITED = 8  # request messages shorter than this earn no credit: they count as control frames
 CALL_CREDIT = 2  # ... and per request message in that time, for the client's WINDOW_UPDATEs about its answer
 SWEEP_S = 1.0
 IDLE_TIMEOUT_S = 300.0  # a connection with no call this long is sent GOAWAY (grpc's max_connection_idle)
@@ -191,7 +193,7 @@ class Stream:
 
     __slots__ = ("conn", "sid", "handler", "serialize", "encoding", "deadline", "opened", "buf", "messages",
                  "inbox", "queued", "unacked", "remote_ended", "task", "send_window", "out", "out_bytes",
-                 "drained", "head_sent", "ending", "done", "error", "stalled_since")
+                 "drained", "head_sent", "ending", "done", "error", "stalled_since", "started")
 
     def __init__(self, conn: Connection, sid: int, now: float) -> None:
         self.conn, self.sid, self.opened = conn, sid, now
@@ -213,6 +215,7 @@ class Stream:
         self.head_sent = False
         self.ending = False  # its trailers are written or queued
         self.stalled_since = 0.0  # when its queued answer last found no window (0: not stalled)
+        self.started = False  # a unary call whose request has ended: its task is made
         self.done = False  # its answer has ended (or it was reset)
         self.error: tuple[grpc.StatusCode, str] | None = None  # a refusal found while its request arrived
 
@@ -239,6 +242,8 @@ class Connection(asyncio.Protocol):
         self.send_window = 65535  # the connection's window for what we send
         self.recv_unacked = 0  # DATA bytes received and not yet given back to the connection window
         self.held = 0  # bytes of messages not yet handed to handlers, on every stream
+        self.whole = 0  # ... of them whole, of unary calls whose task has not taken them yet
+        self.inboxed = 0  # ... of them whole, in streaming calls' inboxes (bounded by each stream's window)
         self.blocked: dict[int, Stream] = {}  # streams with an answer waiting for window
         self.control = 0  # control frames since the last sweep
         self.continuing: tuple[int, int, bytearray] | None = None  # (stream id, flags, block) until END_HEADERS
@@ -250,6 +255,8 @@ class Connection(asyncio.Protocol):
         self.last_active = 0.0  # when a call last ended or opened
         self.block_started = 0.0  # when the header block in continuing began
         self.paused = False
+        self.paused_since = 0.0
+        self.held_back = False  # reading stopped because whole requests wait for their tasks past max_held
         self.closing = False
         self.draining = False  # GOAWAY sent or received: no new calls, closed once its calls end
         self.goaway_sent = False
@@ -281,15 +288,29 @@ class Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         # a client that does not read its answers is not read either: its PINGs and calls wait
         self.paused = True
+        self.paused_since = self.loop.time()
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
         if not self.closing:
-            self.transport.resume_reading()
             self._flush_blocked()
-            if self.buf:
-                self.data_received(b"")  # frames read before the pause, not yet parsed
+            self._go_on()
+
+    def _stopped(self) -> bool:
+        """Whether reading waits: for the client to read what it is sent, or for the handlers' tasks to take
+        the requests that arrived together (flow control, not refusals). Answers waiting for the client's
+        window never stop reading: its WINDOW_UPDATEs are what lets them go."""
+        return self.paused or self.whole > self.listener.max_held
+
+    def _go_on(self) -> None:
+        """Reads again once nothing makes it wait; frames read before the wait are parsed first."""
+        if self.closing or self._stopped():
+            return
+        self.held_back = False
+        self.transport.resume_reading()
+        if self.buf:
+            self.loop.call_soon(self.data_received, b"")
 
     def eof_received(self) -> bool | None:
         return None  # a half-closed HTTP/2 connection is over: close it
@@ -325,7 +346,7 @@ class Connection(asyncio.Protocol):
         view = memoryview(buf)
         payload = None
         # parsing stops while the client does not read what it has caused us to write (resume_writing goes on)
-        while n - pos >= 9 and not self.closing and not self.paused:
+        while n - pos >= 9 and not self.closing and not self._stopped():
             hi, lo, kind, flags, sid = _HEADER.unpack_from(buf, pos)
             length = hi << 16 | lo
             if length > MAX_FRAME_SIZE:
@@ -339,7 +360,13 @@ class Connection(asyncio.Protocol):
         # no view of buf may outlive this, or it cannot be resized (after an exception the connection is closed)
         payload = None
         view.release()
-        del buf[:pos]
+        try:
+            del buf[:pos]
+        except BufferError:  # a write that failed inside _frame keeps its exception, and the frame's view
+            self.buf = bytearray(buf[pos:])
+        if self._stopped() and not self.paused and not self.closing:
+            self.held_back = True
+            self.transport.pause_reading()
 
     def _frame(self, kind: int, flags: int, sid: int, payload: memoryview) -> None:
         if not self.settings_seen:
@@ -649,10 +676,13 @@ class Connection(asyncio.Protocol):
 
     def _whole(self, s: Stream, message, size: int) -> tuple | None:
         """Hands a whole message on (held until its handler takes it); a refusal when the call cannot take it."""
-        # a request earns room for the frames a client sends about it (grpc's C core: WINDOW_UPDATEs per answer)
-        self.control = max(self.control - CALL_CREDIT, -MAX_CONTROL_FRAMES)
+        if size >= MIN_CREDITED:  # a request earns room for the frames a client sends about it (grpc's C core:
+            self.control = max(self.control - CALL_CREDIT, -MAX_CONTROL_FRAMES)  # a WINDOW_UPDATE per answer)
+        else:
+            self._count_control()  # empty messages cost a call's work, and carry nothing
         s.queued += size
         if s.inbox is not None:
+            self.inboxed += size
             s.inbox.put(message, size)
         elif s.messages:
             return grpc.StatusCode.UNIMPLEMENTED, "a unary call carries one request message, and this one has more"
@@ -661,14 +691,18 @@ class Connection(asyncio.Protocol):
         return None
 
     def _check_held(self, s: Stream) -> None:
-        limit = self.listener.max_held
-        if self.held > limit:
+        limit = self.listener.max_partial
+        if self.held - self.whole - self.inboxed > limit:  # what is still arriving
             self._refuse(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this connection's calls hold over {limit} bytes "
-                                                                f"of requests not yet read")
+                                                                f"of requests still arriving")
 
     def _release(self, s: Stream) -> None:
         """Drops what a stream holds of its request."""
         self.held -= len(s.buf) + s.queued
+        if s.inbox is not None:
+            self.inboxed -= s.queued
+        elif s.started:
+            self.whole -= s.queued
         s.buf, s.queued = bytearray(), 0
         s.messages.clear()
 
@@ -691,6 +725,8 @@ class Connection(asyncio.Protocol):
         if s.inbox is not None:
             s.inbox.end()
         elif s.task is None:
+            s.started = True
+            self.whole += s.queued
             self._start(s, self._run_unary(s))
 
     def consumed(self, s: Stream, size: int) -> None:
@@ -699,6 +735,12 @@ class Connection(asyncio.Protocol):
             return
         s.queued -= size
         self.held -= size
+        if s.inbox is not None:
+            self.inboxed -= size
+        else:
+            self.whole -= size
+        if self.held_back:
+            self._go_on()
         if not s.remote_ended and s.queued <= QUEUED_BYTES and s.unacked >= STREAM_WINDOW // 2:
             self._write(frame(WINDOW_UPDATE, 0, s.sid, _U32.pack(s.unacked)))
             s.unacked = 0
@@ -812,9 +854,6 @@ class Connection(asyncio.Protocol):
             return  # reset, or its answer ended: the handler's task is cancelled
         size = len(payload) + 5
         now = not s.out and size <= min(s.send_window, self.send_window, self.peer_frame) and not self.paused
-        if not now and self.unsent + size > self.listener.max_held:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this connection's answers waiting for its client to "
-                                                            f"read them are over {self.listener.max_held} bytes")
         if not s.head_sent:
             s.head_sent = True
             self._write(frame(HEADERS, END_HEADERS, s.sid, _RESPONSE_HEAD))
@@ -824,7 +863,7 @@ class Connection(asyncio.Protocol):
             self.send_window -= size
             self._write(frame(DATA, 0, s.sid, message))
             return
-        s.out.append((message, None))
+        s.out.append((memoryview(message), None))  # sent in slices, never copied again
         s.out_bytes += size
         self.unsent += size
         self._flush(s)
@@ -975,6 +1014,12 @@ class Connection(asyncio.Protocol):
 
     def sweep(self, now: float) -> None:
         self.control = 0
+        if self.paused and now - self.paused_since >= STALL_TIMEOUT_S and self.transport is not None:
+            # its client has read nothing of what it was sent for this long: what the connection holds goes now
+            log.info("gRPC connection from %s aborted: it read nothing for %g s", self.peer, STALL_TIMEOUT_S)
+            self.closing = True
+            self.transport.abort()
+            return
         if self.closing:
             return
         if not self.settings_seen and now - self.opened_at >= PREFACE_TIMEOUT_S:
@@ -1009,7 +1054,10 @@ class Listener:
     def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int) -> None:
         self.methods = {path.encode(): h for path, h in methods.items()}
         self.host, self.port, self.max_body = host, port, max_body
-        self.max_held = 4 * max_body + MAX_FRAME_SIZE  # bytes of requests (and of answers) a connection may hold
+        # whole requests waiting for their calls' tasks a connection may hold before it is read no more
+        self.max_held = 4 * max_body + MAX_FRAME_SIZE
+        # requests still arriving a connection may hold: past it, the call that went over is refused
+        self.max_partial = max(4 * max_body, 64 << 20) + MAX_FRAME_SIZE
         self.connections: set[Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
