@@ -234,7 +234,7 @@ class Connection(asyncio.Protocol):
         self.opened_at = 0.0
         self.decoder = Decoder()
         self.decoder.max_header_list_size = MAX_HEADER_BLOCK
-        self._indexed: dict[bytes, list[tuple[bytes, bytes]]] = {}  # all-indexed header blocks, until the table changes
+        self._indexed: dict[bytes, tuple] = {}  # what all-indexed header blocks say, until the table changes
         self.streams: dict[int, Stream] = {}
         self.last_sid = 0
         self.peer_window = 65535  # the client's SETTINGS_INITIAL_WINDOW_SIZE
@@ -563,7 +563,7 @@ class Connection(asyncio.Protocol):
         self._open(s, head)
         if s.error is not None:
             s.remote_ended = s.remote_ended or bool(flags & END_STREAM)
-            self._answer_error(s)
+            self._trailers(s, *s.error)
         elif flags & END_STREAM:
             self._remote_end(s)
 
@@ -596,7 +596,7 @@ class Connection(asyncio.Protocol):
         s.handler, s.serialize = handler, handler.response_serializer or bytes
         if handler.request_streaming:
             s.inbox = Messages(s)
-            self._start(s, self._run_stream(s))
+            self._start(s, self._run(s))
 
     def _data(self, sid: int, flags: int, payload: memoryview) -> None:
         if not sid:
@@ -713,7 +713,7 @@ class Connection(asyncio.Protocol):
             s.task.cancel()
             s.task = None
         s.error = (code, text)
-        self._answer_error(s)
+        self._trailers(s, *s.error)
 
     def _remote_end(self, s: Stream) -> None:
         s.remote_ended = True
@@ -727,7 +727,7 @@ class Connection(asyncio.Protocol):
         elif s.task is None:
             s.started = True
             self.whole += s.queued
-            self._start(s, self._run_unary(s))
+            self._start(s, self._run(s))
 
     def consumed(self, s: Stream, size: int) -> None:
         """A handler took a message: what it held is freed, and a stream may send again."""
@@ -777,39 +777,27 @@ class Connection(asyncio.Protocol):
             return out
         return await asyncio.to_thread(inflate) if len(data) > INLINE_PARSE_BYTES else inflate()
 
-    async def _run_unary(self, s: Stream) -> None:
+    async def _run(self, s: Stream) -> None:
+        """A call's handler, of any of the four shapes, from its request(s) to its trailers."""
         h = s.handler
         try:
-            if len(s.messages) != 1:
-                raise Abort(grpc.StatusCode.UNIMPLEMENTED, "a unary call carries one request message, and this one "
-                                                           "has none")
-            raw = s.messages.pop()
-            self.consumed(s, s.queued)
-            request = await self._message(raw)
-            if h.request_deserializer is not None:
-                request = h.request_deserializer(request)
-            if h.unary_unary is not None:
-                reply = await self._within(s, h.unary_unary(request, Context(s)))
-                await self.send_message(s, s.serialize(reply))
+            if h.request_streaming:
+                request = self._requests(s)
             else:
-                await self._within(s, self._replies(s, h.unary_stream(request, Context(s))))
-            self._trailers(s, OK, "")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._failed(s, exc)
-        finally:
-            s.task = None
-
-    async def _run_stream(self, s: Stream) -> None:
-        h = s.handler
-        try:
-            requests = self._requests(s)
-            if h.stream_unary is not None:
-                reply = await self._within(s, h.stream_unary(requests, Context(s)))
-                await self.send_message(s, s.serialize(reply))
+                if len(s.messages) != 1:
+                    raise Abort(grpc.StatusCode.UNIMPLEMENTED, "a unary call carries one request message, and this "
+                                                               "one has none")
+                raw = s.messages.pop()
+                self.consumed(s, s.queued)
+                request = await self._message(raw)
+                if h.request_deserializer is not None:
+                    request = h.request_deserializer(request)
+            method = h.unary_unary or h.unary_stream or h.stream_unary or h.stream_stream
+            if h.response_streaming:
+                await self._within(s, self._replies(s, method(request, Context(s))))
             else:
-                await self._within(s, self._replies(s, h.stream_stream(requests, Context(s))))
+                reply = await self._within(s, method(request, Context(s)))
+                await self.send_message(s, s.serialize(reply))
             self._trailers(s, OK, "")
         except asyncio.CancelledError:
             raise
@@ -884,10 +872,6 @@ class Connection(asyncio.Protocol):
         else:
             s.out.append((b"", block))
             self._flush(s)
-
-    def _answer_error(self, s: Stream) -> None:
-        code, text = s.error
-        self._trailers(s, code, text)
 
     def _end(self, s: Stream, last: bytes) -> None:
         """The answer's last frame: the stream is over on our side, and (once the client's side is) forgotten."""
@@ -1032,20 +1016,17 @@ class Connection(asyncio.Protocol):
             self.goaway(NO_ERROR, f"no call for {IDLE_TIMEOUT_S:g} s")
             return
         for s in list(self.streams.values()):
-            if s.done or s.ending:
-                if s.stalled_since and now - s.stalled_since >= STALL_TIMEOUT_S:
-                    # the client's window let nothing of its answer through: it is not reading this call
-                    self._write(frame(RST_STREAM, 0, s.sid, _U32.pack(CANCEL)))
-                    self._forget(s, cancel=True)
+            if s.stalled_since and now - s.stalled_since >= STALL_TIMEOUT_S:
+                # the client's window let nothing of its answer through: it is not reading this call
+                self._write(frame(RST_STREAM, 0, s.sid, _U32.pack(CANCEL)))
+                self._forget(s, cancel=True)
+            elif s.done or s.ending:
                 continue
-            if s.inbox is None and not s.remote_ended and now - s.opened >= BODY_TIMEOUT_S:
+            elif s.inbox is None and not s.remote_ended and now - s.opened >= BODY_TIMEOUT_S:
                 self._refuse(s, grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"the request message did not arrive within {BODY_TIMEOUT_S:g} s")
             elif s.deadline is not None and s.task is None and now >= s.deadline:
                 self._refuse(s, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            elif s.stalled_since and now - s.stalled_since >= STALL_TIMEOUT_S:
-                self._write(frame(RST_STREAM, 0, s.sid, _U32.pack(CANCEL)))
-                self._forget(s, cancel=True)
 
 
 class Listener:
@@ -1077,8 +1058,8 @@ class Listener:
                 conn.sweep(now)
             conn = None  # else the last one swept stays referenced here until the next sweep
 
-    async def stop(self) -> None:
-        """Stops accepting; every connection hears GOAWAY, its calls get STOP_GRACE_S to finish, then it closes."""
+    async def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Stops accepting; every connection hears GOAWAY, its calls get ``grace`` seconds to finish, then it closes."""
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is None:
@@ -1086,7 +1067,7 @@ class Listener:
         self._server.close()
         for conn in list(self.connections):
             conn.goaway(NO_ERROR, "the server is stopping")
-        deadline = self.loop.time() + STOP_GRACE_S
+        deadline = self.loop.time() + grace
         while any(c.streams and not c.closing for c in self.connections) and self.loop.time() < deadline:
             await asyncio.sleep(0.05)
         for conn in list(self.connections):

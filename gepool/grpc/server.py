@@ -195,7 +195,5 @@ async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER):
 
 
 async def stop(server) -> None:
-    if isinstance(server, grpc.aio.Server):
-        await server.stop(STOP_GRACE_S)
-    else:
-        await server.stop()
+    """Calls in flight get STOP_GRACE_S to finish (a grpc.aio server or a native Listener alike)."""
+    await server.stop(STOP_GRACE_S)
