@@ -2,7 +2,7 @@
 with the CPU each process of the pool spends per request (benchmarks/README.md).
 
     python benchmarks/gateway_bench.py [--seconds 10] [--levels 1,8,64] [--models tiny,mlp] [--tools wrk,pa]
-        [--profile-sidecar FILE.prof]
+        [--sidecars N] [--profile-sidecar FILE.prof]
 
 Both models get the peers' batching settings (max_batch_size 32, preferred [8, 16, 32], 1 ms delay).
 CPU per request is utime+stime from /proc/PID/stat over the level divided by the requests the pool
@@ -100,10 +100,12 @@ def processes(front_pid: int, sidecar_pid: int | None) -> dict[str, int]:
     for pid in sorted(descendants(front_pid)):
         if pid == sidecar_pid or pid in sidecar_tree:
             continue
-        if "_gateway_main" in cmdline(pid):
-            out["sidecar"] = pid
+        if "_gateway_main" in cmdline(pid):  # with several sidecars: sidecar, sidecar2, sidecar3, ...
+            n = sum(k.startswith("sidecar") and "helper" not in k for k in out)
+            label = "sidecar" if n == 0 else f"sidecar{n + 1}"
+            out[label] = pid
             for i, h in enumerate(sorted(descendants(pid))):
-                out[f"sidecar-helper{i}"] = h
+                out[f"{label}-helper{i}"] = h
                 sidecar_tree.add(h)
             continue
         if "resource_tracker" in cmdline(pid):
@@ -247,6 +249,7 @@ def main() -> None:
     parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies) and/or pa (perf_analyzer, binary)")
     parser.add_argument("--http-server", help="the sidecar's HTTP server: aiohttp, granian or httptools (default: "
                                               "the pool's)")
+    parser.add_argument("--sidecars", type=int, help="sidecar processes sharing the port (default: the pool's)")
     parser.add_argument("--profile-sidecar", metavar="FILE",
                         help="run the sidecar under cProfile, write its stats here and print the top entries")
     args = parser.parse_args()
@@ -266,6 +269,8 @@ def main() -> None:
     sidecar = None
     try:
         extra = {"http_server": args.http_server} if args.http_server else {}  # older trees lack it
+        if args.sidecars is not None:
+            extra["sidecars"] = args.sidecars
         with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
             if args.profile_sidecar:
                 sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar),

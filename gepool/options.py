@@ -11,6 +11,9 @@ from gepool.ipc.sockets import default_endpoint
 from gepool.scheduler.options import MODEL_LOAD_TIMEOUT_S, FrontOptions
 
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
+# sidecars=0: one sidecar per this many cores, at most this many (see docs/design.md, "Sidecars")
+SIDECAR_CORES = 8
+MAX_AUTO_SIDECARS = 4
 
 
 @dataclass
@@ -40,6 +43,7 @@ class PoolOptions:
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
     http_server: str = DEFAULT_HTTP_SERVER  # what serves http_port (gepool/http/servers.py)
     grpc_server: str = DEFAULT_GRPC_SERVER  # what serves grpc_port (gepool/http/servers.py)
+    sidecars: int = 0  # sidecar processes sharing the HTTP, metrics and gRPC ports; 0: sized by sidecar_count
     strict_readiness: bool = True  # False: /v2/health/ready is ready while any model is unavailable
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: a RAM share
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a model still loading after this is UNAVAILABLE
@@ -59,7 +63,8 @@ class PoolOptions:
         for name in ("http_port", "metrics_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number (0: off), not {getattr(self, name)}")
-        for name in ("cpu_threads", "exit_grace_s", "http_max_body_bytes", "max_queued_bytes", "cache_size"):
+        for name in ("sidecars", "cpu_threads", "exit_grace_s", "http_max_body_bytes", "max_queued_bytes",
+                     "cache_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.model_load_timeout_s <= 0:
@@ -77,6 +82,28 @@ class PoolOptions:
             raise ValueError(f"http_server: {refusal}")
         if self.grpc_server not in GRPC_SERVERS:
             raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, not '{self.grpc_server}'")
+        if self.sidecars > 1:
+            binds = self._self_binding()
+            if binds:
+                raise ValueError(f"sidecars={self.sidecars}: {binds}, which binds its port itself and cannot share "
+                                 f"it with other sidecars; use sidecars=1 or another server")
+
+    def _self_binding(self) -> str | None:
+        """The server in use, if any, that binds its own port (so only one sidecar can serve)."""
+        if self.http_port and self.http_server == "granian":
+            return "http_server is granian"
+        if self.grpc_port and self.grpc_server == "grpcio":
+            return "grpc_server is grpcio"
+        return None
+
+    def sidecar_count(self) -> int:
+        """How many sidecars serve the ports: ``sidecars``, or with 0 one per SIDECAR_CORES cores this
+        process may run on, between 1 and MAX_AUTO_SIDECARS (one where a server binds its own port)."""
+        if self.sidecars:
+            return self.sidecars
+        if self._self_binding():
+            return 1
+        return max(1, min(MAX_AUTO_SIDECARS, len(os.sched_getaffinity(0)) // SIDECAR_CORES))
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -6,8 +6,10 @@ function that starts a worker.
 
 import json
 import logging
+import mmap
 import multiprocessing
 import os
+import secrets
 import select
 import signal
 import socket
@@ -22,6 +24,7 @@ from gepool.common import errors
 from gepool.ipc import naming
 from gepool.ipc.sockets import runtime_dir
 from gepool.options import OPTION_NAMES, PoolOptions
+from gepool.scheduler.regions import TOKEN_ENV
 
 START_TIMEOUT_S = 300.0
 GATEWAY_START_TIMEOUT_S = 60.0
@@ -60,10 +63,21 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
     options.check()  # a bad option fails the start, not a sidecar restart loop
     front = options.front_options()
     gateway: list[_Sidecar] = []
+    listening: list = []
+    sidecars = bool(options.http_port or options.metrics_port or options.grpc_port)
+    if sidecars:  # the shared-memory record the sidecars share through the front (scheduler/regions.py)
+        front.sidecar_token = secrets.token_hex(16)
+        front.regions_fd = os.memfd_create("gepool-regions", os.MFD_CLOEXEC)
+        os.ftruncate(front.regions_fd, mmap.PAGESIZE)
 
     def ready(status: dict) -> None:
-        if options.http_port or options.metrics_port or options.grpc_port:
-            gateway.append(_Sidecar(_gateway_args(status["endpoint"], options, front.repository)))
+        if sidecars:
+            args = _gateway_args(status["endpoint"], options, front.repository)
+            fds = _listen(options, args, listening)
+            env = {**os.environ, TOKEN_ENV: front.sidecar_token}
+            shared = (*(s.fileno() for s in listening), front.regions_fd)
+            for _ in range(options.sidecar_count()):
+                gateway.append(_Sidecar([*args, *fds, f"--regions-fd={front.regions_fd}"], shared, env))
             host = options.http_host
             status["http"] = f"http://{host}:{options.http_port}" if options.http_port else None
             status["metrics"] = f"http://{host}:{options.metrics_port}/metrics" if options.metrics_port else None
@@ -79,6 +93,32 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
     finally:
         for sidecar in gateway:
             sidecar.stop()
+        for sock in listening:  # after the sidecars: connections still queued on a port are refused now
+            sock.close()
+        if front.regions_fd >= 0:
+            os.close(front.regions_fd)
+
+
+def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]:
+    """Binds the sidecar's ports here, once, so that every sidecar (and each restart of one) accepts on
+    the same sockets; returns the sidecar's arguments naming them. granian and grpc.aio bind their own."""
+    from gepool.http import listen
+
+    ports = {"http": options.http_port if options.http_server != "granian" else 0,
+             "metrics": options.metrics_port,
+             "grpc": options.grpc_port if options.grpc_server != "grpcio" else 0}
+    fds = []
+    for name, port in ports.items():
+        if not port:
+            continue
+        try:
+            socks = listen.bind(options.http_host, port, listen.PORTS[name])
+        except OSError as exc:
+            where = " ".join(args[args.index("--http-host"):args.index("--log-level")])
+            raise errors.Unavailable(f"the HTTP sidecar did not start ({where}): {exc}") from None
+        listening.extend(socks)
+        fds += [f"--{name}-fd={sock.fileno()}" for sock in socks]
+    return fds
 
 
 def _default_max_body(repository: str) -> int:
@@ -107,11 +147,11 @@ class _Sidecar:
     """The HTTP sidecar, started now (failing the start if it cannot listen) and restarted with backoff
     by a watcher thread whenever it dies, until stop()."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.args = args
+    def __init__(self, args: list[str], fds: tuple[int, ...] = (), env: dict[str, str] | None = None) -> None:
+        self.args, self.fds, self.env = args, fds, env
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.proc = _start_gateway(args)
+        self.proc = _start_gateway(args, fds, env)
         self.restarts = 0
         self._watcher = threading.Thread(target=self._watch, name="gepool-sidecar-watcher", daemon=True)
         self._watcher.start()
@@ -129,7 +169,7 @@ class _Sidecar:
             failures += 1
             while not self._stopping.wait(delay):
                 try:
-                    proc = _start_gateway(self.args)
+                    proc = _start_gateway(self.args, self.fds, self.env)
                 except errors.Unavailable as exc:
                     log.warning("%s; trying again in %.1f s", exc, delay)
                     delay = GATEWAY_BACKOFF_S[min(failures, len(GATEWAY_BACKOFF_S) - 1)]
@@ -151,12 +191,13 @@ class _Sidecar:
         self._watcher.join(STOP_TIMEOUT_S)
 
 
-def _start_gateway(args: list[str]) -> subprocess.Popen:
-    """The HTTP sidecar; returns once it listens (it reaches the front on its own, lazily)."""
+def _start_gateway(args: list[str], fds: tuple[int, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The HTTP sidecar, inheriting the descriptors ``fds`` (its listening sockets, the regions page);
+    returns once it listens (it reaches the front on its own, lazily)."""
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.Popen([sys.executable, "-c", _GATEWAY_BOOT, *args, "--ready-fd", str(write_fd)],
-                                pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+                                pass_fds=(write_fd, *fds), stdin=subprocess.DEVNULL, env=env)
     finally:
         os.close(write_fd)
     with os.fdopen(read_fd) as reader:

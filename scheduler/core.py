@@ -21,6 +21,7 @@ from gepool.scheduler.options import FrontOptions
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
+from gepool.scheduler.regions import RegionBook
 from gepool.scheduler.requests import admit, bls_chain, origin_of
 from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import failure_reason
@@ -45,6 +46,7 @@ class Core:
         self.workers = Workers()
         self.control = ModelControl(opts, self.workers, out, clock)
         self.arenas = Arenas(self._drop_arena, naming.segment_name(opts.owner_id, ""))
+        self.regions = RegionBook(opts.sidecar_token, opts.regions_fd)
         self.polling = PollPolicy(opts.busy_poll_us)
         self.dispatch = Dispatcher(out.reply, self.arenas, self.polling, clock)
         if opts.cache_size > 0:
@@ -122,6 +124,8 @@ class Core:
                 return None if body is None else protocol.Reply(msg.req_id, body)
             if msg.what == "logging":
                 return protocol.Reply(msg.req_id, self.log_settings(msg.args))
+            if msg.what == "regions":
+                return protocol.Reply(msg.req_id, self.regions.answer(msg.args))
             return protocol.Reply(msg.req_id, answer_query(self, msg.what, msg.args))
         if isinstance(msg, protocol.RegisterArena):
             return protocol.Reply(msg.req_id, {"arena": self.arenas.register(identity, msg.name, msg.size,
@@ -370,3 +374,4 @@ class Core:
                 for batch in w.fail_all():
                     self.dispatch.fail_batch(model, batch, unavailable)
         self.arenas.close()
+        self.regions.close()

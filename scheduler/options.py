@@ -28,6 +28,8 @@ class FrontOptions:
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: default
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a worker still loading after this is killed
     cache_size: int = 0  # bytes of the response cache (Triton's --cache-config local,size=BYTES); 0: no cache
+    sidecar_token: str | None = None  # what the pool's sidecars show to use the shared-memory record
+    regions_fd: int = -1  # a memfd the shared-memory record's version is written to, for the sidecars
 
 
 def queued_bytes_limit(asked: int) -> int:

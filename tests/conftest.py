@@ -42,10 +42,15 @@ def running(pid: int) -> bool:
         return False
 
 
+def sidecar_pids(pool) -> list[int]:
+    """The pids of a pool's sidecar processes."""
+    return sorted(pid for pid in _descendants(pool.process.pid)
+                  if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read())
+
+
 def sidecar_pid(pool) -> int:
     """The pid of a pool's HTTP sidecar process."""
-    pids = [pid for pid in _descendants(pool.process.pid)
-            if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    pids = sidecar_pids(pool)
     assert len(pids) == 1, pids
     return pids[0]
 

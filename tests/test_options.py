@@ -10,7 +10,8 @@ from gepool.cli.start import pool_options
 from gepool.options import DEFAULT, OPTION_NAMES, PoolOptions
 from gepool.scheduler.options import FrontOptions
 
-FRONT_ONLY = {"drain_timeout_s"}  # the front's own, set by no user
+# the front's own, set by no user (the sidecars' token and the regions page are made per pool by serve())
+FRONT_ONLY = {"drain_timeout_s", "sidecar_token", "regions_fd"}
 NOT_FLAGS = {"repository", "owner_id"}  # --model-repository gives the repository; the owner id is made per pool
 
 
@@ -30,14 +31,14 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--http-port", "9000", "--http-host", "0.0.0.0", "--allow-metrics", "false", "--strict-readiness", "false",
         "--http-restricted-api", "inference:K=V", "--http-restricted-api", "logging,trace:A=B",
         "--http-max-input-size", "123456", "--grpc-port", "9001", "--max-queued-bytes", "1000000",
-        "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096"])
+        "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3"])
     options = pool_options(args)
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
         exit_grace_s=2.5, model_control_mode="explicit", load_models=("a", "b"), poll_secs=4.0, busy_poll_us=-1,
         auto_complete_config=False, http_port=9000, http_host="0.0.0.0", metrics_port=0, strict_readiness=False,
         http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
-        max_queued_bytes=1_000_000, model_load_timeout_s=7.5, cache_size=4096)
+        max_queued_bytes=1_000_000, model_load_timeout_s=7.5, cache_size=4096, sidecars=3)
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
     assert front.repository == str(tmp_path) and front.owner_id

@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=8001,
                    help="KServe v2 gRPC port (default 8001; 0: off); binds --http-host")
     p.add_argument("--grpc-server", choices=GRPC_SERVERS, default=DEFAULT_GRPC_SERVER, help=GRPC_HELP)
+    p.add_argument("--sidecars", type=int, default=DEFAULT.sidecars, metavar="N",
+                   help="sidecar processes serving the HTTP, gRPC and metrics ports together (each accepts "
+                        "connections on the same sockets); default 0: one per 8 cores this process may run "
+                        "on, 1 to 4 (1 with --http-server granian or --grpc-server grpcio, which bind their "
+                        "own ports)")
     p.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL",
                    help="serve Prometheus metrics (default true)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002; 0: off)")

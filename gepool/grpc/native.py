@@ -19,6 +19,7 @@ import asyncio
 import inspect
 import logging
 import re
+import socket
 import struct
 import zlib
 from collections import deque
@@ -27,6 +28,7 @@ import grpc
 from hpack import Decoder, HPACKError
 from hpack.hpack import encode_integer
 
+from gepool.http import listen
 from gepool.http.limits import BODY_TIMEOUT_S, INLINE_PARSE_BYTES
 
 log = logging.getLogger("gepool.grpc")
@@ -1032,22 +1034,22 @@ class Connection(asyncio.Protocol):
 class Listener:
     """The gRPC server on one address: ``methods`` maps each RPC's path to its ``grpc.RpcMethodHandler``."""
 
-    def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int) -> None:
+    def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int,
+                 socks: list[socket.socket] | None = None) -> None:
         self.methods = {path.encode(): h for path, h in methods.items()}
-        self.host, self.port, self.max_body = host, port, max_body
+        self.host, self.port, self.max_body, self.socks = host, port, max_body, socks
         # whole requests waiting for their calls' tasks a connection may hold before it is read no more
         self.max_held = 4 * max_body + MAX_FRAME_SIZE
         # requests still arriving a connection may hold: past it, the call that went over is refused
         self.max_partial = max(4 * max_body, 64 << 20) + MAX_FRAME_SIZE
         self.connections: set[Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: Connection(self), self.host, self.port,
-                                                     reuse_address=True, backlog=1024)
+        self._servers = await listen.serve(self.loop, lambda: Connection(self), self.host, self.port, self.socks)
         self._sweeper = self.loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
@@ -1062,9 +1064,10 @@ class Listener:
         """Stops accepting; every connection hears GOAWAY, its calls get ``grace`` seconds to finish, then it closes."""
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is None:
+        if not self._servers:
             return
-        self._server.close()
+        for server in self._servers:
+            server.close()
         for conn in list(self.connections):
             conn.goaway(NO_ERROR, "the server is stopping")
         deadline = self.loop.time() + grace
@@ -1075,4 +1078,5 @@ class Listener:
             conn.transport.abort()
             for s in list(conn.streams.values()):
                 conn._forget(s, cancel=True)
-        await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()

@@ -164,19 +164,22 @@ def methods(gw, host: str, port: int) -> dict[str, dict[str, grpc.RpcMethodHandl
     return table
 
 
-async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER):
-    """Listens on host:port (refusing a port another process holds) and serves until ``stop``."""
+async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks: list | None = None):
+    """Listens on host:port (refusing a port another process holds), or for the native server on the
+    listening sockets ``socks`` where given, and serves until ``stop``."""
     table = methods(gw, host, port)
     if kind == "native":
         from gepool.grpc import native
 
         listener = native.Listener({f"/{service}/{name}": h for service, handlers in table.items()
-                                    for name, h in handlers.items()}, host, port, gw.max_body)
+                                    for name, h in handlers.items()}, host, port, gw.max_body, socks)
         try:
             await listener.start()
         except OSError as exc:
             raise errors.Unavailable(f"cannot listen for gRPC on {_address(host, port)}: {exc}") from None
         return listener
+    if socks:
+        raise errors.Unavailable("grpc.aio cannot serve a listening socket it did not bind; start it with a port")
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", gw.max_body),
         ("grpc.max_send_message_length", -1),  # outputs are bounded by the pool's slots

@@ -142,6 +142,8 @@ class InferenceService:
         try:
             try:
                 shm = any("shared_memory_region" in i.parameters for i in request.inputs)
+                if shm or any("shared_memory_region" in o.parameters for o in request.outputs):
+                    await regions.current()
                 # reading a region and copying large tensors stay off the event loop
                 call = await asyncio.to_thread(parse) if shm or request.ByteSize() > INLINE_PARSE_BYTES else parse()
                 for o in call.outputs or []:
@@ -244,7 +246,7 @@ class InferenceService:
 
     # -- shared memory ---------------------------------------------------------------------
     async def SystemSharedMemoryStatus(self, request, context) -> pb.SystemSharedMemoryStatusResponse:
-        rows = self.gw.regions.status(self.caller(context, "system shared memory"), request.name or None)
+        rows = await self.gw.regions.status(self.caller(context, "system shared memory"), request.name or None)
         out = pb.SystemSharedMemoryStatusResponse()
         for r in rows:
             out.regions[r["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
@@ -252,11 +254,11 @@ class InferenceService:
 
     async def SystemSharedMemoryRegister(self, request, context) -> pb.SystemSharedMemoryRegisterResponse:
         uid = self.caller(context, "registering system shared memory")
-        self.gw.regions.register(uid, request.name, request.key, request.offset, request.byte_size)
+        await self.gw.regions.register(uid, request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, context) -> pb.SystemSharedMemoryUnregisterResponse:
-        self.gw.regions.unregister(self.caller(context, "system shared memory"), request.name or None)
+        await self.gw.regions.unregister(self.caller(context, "system shared memory"), request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request, context) -> pb.CudaSharedMemoryStatusResponse:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import deque
 from collections.abc import AsyncIterator
 from email.utils import formatdate
@@ -31,7 +32,7 @@ import httptools
 from aiohttp import web
 
 from gepool.common import errors
-from gepool.http import limits, rsgi
+from gepool.http import limits, listen, rsgi
 from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
@@ -531,20 +532,20 @@ class Listener:
     ``idle_timeout_s`` bounds how long a connection may take to send a request's headers, counted from
     its opening or its previous answer, and how long a body may take to arrive (408)."""
 
-    def __init__(self, router: rsgi.Router, host: str, port: int, idle_timeout_s: float, max_body: int) -> None:
-        self.router, self.host, self.port = router, host, port
+    def __init__(self, router: rsgi.Router, host: str, port: int, idle_timeout_s: float, max_body: int,
+                 socks: list[socket.socket] | None = None) -> None:
+        self.router, self.host, self.port, self.socks = router, host, port, socks
         self.idle_timeout_s, self.max_body = idle_timeout_s, max_body
         self.connections: set[Connection] = set()
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.Task | None = None
         self.date = _date()
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: Connection(self), self.host, self.port,
-                                                     reuse_address=True, backlog=1024)
+        self._servers = await listen.serve(self.loop, lambda: Connection(self), self.host, self.port, self.socks)
         self._sweeper = self.loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
@@ -569,9 +570,10 @@ class Listener:
         self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is None:
+        if not self._servers:
             return
-        self._server.close()
+        for server in self._servers:
+            server.close()
         for conn in list(self.connections):
             if not conn.queue:
                 conn._close()
@@ -580,4 +582,5 @@ class Listener:
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
             conn._abort()
-        await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()

@@ -15,7 +15,9 @@ What one request may cost is bounded in ``limits.py``; who may call what, in ``a
 import argparse
 import asyncio
 import logging
+import mmap
 import os
+import socket
 import sys
 
 from aiohttp import web
@@ -26,7 +28,7 @@ from gepool.clientcore import ANSWER_GRACE_S
 from gepool.common import errors, gc_policy
 from gepool.common.logsettings import LogSettings
 from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
-from gepool.http import host, kserve, limits, metrics, peer, rsgi, servers, trace
+from gepool.http import host, kserve, limits, listen, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
 from gepool.http.limits import (
@@ -41,6 +43,7 @@ from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
 from gepool.http.statistics import model_statistics
 from gepool.ipc.protocol import ModelState, Origin
+from gepool.scheduler.regions import TOKEN_ENV, version_page
 
 log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",
@@ -64,11 +67,22 @@ def _error(status: int, message: str) -> web.Response:
 class Gateway:
     def __init__(self, endpoint: str, curve_key: str | None = None, restrictions: Restrictions | None = None,
                  max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
-                 strict_readiness: bool = True, front_ready: bool = False) -> None:
+                 strict_readiness: bool = True, front_ready: bool = False,
+                 regions: tuple[str, mmap.mmap] | None = None) -> None:
+        """``regions``: the token and version page of the front's shared-memory record (a sidecar the pool
+        started); None: this process keeps its own."""
         self.endpoint, self.curve_key, self.strict_readiness = endpoint, curve_key, strict_readiness
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
-        self.regions = Regions()
+        if regions is None:
+            self.regions = Regions()
+        else:
+            token, page = regions
+
+            async def book(args: dict) -> dict:
+                return await (await self.front()).query("regions", {**args, "token": token})
+
+            self.regions = Regions(book, page)
         self.restrictions = restrictions or Restrictions()
         self.max_body, self.body_timeout = max_body, body_timeout
         self.owner_uid = os.geteuid()
@@ -254,6 +268,8 @@ class Gateway:
             try:
                 hlen = kserve.header_length(body, header_length)
                 shm = body.find(b"shared_memory_region", 0, hlen) >= 0
+                if shm:
+                    await self.regions.current()
                 if INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
                     req = await self.offload.parse(body, header_length, self.max_body)
                 elif len(body) > INLINE_PARSE_BYTES or shm:
@@ -319,20 +335,21 @@ class Gateway:
     @route
     async def shm_status(self, request):
         uid = self._caller(request, "system shared memory")
-        return web.json_response(self.regions.status(uid, request.match_info.get("region")))
+        return web.json_response(await self.regions.status(uid, request.match_info.get("region")))
 
     @route
     async def shm_register(self, request):
         body = await self._json_body(request)
         uid = self._caller(request, "registering system shared memory")
-        self.regions.register(uid, request.match_info["region"], body.get("key"), body.get("offset", 0),
+        await self.regions.register(uid, request.match_info["region"], body.get("key"), body.get("offset", 0),
                               body.get("byte_size"))
         return web.Response(status=200)
 
     @route
     async def shm_unregister(self, request):
         await self._body(request)
-        self.regions.unregister(self._caller(request, "system shared memory"), request.match_info.get("region"))
+        await self.regions.unregister(self._caller(request, "system shared memory"),
+                                      request.match_info.get("region"))
         return web.Response(status=200)
 
     @route
@@ -426,8 +443,14 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
                 strict_readiness: bool = True, grpc_port: int = 0, front_ready: bool = False,
                 http_server: str = servers.DEFAULT_HTTP_SERVER,
-                grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER) -> None:
-    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready)
+                grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER,
+                inherited: dict[str, list[socket.socket]] | None = None,
+                regions: tuple[str, mmap.mmap] | None = None) -> None:
+    """Serves until SIGTERM or SIGINT, or until the pool that started it is gone. ``inherited``: listening
+    sockets by port ("http", "metrics", "grpc"), bound by the pool and shared with its other sidecars;
+    a port without them is bound here. ``regions``: see Gateway."""
+    inherited = inherited or {}
+    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready, regions)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None
     if http_port and http_server != "aiohttp":  # the KServe port on granian or httptools, routed by rsgi.Router
@@ -438,9 +461,9 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         else:
             from gepool.http import native
 
-            listener = native.Listener(router, host, http_port, body_timeout, max_body)
+            listener = native.Listener(router, host, http_port, body_timeout, max_body, inherited.get("http"))
         await listener.start()
-    for port, app in ((0 if listener else http_port, http_app(gw)), (metrics_port, None)):
+    for name, port, app in (("http", 0 if listener else http_port, http_app(gw)), ("metrics", metrics_port, None)):
         if not port:
             continue
         if app is None:
@@ -451,12 +474,16 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         # auto_decompress off: limits.decode reads compressed bodies, bounding the bytes read off the wire
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=body_timeout, auto_decompress=False)
         await runner.setup()
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        if name in inherited:
+            for sock in inherited[name]:
+                await web.SockSite(runner, sock).start()
+        else:
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
         runners.append(runner)
     if grpc_port:
         from gepool.grpc import server as grpc_server
 
-        grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind)
+        grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind, inherited.get("grpc"))
     gc_policy.settle()
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
@@ -511,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=servers.HELP)
     p.add_argument("--grpc-server", choices=servers.GRPC_SERVERS, default=servers.DEFAULT_GRPC_SERVER,
                    help=servers.GRPC_HELP)
+    for port in listen.PORTS:
+        p.add_argument(f"--{port}-fd", type=int, action="append", default=[], metavar="FD",
+                       help=f"an inherited listening socket to serve the {port} port on instead of binding it "
+                            f"(repeatable: one per address)")
+    p.add_argument("--regions-fd", type=int, metavar="FD",
+                   help="the pool's shared-memory record's version page (a memfd); with the token in "
+                        f"${TOKEN_ENV}, registered regions are the pool's, not this process's")
     p.add_argument("--front-ready", action="store_true",
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
@@ -524,6 +558,20 @@ def main(argv: list[str] | None = None) -> int:
     refusal = servers.refusal(args.http_server)
     if refusal:
         p.error(f"--http-server: {refusal}")
+    try:
+        inherited = {port: listen.adopt(getattr(args, f"{port}_fd")) for port in listen.PORTS
+                     if getattr(args, f"{port}_fd")}
+    except (OSError, ValueError) as exc:
+        p.error(f"an inherited socket: {exc}")
+    token = os.environ.pop(TOKEN_ENV, None)  # not for this process's own children
+    regions = None
+    if args.regions_fd is not None:
+        if token is None:
+            p.error(f"--regions-fd needs the pool's token in ${TOKEN_ENV}")
+        try:
+            regions = (token, version_page(args.regions_fd, writable=False))
+        except (OSError, ValueError) as exc:
+            p.error(f"--regions-fd {args.regions_fd}: {exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
         import uvloop
@@ -534,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
                       args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server,
-                      args.grpc_server))
+                      args.grpc_server, inherited, regions))
     return 0
 
 

@@ -8,20 +8,28 @@ unregisters another's. Data moves with ``os.preadv``/``os.pwritev`` on the regio
 through a mapping: a client that truncates its segment under a request gets an error for that
 request instead of killing this process with SIGBUS. A request holds a reference on each region it
 names, so an unregister during the request takes effect when the request ends.
+
+A sidecar the pool started keeps no record of its own: the front holds the pool's one record
+(``scheduler/regions.py``), so that every sidecar serving the port sees what was registered through
+any of them. This process keeps an open fd per region, reopened (and checked again) when the
+record's version changes.
 """
 
+import asyncio
+import mmap
 import os
 import stat
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from gepool.common.errors import InvalidArgument, PermissionDenied
+from gepool.common.errors import GepoolError, InvalidArgument, PermissionDenied
 from gepool.ipc import naming
+from gepool.scheduler.regions import MAX_REGIONS_PER_UID, VERSION
 
 SHM_DIR = "/dev/shm"
-MAX_REGIONS_PER_UID = 256  # each holds an open fd: no user may exhaust the sidecar's descriptors
 _RESERVED = (naming.PREFIX, "sem." + naming.PREFIX)
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
@@ -33,9 +41,11 @@ class Region:
     key: str
     offset: int
     byte_size: int
-    fd: int
+    fd: int  # -1: not open here (``broken`` says why)
     refs: int = 0
     doomed: bool = False
+    serial: int = 0  # the front's serial for it (0: a sidecar keeping its own record)
+    broken: str | None = None
 
 
 def _count(what: str, value, default: int | None = None) -> int:
@@ -58,18 +68,36 @@ def _key_name(key) -> str:
     return name
 
 
-class Regions:
-    """Every registered region by (uid, name); safe to use from the event loop and worker threads."""
+Book = Callable[[dict], Awaitable[dict]]  # the front's 'regions' query, the token added
 
-    def __init__(self) -> None:
+
+class Regions:
+    """Every registered region by (uid, name); safe to use from the event loop and worker threads.
+    ``book`` and ``page``: the front's record and its version page (a sidecar the pool started); without
+    them this process keeps the only record."""
+
+    def __init__(self, book: Book | None = None, page: mmap.mmap | None = None) -> None:
         self.regions: dict[tuple[int, str], Region] = {}
         self._lock = threading.Lock()
+        self.book, self.page = book, page
+        self.version = -1  # of the front's record as last adopted (-1: never)
+        self._syncing = asyncio.Lock()  # one exchange with the front at a time: records are adopted in order
 
-    def register(self, uid: int, name: str, key, offset, byte_size) -> None:
+    async def current(self) -> None:
+        """Adopts the front's record if it changed since last adopted: called before a request looks a
+        region up, so that one registered or unregistered through another sidecar is seen."""
+        if self.book is None or VERSION.unpack_from(self.page)[0] == self.version:
+            return
+        async with self._syncing:
+            if VERSION.unpack_from(self.page)[0] != self.version:
+                self._adopt(await self.book({"op": "list"}))
+
+    async def register(self, uid: int, name: str, key, offset, byte_size) -> None:
         offset, byte_size = _count("offset", offset, 0), _count("byte_size", byte_size)
         entry = _key_name(key)
-        with self._lock:
-            self._room(uid, name)
+        if self.book is None:
+            with self._lock:
+                self._room(uid, name)
         fd = _open(entry, key)
         try:
             st = os.fstat(fd)
@@ -84,12 +112,46 @@ class Regions:
             if byte_size == 0 or offset + byte_size > st.st_size:
                 raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args "
                                       f"(offset {offset} + byte_size {byte_size} > {st.st_size} bytes of '{key}')")
+            if self.book is not None:
+                async with self._syncing:
+                    record = await self.book({"op": "register", "uid": uid, "name": name, "key": key,
+                                              "offset": offset, "byte_size": byte_size, "dev": st.st_dev,
+                                              "ino": st.st_ino})
+                    fd = self._adopt(record, (uid, name), fd)
+                return
             with self._lock:
                 self._room(uid, name)
                 self.regions[(uid, name)] = Region(uid, name, key, offset, byte_size, fd)
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise
+
+    def _adopt(self, record: dict, mine: tuple[int, str] | None = None, fd: int = -1) -> int:
+        """Makes this process's regions the front's ``record``: a region gone from it (or registered again
+        since, under a new serial) is doomed, a new one opened here, except ``mine``, which takes ``fd``
+        (the caller's, just checked). Returns ``fd`` unless the region took it (then -1)."""
+        wanted = {(r["uid"], r["name"]): r for r in record["regions"]}
+        with self._lock:
+            for k, region in list(self.regions.items()):
+                if k not in wanted or wanted[k]["serial"] != region.serial:
+                    self._doom(self.regions.pop(k))
+            new = [r for k, r in wanted.items() if k not in self.regions]
+        for r in new:  # opened outside the lock: acquire() in worker threads need not wait for the syscalls
+            region = Region(r["uid"], r["name"], r["key"], r["offset"], r["byte_size"], -1, serial=r["serial"])
+            if (r["uid"], r["name"]) == mine:
+                region.fd, fd = fd, -1
+            else:
+                region.fd, region.broken = _reopen(r)
+            with self._lock:
+                self.regions[(region.uid, region.name)] = region
+        self.version = record["version"]
+        return fd
+
+    def _doom(self, region: Region) -> None:
+        region.doomed = True
+        if region.refs == 0 and region.fd >= 0:
+            os.close(region.fd)
 
     def _room(self, uid: int, name: str) -> None:
         if (uid, name) in self.regions:
@@ -98,17 +160,20 @@ class Regions:
             raise InvalidArgument(f"uid {uid} already has {MAX_REGIONS_PER_UID} shared memory regions registered; "
                                   f"unregister some first")
 
-    def unregister(self, uid: int | None, name: str | None) -> None:
+    async def unregister(self, uid: int | None, name: str | None) -> None:
         """One region of the caller's, or (no name) all of them; a region in use closes when released."""
+        if self.book is not None:
+            if uid is not None:
+                async with self._syncing:
+                    self._adopt(await self.book({"op": "unregister", "uid": uid, "name": name}))
+            return
         with self._lock:
             mine = [k for k in self.regions if k[0] == uid and (name is None or k[1] == name)]
             for k in mine:
-                region = self.regions.pop(k)
-                region.doomed = True
-                if region.refs == 0:
-                    os.close(region.fd)
+                self._doom(self.regions.pop(k))
 
-    def status(self, uid: int | None, name: str | None = None) -> list[dict]:
+    async def status(self, uid: int | None, name: str | None = None) -> list[dict]:
+        await self.current()
         with self._lock:
             if name is not None and (uid, name) not in self.regions:
                 raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
@@ -120,13 +185,15 @@ class Regions:
             region = self.regions.get((uid, name)) if isinstance(name, str) else None
             if region is None:
                 raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
+            if region.broken is not None:
+                raise PermissionDenied(region.broken)
             region.refs += 1
             return region
 
     def release(self, region: Region) -> None:
         with self._lock:
             region.refs -= 1
-            if region.doomed and region.refs == 0:
+            if region.doomed and region.refs == 0 and region.fd >= 0:
                 os.close(region.fd)
 
     def read(self, region: Region, offset, size, limit: int) -> memoryview:
@@ -167,9 +234,7 @@ class Regions:
     def close(self) -> None:
         with self._lock:
             for region in self.regions.values():
-                if region.refs == 0:
-                    os.close(region.fd)
-                region.doomed = True
+                self._doom(region)
             self.regions.clear()
 
 
@@ -184,6 +249,22 @@ def _open(entry: str, key: str) -> int:
         raise InvalidArgument(f"Unable to open shared memory region: '{key}': {exc.strerror}") from None
     finally:
         os.close(dir_fd)
+
+
+def _reopen(record: dict) -> tuple[int, str | None]:
+    """A region another sidecar registered, opened here: (fd, None), or (-1, why not) unless its key
+    still names the file that sidecar checked (same device and inode, same owner)."""
+    key, name = record["key"], record["name"]
+    try:
+        fd = _open(_key_name(key), key)
+    except GepoolError as exc:
+        return -1, f"shared memory region '{name}' cannot be opened again: {exc.message}"
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (record["dev"], record["ino"]) or st.st_uid != record["uid"]:
+        os.close(fd)
+        return -1, (f"shared memory region '{name}': key '{key}' no longer names the segment it was registered "
+                    f"with; unregister it and register it again")
+    return fd, None
 
 
 def _inside(region: Region, offset: int, size: int) -> None:
