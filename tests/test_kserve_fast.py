@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gepool.common.errors import InvalidArgument
-from gepool.http import kserve
+from gepool.http import jsonfast, kserve
 from tests import kserve_prev as prev
 
 JSON_TYPES = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "FP16", "BF16",
@@ -267,7 +267,7 @@ def test_other_answers_are_byte_identical(datatype):
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=300) | st.binary(max_size=60).map(lambda b: bytes(b"[{;}]{[\xdb\xfb"[c % 9] for c in b)))
 def test_the_bracket_count_counts_both_brackets_and_nothing_else(text):
-    assert kserve._brackets(text) == text.count(b"[") + text.count(b"{")
+    assert jsonfast.openings(text) == text.count(b"[") + text.count(b"{")
 
 
 @pytest.mark.parametrize("n", [3, kserve.NUMERIC_MIN])

@@ -19,6 +19,8 @@ import orjson
 from gepool.common import request_parameters
 from gepool.common.errors import InvalidArgument, RequestTooLarge
 from gepool.common.request_parameters import MAX_INT64, MAX_KEY_SHOWN
+from gepool.http import jsonfast
+from gepool.http.jsonfast import FAST_MIN_BYTES, Doubles, openings
 from gepool.ipc import dtypes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -157,6 +159,11 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
         raise InvalidArgument(f"input '{name}': receiving {datatype} data via JSON is not supported")
     dtype = numpy_dtype(datatype)
     count = math.prod(shape)
+    if type(data) is Doubles:  # FP32 or FP64 numbers read by simdjson, flattened
+        if data.values.size != count:
+            raise InvalidArgument(f"input '{name}': {data.values.size} values of data for shape {shape}")
+        with np.errstate(over="ignore"):  # past float32's range is infinity, as for Python floats
+            return data.values.astype(dtype).reshape(shape)
     if count >= NUMERIC_MIN and dtype.kind in "iuf":
         arr = _numeric(dtype, count, data)
         if arr is not None:
@@ -308,7 +315,7 @@ def load_header(raw, exact: bool = False) -> dict:
     names what is wrong as before. ``exact``: the json module only, which also keeps an integer past 64
     bits an integer (orjson reads it as a float)."""
     raw = raw if isinstance(raw, bytes) else bytes(raw)
-    if exact or len(raw) > ORJSON_MAX_BRACKETS and _brackets(raw) > ORJSON_MAX_BRACKETS:
+    if exact or len(raw) > ORJSON_MAX_BRACKETS and openings(raw) > ORJSON_MAX_BRACKETS:
         header = _load_json(raw)
     else:
         try:
@@ -318,12 +325,6 @@ def load_header(raw, exact: bool = False) -> dict:
     if not isinstance(header, dict):
         raise InvalidArgument("the request JSON must be an object")
     return header
-
-
-def _brackets(raw: bytes) -> int:
-    """How many '[' and '{' a text holds (numpy compares a byte at a time in vector code: bytes.count
-    does not). They differ in one bit, 0x20, which no other byte sets to make 0x7B."""
-    return int(np.count_nonzero((np.frombuffer(raw, np.uint8) | 0x20) == 0x7B))
 
 
 def _load_json(raw) -> object:
@@ -363,7 +364,9 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
     if max_json is not None and hlen > max_json:
         raise JSONTooLarge(json_too_large(hlen, max_json))
     raw = body if hlen == len(body) and isinstance(body, bytes) else memoryview(body)[:hlen]
-    header = load_header(raw)
+    header = jsonfast.load(bytes(raw), MAX_NESTING) if hlen >= FAST_MIN_BYTES else None
+    if header is None:
+        header = load_header(raw)
     try:
         return _parse(body, hlen, header, regions, max_input)
     except InvalidArgument:
