@@ -14,6 +14,7 @@ MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 # sidecars=0: one sidecar per this many cores, at most this many (see docs/design.md, "Sidecars")
 SIDECAR_CORES = 8
 MAX_AUTO_SIDECARS = 4
+MAX_SIDECARS = 64
 
 
 @dataclass
@@ -82,6 +83,11 @@ class PoolOptions:
             raise ValueError(f"http_server: {refusal}")
         if self.grpc_server not in GRPC_SERVERS:
             raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, not '{self.grpc_server}'")
+        if self.sidecars and not (self.http_port or self.grpc_port or self.metrics_port):
+            raise ValueError(f"sidecars={self.sidecars}: no port is served (http_port, grpc_port and metrics_port "
+                             f"are 0), so no sidecar would start")
+        if self.sidecars > MAX_SIDECARS:
+            raise ValueError(f"sidecars must be at most {MAX_SIDECARS}, not {self.sidecars}")
         if self.sidecars > 1:
             binds = self._self_binding()
             if binds:

@@ -6,7 +6,6 @@ function that starts a worker.
 
 import json
 import logging
-import mmap
 import multiprocessing
 import os
 import secrets
@@ -18,13 +17,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from gepool.common import errors
 from gepool.ipc import naming
 from gepool.ipc.sockets import runtime_dir
 from gepool.options import OPTION_NAMES, PoolOptions
-from gepool.scheduler.regions import TOKEN_ENV
+from gepool.scheduler.regions import TOKEN_ENV, version_page_fd
 
 START_TIMEOUT_S = 300.0
 GATEWAY_START_TIMEOUT_S = 60.0
@@ -65,19 +65,19 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
     gateway: list[_Sidecar] = []
     listening: list = []
     sidecars = bool(options.http_port or options.metrics_port or options.grpc_port)
+    page_fd = -1  # the sidecars' read-only descriptor of the regions' version page
     if sidecars:  # the shared-memory record the sidecars share through the front (scheduler/regions.py)
         front.sidecar_token = secrets.token_hex(16)
-        front.regions_fd = os.memfd_create("gepool-regions", os.MFD_CLOEXEC)
-        os.ftruncate(front.regions_fd, mmap.PAGESIZE)
+        front.regions_fd, page_fd = version_page_fd()
 
     def ready(status: dict) -> None:
         if sidecars:
             args = _gateway_args(status["endpoint"], options, front.repository)
             fds = _listen(options, args, listening)
             env = {**os.environ, TOKEN_ENV: front.sidecar_token}
-            shared = (*(s.fileno() for s in listening), front.regions_fd)
-            for _ in range(options.sidecar_count()):
-                gateway.append(_Sidecar([*args, *fds, f"--regions-fd={front.regions_fd}"], shared, env))
+            shared = (*(s.fileno() for s in listening), page_fd)
+            gateway.extend(_start_sidecars(options.sidecar_count(), [*args, *fds, f"--regions-fd={page_fd}"],
+                                           shared, env))
             host = options.http_host
             status["http"] = f"http://{host}:{options.http_port}" if options.http_port else None
             status["metrics"] = f"http://{host}:{options.metrics_port}/metrics" if options.metrics_port else None
@@ -95,8 +95,9 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
             sidecar.stop()
         for sock in listening:  # after the sidecars: connections still queued on a port are refused now
             sock.close()
-        if front.regions_fd >= 0:
-            os.close(front.regions_fd)
+        for fd in (front.regions_fd, page_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]:
@@ -189,6 +190,20 @@ class _Sidecar:
             proc = self.proc
         _stop(proc)
         self._watcher.join(STOP_TIMEOUT_S)
+
+
+def _start_sidecars(count: int, args: list[str], fds: tuple[int, ...], env: dict[str, str]) -> list[_Sidecar]:
+    """``count`` sidecars, started at once (each takes a second or so to import and listen); if one fails
+    to start, the others are stopped and its error raised."""
+    with ThreadPoolExecutor(count, thread_name_prefix="gepool-sidecar-start") as starting:
+        futures = [starting.submit(_Sidecar, args, fds, env) for _ in range(count)]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = next((f.exception() for f in futures if f.exception() is not None), None)
+    if failed is not None:
+        for sidecar in started:
+            sidecar.stop()
+        raise failed
+    return started
 
 
 def _start_gateway(args: list[str], fds: tuple[int, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -190,4 +190,5 @@ def answer_query(core: Core, what: str, args: object) -> dict:
         if model is None or model.config is None:
             raise errors.ModelNotReady(f"model '{group.name}' has no valid config: {group.error}")
         return model.rendered_config()
-    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, index, metadata, config, load, unload)")
+    raise errors.InvalidArgument(f"unknown query '{what}' (status, stats, index, metadata, config, load, unload, "
+                                 f"logging, regions)")

@@ -14,7 +14,7 @@ import pytest
 
 from gepool import Pool
 from gepool.common import errors
-from gepool.options import MAX_AUTO_SIDECARS, PoolOptions
+from gepool.options import MAX_AUTO_SIDECARS, MAX_SIDECARS, PoolOptions
 from tests import repo as test_repo
 from tests.conftest import free_port, running, sidecar_pids, wait_until
 
@@ -191,7 +191,11 @@ def test_sidecars_option_is_checked_and_sized(tmp_path, monkeypatch):
         PoolOptions(repo, sidecars=-1).check()
     with pytest.raises(ValueError, match="sidecars=2: grpc_server is grpcio"):
         PoolOptions(repo, grpc_port=8001, grpc_server="grpcio", sidecars=2).check()
-    PoolOptions(repo, grpc_port=0, grpc_server="grpcio", sidecars=2).check()  # no gRPC port: nothing binds itself
+    PoolOptions(repo, http_port=8000, grpc_server="grpcio", sidecars=2).check()  # no gRPC port: nothing binds itself
+    with pytest.raises(ValueError, match="sidecars=2: no port is served"):
+        PoolOptions(repo, sidecars=2).check()
+    with pytest.raises(ValueError, match=f"sidecars must be at most {MAX_SIDECARS}"):
+        PoolOptions(repo, http_port=8000, sidecars=MAX_SIDECARS + 1).check()
     for cores, want in ((2, 1), (15, 1), (16, 2), (24, 3), (64, MAX_AUTO_SIDECARS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert PoolOptions(repo, http_port=8000).sidecar_count() == want
@@ -209,3 +213,176 @@ def test_a_port_in_use_is_refused_for_every_sidecar(tmp_path):
                                                       f"already in use"):
             with Pool(str(tmp_path), http_port=free_port(), metrics_port=port, sidecars=2):
                 pass
+
+
+def fds_naming(pid: int, needle: str) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if needle in target:
+            out.append(target)
+    return out
+
+
+def test_a_long_key_or_name_is_refused_at_once(two):
+    """A key or name past 256 characters is a 400 naming the limit, before the front hears of it (a query
+    over the front's message limit went unanswered, and every register waited behind it)."""
+    _, ports = two
+    http = ports["http_port"]
+    key = segment(f"sidecars-long-{os.getpid()}", X)
+    try:
+        code, reply = post(http, "/v2/systemsharedmemory/region/r/register",
+                           {"key": "/" * 300_000 + key, "byte_size": X.nbytes})
+        assert code == 400 and "shared memory key of 300" in reply["error"] and "longer than 256" in reply["error"]
+        code, reply = post(http, f"/v2/systemsharedmemory/region/{'n' * 300}/register",
+                           {"key": key, "byte_size": X.nbytes})
+        assert code == 400 and "region name of 300 characters is longer than 256" in reply["error"]
+        assert register(http, "r", key) == 200  # and the next register is served at once
+    finally:
+        post(http, "/v2/systemsharedmemory/unregister")
+        os.unlink(f"/dev/shm/{key}")
+
+
+def test_an_escaped_region_key_still_sees_the_current_record(two):
+    """A request naming its region as "shared\\u005fmemory_region" (the same key once parsed) after an
+    unregister through the other sidecar is refused, not served from the segment still open there."""
+    pool, ports = two
+    a, b = sidecar_pids(pool)
+    http = ports["http_port"]
+    key = segment(f"sidecars-escaped-{os.getpid()}", X)
+    escaped = ('{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "parameters": '
+               '{"shared\\u005fmemory_region": "r", "shared_memory_byte_size": ' f'{X.nbytes}' '}}]}').encode()
+
+    def infer_escaped() -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/tiny/infer", data=escaped, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        with only(a, [a, b]):
+            assert register(http, "r", key) == 200
+        with only(b, [a, b]):
+            code, reply = infer_escaped()
+            assert code == 200 and reply["outputs"][0]["data"] == (2 * X + 1).ravel().tolist()
+        with only(a, [a, b]):
+            assert post(http, "/v2/systemsharedmemory/region/r/unregister")[0] == 200
+        with only(b, [a, b]):
+            code, reply = infer_escaped()
+            assert code == 400 and "Unable to find system shared memory region: 'r'" in reply["error"]
+    finally:
+        post(http, "/v2/systemsharedmemory/unregister")
+        os.unlink(f"/dev/shm/{key}")
+
+
+def test_an_idle_sidecar_closes_a_segment_unregistered_through_another(two):
+    pool, ports = two
+    a, b = sidecar_pids(pool)
+    http = ports["http_port"]
+    key = segment(f"sidecars-idle-{os.getpid()}", X)
+    try:
+        with only(a, [a, b]):
+            assert register(http, "r", key) == 200
+        assert wait_until(lambda: fds_naming(b, key), 30)  # b adopts the record on its own, and opens it
+        with only(a, [a, b]):
+            assert post(http, "/v2/systemsharedmemory/region/r/unregister")[0] == 200
+        assert wait_until(lambda: not fds_naming(a, key) and not fds_naming(b, key), 30)
+    finally:
+        post(http, "/v2/systemsharedmemory/unregister")
+        os.unlink(f"/dev/shm/{key}")
+
+
+def test_a_sidecar_short_of_descriptors_answers_503_and_opens_the_region_once_it_has_them(tmp_path):
+    """The sidecar's Regions wired to the front's RegionBook in this process (the query's transport aside):
+    with every descriptor taken, a region registered elsewhere is 503 "try again", not refused for good."""
+    import asyncio
+    import resource
+
+    from gepool.http.shm import Regions
+    from gepool.scheduler.regions import RegionBook, version_page, version_page_fd
+
+    key = segment(f"sidecars-emfile-{os.getpid()}", X)
+    rw, ro = version_page_fd()
+    book = RegionBook("t" * 32, rw)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+
+    async def ask(args: dict) -> dict:
+        return book.answer({**args, "token": "t" * 32})
+
+    async def main() -> None:
+        here, elsewhere = Regions(ask, version_page(ro, False)), Regions(ask, version_page(ro, False))
+        try:
+            await elsewhere.register(os.getuid(), "r", key, 0, X.nbytes)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+            while True:  # every descriptor taken
+                try:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            await here.current()
+            with pytest.raises(errors.Unavailable, match="Too many open files; try again"):
+                here.acquire(os.getuid(), "r")
+            os.close(held.pop())
+            os.close(held.pop())
+            region = here.acquire(os.getuid(), "r")
+            try:
+                assert bytes(here.read(region, 0, None, X.nbytes)) == X.tobytes()
+            finally:
+                here.release(region)
+        finally:
+            here.close()
+            elsewhere.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        book.close()
+        os.close(rw)
+        os.close(ro)
+        os.unlink(f"/dev/shm/{key}")
+
+
+def test_the_version_page_is_sealed_and_read_only_in_the_sidecars(two):
+    pool, _ = two
+    front = pool.process.pid
+    for pid in sidecar_pids(pool):
+        for n in os.listdir(f"/proc/{pid}/fd"):
+            if "memfd:gepool-regions" in os.readlink(f"/proc/{pid}/fd/{n}"):
+                with open(f"/proc/{pid}/fdinfo/{n}") as info:
+                    flags = int(next(line for line in info if line.startswith("flags:")).split()[1], 8)
+                assert flags & os.O_ACCMODE == os.O_RDONLY, (pid, n, oct(flags))
+    fds = [n for n in os.listdir(f"/proc/{front}/fd") if "memfd:gepool-regions" in os.readlink(f"/proc/{front}/fd/{n}")]
+    assert fds  # the front's own (read-write) and the one it hands the sidecars (read-only)
+    page = os.open(f"/proc/{front}/fd/{fds[0]}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(page, 0)  # F_SEAL_SHRINK: no process can make the front's mapping fault
+    finally:
+        os.close(page)
+
+
+def test_the_record_answers_a_change_with_the_change_alone():
+    from gepool.scheduler.regions import RegionBook
+
+    book = RegionBook("t" * 32)
+    region = {"uid": 5, "key": "k", "offset": 0, "byte_size": 4, "dev": 1, "ino": 2}
+    for i in range(3):
+        change = book.answer({"op": "register", "token": "t" * 32, "name": f"r{i}", **region})
+        assert set(change) == {"version", "region"} and change["version"] == i + 1
+    assert len(book.answer({"op": "list", "token": "t" * 32})["regions"]) == 3
+    change = book.answer({"op": "unregister", "token": "t" * 32, "uid": 5, "name": "r1"})
+    assert change == {"version": 4, "removed": [[5, "r1"]]}
+    for token in ("é" * 32, None, "t" * 31):
+        with pytest.raises(errors.PermissionDenied):
+            book.answer({"op": "list", "token": token})
+    with pytest.raises(errors.InvalidArgument, match="key of 257 characters is longer than 256"):
+        book.answer({"op": "register", "token": "t" * 32, "name": "x", **region, "key": "k" * 257})

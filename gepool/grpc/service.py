@@ -142,7 +142,7 @@ class InferenceService:
         try:
             try:
                 shm = any("shared_memory_region" in i.parameters for i in request.inputs)
-                if shm or any("shared_memory_region" in o.parameters for o in request.outputs):
+                if regions.stale():
                     await regions.current()
                 # reading a region and copying large tensors stay off the event loop
                 call = await asyncio.to_thread(parse) if shm or request.ByteSize() > INLINE_PARSE_BYTES else parse()

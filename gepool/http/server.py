@@ -268,7 +268,7 @@ class Gateway:
             try:
                 hlen = kserve.header_length(body, header_length)
                 shm = body.find(b"shared_memory_region", 0, hlen) >= 0
-                if shm:
+                if self.regions.stale():  # not only when shm: the key may be spelled with escapes
                     await self.regions.current()
                 if INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
                     req = await self.offload.parse(body, header_length, self.max_body)
@@ -484,6 +484,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         from gepool.grpc import server as grpc_server
 
         grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind, inherited.get("grpc"))
+    gw.regions.watch()
     gc_policy.settle()
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
@@ -558,6 +559,10 @@ def main(argv: list[str] | None = None) -> int:
     refusal = servers.refusal(args.http_server)
     if refusal:
         p.error(f"--http-server: {refusal}")
+    if args.http_fd and args.http_server == "granian":
+        p.error("--http-fd: granian binds its own port; serve an inherited socket with httptools or aiohttp")
+    if args.grpc_fd and args.grpc_server == "grpcio":
+        p.error("--grpc-fd: grpc.aio binds its own port; serve an inherited socket with the native server")
     try:
         inherited = {port: listen.adopt(getattr(args, f"{port}_fd")) for port in listen.PORTS
                      if getattr(args, f"{port}_fd")}
@@ -570,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--regions-fd needs the pool's token in ${TOKEN_ENV}")
         try:
             regions = (token, version_page(args.regions_fd, writable=False))
+            os.close(args.regions_fd)  # the mapping holds the page
         except (OSError, ValueError) as exc:
             p.error(f"--regions-fd {args.regions_fd}: {exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")

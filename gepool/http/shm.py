@@ -16,6 +16,8 @@ record's version changes.
 """
 
 import asyncio
+import errno
+import logging
 import mmap
 import os
 import stat
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gepool.common.errors import GepoolError, InvalidArgument, PermissionDenied
+from gepool.common.errors import GepoolError, InvalidArgument, PermissionDenied, Unavailable
 from gepool.ipc import naming
-from gepool.scheduler.regions import MAX_REGIONS_PER_UID, VERSION
+from gepool.scheduler.regions import MAX_REGIONS_PER_UID, VERSION, check_text
 
+log = logging.getLogger("gepool.http")
 SHM_DIR = "/dev/shm"
 _RESERVED = (naming.PREFIX, "sem." + naming.PREFIX)
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -45,7 +48,10 @@ class Region:
     refs: int = 0
     doomed: bool = False
     serial: int = 0  # the front's serial for it (0: a sidecar keeping its own record)
-    broken: str | None = None
+    dev: int = 0  # the file the registering sidecar checked, which every other must open again
+    ino: int = 0
+    broken: str | None = None  # why it can never be opened here (403)
+    lacking: str | None = None  # why it could not be opened here the last time it was tried (503, tried again)
 
 
 def _count(what: str, value, default: int | None = None) -> int:
@@ -58,7 +64,8 @@ def _count(what: str, value, default: int | None = None) -> int:
 
 def _key_name(key) -> str:
     if not isinstance(key, str):
-        raise InvalidArgument(f"shared memory key must be a string naming an object in {SHM_DIR}, got {key!r}")
+        raise InvalidArgument(f"shared memory key must be a string naming an object in {SHM_DIR}, got {key!r:.200}")
+    check_text("key", key)
     name = key.lstrip("/")
     if not name or "/" in name or "\0" in name or name in (".", ".."):
         raise InvalidArgument(f"shared memory key must name one object directly in {SHM_DIR}, got {key!r}")
@@ -69,6 +76,8 @@ def _key_name(key) -> str:
 
 
 Book = Callable[[dict], Awaitable[dict]]  # the front's 'regions' query, the token added
+BOOK_TIMEOUT_S = 10.0  # a 'regions' query the front has not answered by then fails (503), freeing the others
+WATCH_S = 1.0  # an idle sidecar adopts a changed record this often: unregistered segments close in it too
 
 
 class Regions:
@@ -82,19 +91,45 @@ class Regions:
         self.book, self.page = book, page
         self.version = -1  # of the front's record as last adopted (-1: never)
         self._syncing = asyncio.Lock()  # one exchange with the front at a time: records are adopted in order
+        self._watcher: asyncio.Task | None = None
+
+    def stale(self) -> bool:
+        """Whether the front's record changed since this process adopted it (a read of the shared page)."""
+        return self.book is not None and VERSION.unpack_from(self.page)[0] != self.version
 
     async def current(self) -> None:
-        """Adopts the front's record if it changed since last adopted: called before a request looks a
+        """Adopts the front's record if it changed since last adopted: called before a request may look a
         region up, so that one registered or unregistered through another sidecar is seen."""
-        if self.book is None or VERSION.unpack_from(self.page)[0] == self.version:
+        if not self.stale():
             return
         async with self._syncing:
-            if VERSION.unpack_from(self.page)[0] != self.version:
-                self._adopt(await self.book({"op": "list"}))
+            if self.stale():
+                self._adopt(await self._ask({"op": "list"}))
+
+    def watch(self) -> None:
+        """Adopts a changed record every WATCH_S even with no request here (closing unregistered segments)."""
+        if self.book is not None and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self.current()
+            except GepoolError as exc:  # the front busy or gone: the next request or pass tries again
+                log.debug("could not adopt the shared-memory record: %s", exc)
+
+    async def _ask(self, args: dict) -> dict:
+        try:
+            return await asyncio.wait_for(self.book(args), BOOK_TIMEOUT_S)
+        except TimeoutError:
+            raise Unavailable(f"the pool did not answer about shared memory regions within {BOOK_TIMEOUT_S:.0f} "
+                              f"s") from None
 
     async def register(self, uid: int, name: str, key, offset, byte_size) -> None:
         offset, byte_size = _count("offset", offset, 0), _count("byte_size", byte_size)
         entry = _key_name(key)
+        check_text("region name", name)
         if self.book is None:
             with self._lock:
                 self._room(uid, name)
@@ -114,14 +149,22 @@ class Regions:
                                       f"(offset {offset} + byte_size {byte_size} > {st.st_size} bytes of '{key}')")
             if self.book is not None:
                 async with self._syncing:
-                    record = await self.book({"op": "register", "uid": uid, "name": name, "key": key,
+                    change = await self._ask({"op": "register", "uid": uid, "name": name, "key": key,
                                               "offset": offset, "byte_size": byte_size, "dev": st.st_dev,
                                               "ino": st.st_ino})
-                    fd = self._adopt(record, (uid, name), fd)
+                    if change["version"] == self.version + 1:
+                        self._add(change["region"], fd)
+                        fd = -1
+                        self.version = change["version"]
+                    else:  # other sidecars changed it too meanwhile: the whole record, this region's fd kept
+                        fd = self._adopt(await self._ask({"op": "list"}), (uid, name), fd)
+                if fd >= 0:  # unregistered again (through another sidecar) before this one adopted it
+                    os.close(fd)
                 return
             with self._lock:
                 self._room(uid, name)
-                self.regions[(uid, name)] = Region(uid, name, key, offset, byte_size, fd)
+                self.regions[(uid, name)] = Region(uid, name, key, offset, byte_size, fd, dev=st.st_dev,
+                                                   ino=st.st_ino)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -137,16 +180,24 @@ class Regions:
                 if k not in wanted or wanted[k]["serial"] != region.serial:
                     self._doom(self.regions.pop(k))
             new = [r for k, r in wanted.items() if k not in self.regions]
-        for r in new:  # opened outside the lock: acquire() in worker threads need not wait for the syscalls
-            region = Region(r["uid"], r["name"], r["key"], r["offset"], r["byte_size"], -1, serial=r["serial"])
+        for r in new:
             if (r["uid"], r["name"]) == mine:
-                region.fd, fd = fd, -1
+                self._add(r, fd)
+                fd = -1
             else:
-                region.fd, region.broken = _reopen(r)
-            with self._lock:
-                self.regions[(region.uid, region.name)] = region
+                self._add(r, -1)
         self.version = record["version"]
         return fd
+
+    def _add(self, r: dict, fd: int) -> None:
+        """The front's region ``r`` into this process's, on ``fd`` (the registering caller's) or, with -1,
+        opened here (outside the lock: acquire() in worker threads need not wait for the syscalls)."""
+        region = Region(r["uid"], r["name"], r["key"], r["offset"], r["byte_size"], fd, serial=r["serial"],
+                        dev=r["dev"], ino=r["ino"])
+        if fd < 0:
+            _open_again(region)
+        with self._lock:
+            self.regions[(region.uid, region.name)] = region
 
     def _doom(self, region: Region) -> None:
         region.doomed = True
@@ -165,7 +216,15 @@ class Regions:
         if self.book is not None:
             if uid is not None:
                 async with self._syncing:
-                    self._adopt(await self.book({"op": "unregister", "uid": uid, "name": name}))
+                    change = await self._ask({"op": "unregister", "uid": uid, "name": name})
+                    if change["version"] == self.version + bool(change["removed"]):
+                        with self._lock:
+                            for owner, n in change["removed"]:
+                                if (owner, n) in self.regions:
+                                    self._doom(self.regions.pop((owner, n)))
+                        self.version = change["version"]
+                    else:  # other sidecars changed it too meanwhile
+                        self._adopt(await self._ask({"op": "list"}))
             return
         with self._lock:
             mine = [k for k in self.regions if k[0] == uid and (name is None or k[1] == name)]
@@ -185,8 +244,12 @@ class Regions:
             region = self.regions.get((uid, name)) if isinstance(name, str) else None
             if region is None:
                 raise InvalidArgument(f"Unable to find system shared memory region: '{name}'")
+            if region.fd < 0 and region.broken is None:  # it could not be opened for want of a descriptor
+                _open_again(region)
             if region.broken is not None:
                 raise PermissionDenied(region.broken)
+            if region.fd < 0:
+                raise Unavailable(f"shared memory region '{name}' cannot be opened here now: {region.lacking}")
             region.refs += 1
             return region
 
@@ -232,6 +295,8 @@ class Regions:
             pos += os.pwritev(region.fd, [view[pos:]], start + pos)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         with self._lock:
             for region in self.regions.values():
                 self._doom(region)
@@ -239,32 +304,52 @@ class Regions:
 
 
 def _open(entry: str, key: str) -> int:
-    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """The segment ``entry`` opened without following links; Unavailable when this process lacks a
+    descriptor or memory for it (the caller may try again), InvalidArgument or PermissionDenied else."""
+    try:
+        dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _open_error(key, exc) from None
     try:
         return os.open(entry, _OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
-        if os.path.islink(os.path.join(SHM_DIR, entry)):
+        if exc.errno not in _LACKING and os.path.islink(os.path.join(SHM_DIR, entry)):
             raise PermissionDenied(f"shared memory key '{key}' is a symbolic link; register the segment "
                                    f"itself") from None
-        raise InvalidArgument(f"Unable to open shared memory region: '{key}': {exc.strerror}") from None
+        raise _open_error(key, exc) from None
     finally:
         os.close(dir_fd)
 
 
-def _reopen(record: dict) -> tuple[int, str | None]:
-    """A region another sidecar registered, opened here: (fd, None), or (-1, why not) unless its key
-    still names the file that sidecar checked (same device and inode, same owner)."""
-    key, name = record["key"], record["name"]
+_LACKING = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def _open_error(key: str, exc: OSError) -> GepoolError:
+    if exc.errno in _LACKING:
+        return Unavailable(f"Unable to open shared memory region: '{key}': {exc.strerror}; try again")
+    return InvalidArgument(f"Unable to open shared memory region: '{key}': {exc.strerror}")
+
+
+def _open_again(region: Region) -> None:
+    """A region another sidecar registered, opened here, unless its key no longer names the file that
+    sidecar checked (same device and inode, same owner): then ``broken`` says so for good. A want of
+    descriptors or memory is not for good: ``lacking`` says it, and the next acquire tries again."""
+    key, name = region.key, region.name
     try:
         fd = _open(_key_name(key), key)
+    except Unavailable as exc:
+        region.lacking = exc.message
+        return
     except GepoolError as exc:
-        return -1, f"shared memory region '{name}' cannot be opened again: {exc.message}"
+        region.broken = f"shared memory region '{name}' cannot be opened again: {exc.message}"
+        return
     st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != (record["dev"], record["ino"]) or st.st_uid != record["uid"]:
+    if (st.st_dev, st.st_ino) != (region.dev, region.ino) or st.st_uid != region.uid:
         os.close(fd)
-        return -1, (f"shared memory region '{name}': key '{key}' no longer names the segment it was registered "
-                    f"with; unregister it and register it again")
-    return fd, None
+        region.broken = (f"shared memory region '{name}': key '{key}' no longer names the segment it was "
+                         f"registered with; unregister it and register it again")
+        return
+    region.fd, region.lacking = fd, None
 
 
 def _inside(region: Region, offset: int, size: int) -> None:
