@@ -45,8 +45,8 @@ def only(pid: int, others: list[int]):
                 os.kill(other, signal.SIGCONT)
 
 
-def post(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
-    data = json.dumps(body or {}).encode()
+def post(port: int, path: str, body: dict | bytes | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=60) as r:  # a new connection each time
@@ -75,6 +75,19 @@ def segment(name: str, data: np.ndarray) -> str:
     return name
 
 
+@contextmanager
+def segments(http: int, *contents: np.ndarray):
+    """Fresh /dev/shm segments holding ``contents``; afterwards every region of ours is unregistered and
+    each segment removed."""
+    keys = [segment(f"sidecars-{os.getpid()}-{i}", data) for i, data in enumerate(contents)]
+    try:
+        yield keys
+    finally:
+        post(http, "/v2/systemsharedmemory/unregister")
+        for key in keys:
+            os.unlink(f"/dev/shm/{key}")
+
+
 def test_every_sidecar_accepts_on_each_shared_port(two):
     import tritonclient.grpc as grpcclient
 
@@ -100,9 +113,7 @@ def test_a_region_registered_through_one_sidecar_is_the_pools(two):
     pool, ports = two
     a, b = sidecar_pids(pool)
     http = ports["http_port"]
-    first = segment(f"sidecars-first-{os.getpid()}", X)
-    second = segment(f"sidecars-second-{os.getpid()}", X + 100)
-    try:
+    with segments(http, X, X + 100) as (first, second):
         with only(a, [a, b]):
             assert register(http, "r", first) == 200
         with only(b, [a, b]):
@@ -121,10 +132,6 @@ def test_a_region_registered_through_one_sidecar_is_the_pools(two):
             assert code == 200 and reply["outputs"][0]["data"] == (2 * (X + 100) + 1).ravel().tolist()
             code, reply = post(http, "/v2/systemsharedmemory/region/r/register", {"key": first, "byte_size": X.nbytes})
             assert code == 400 and "already in manager" in reply["error"]
-    finally:
-        post(http, "/v2/systemsharedmemory/unregister")
-        os.unlink(f"/dev/shm/{first}")
-        os.unlink(f"/dev/shm/{second}")
 
 
 def test_a_segment_replaced_after_registering_is_refused_by_the_other_sidecars(two):
@@ -132,8 +139,7 @@ def test_a_segment_replaced_after_registering_is_refused_by_the_other_sidecars(t
     pool, ports = two
     a, b = sidecar_pids(pool)
     http = ports["http_port"]
-    key = segment(f"sidecars-swapped-{os.getpid()}", X)
-    try:
+    with segments(http, X) as (key,):
         with only(a, [a, b]):
             assert register(http, "s", key) == 200
         os.unlink(f"/dev/shm/{key}")
@@ -144,9 +150,6 @@ def test_a_segment_replaced_after_registering_is_refused_by_the_other_sidecars(t
         with only(a, [a, b]):  # A checked it and holds it open: it reads the segment it registered
             code, reply = infer_shm(http, "s")
             assert code == 200 and reply["outputs"][0]["data"] == (2 * X + 1).ravel().tolist()
-    finally:
-        post(http, "/v2/systemsharedmemory/unregister")
-        os.unlink(f"/dev/shm/{key}")
 
 
 def test_only_the_pools_sidecars_may_use_the_record(two):
@@ -232,8 +235,7 @@ def test_a_long_key_or_name_is_refused_at_once(two):
     over the front's message limit went unanswered, and every register waited behind it)."""
     _, ports = two
     http = ports["http_port"]
-    key = segment(f"sidecars-long-{os.getpid()}", X)
-    try:
+    with segments(http, X) as (key,):
         code, reply = post(http, "/v2/systemsharedmemory/region/r/register",
                            {"key": "/" * 300_000 + key, "byte_size": X.nbytes})
         assert code == 400 and "shared memory key of 300" in reply["error"] and "longer than 256" in reply["error"]
@@ -241,9 +243,6 @@ def test_a_long_key_or_name_is_refused_at_once(two):
                            {"key": key, "byte_size": X.nbytes})
         assert code == 400 and "region name of 300 characters is longer than 256" in reply["error"]
         assert register(http, "r", key) == 200  # and the next register is served at once
-    finally:
-        post(http, "/v2/systemsharedmemory/unregister")
-        os.unlink(f"/dev/shm/{key}")
 
 
 def test_an_escaped_region_key_still_sees_the_current_record(two):
@@ -252,19 +251,13 @@ def test_an_escaped_region_key_still_sees_the_current_record(two):
     pool, ports = two
     a, b = sidecar_pids(pool)
     http = ports["http_port"]
-    key = segment(f"sidecars-escaped-{os.getpid()}", X)
     escaped = ('{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "parameters": '
                '{"shared\\u005fmemory_region": "r", "shared_memory_byte_size": ' f'{X.nbytes}' '}}]}').encode()
 
     def infer_escaped() -> tuple[int, dict]:
-        req = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/tiny/infer", data=escaped, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return post(http, "/v2/models/tiny/infer", escaped)
 
-    try:
+    with segments(http, X) as (key,):
         with only(a, [a, b]):
             assert register(http, "r", key) == 200
         with only(b, [a, b]):
@@ -275,26 +268,19 @@ def test_an_escaped_region_key_still_sees_the_current_record(two):
         with only(b, [a, b]):
             code, reply = infer_escaped()
             assert code == 400 and "Unable to find system shared memory region: 'r'" in reply["error"]
-    finally:
-        post(http, "/v2/systemsharedmemory/unregister")
-        os.unlink(f"/dev/shm/{key}")
 
 
 def test_an_idle_sidecar_closes_a_segment_unregistered_through_another(two):
     pool, ports = two
     a, b = sidecar_pids(pool)
     http = ports["http_port"]
-    key = segment(f"sidecars-idle-{os.getpid()}", X)
-    try:
+    with segments(http, X) as (key,):
         with only(a, [a, b]):
             assert register(http, "r", key) == 200
         assert wait_until(lambda: fds_naming(b, key), 30)  # b adopts the record on its own, and opens it
         with only(a, [a, b]):
             assert post(http, "/v2/systemsharedmemory/region/r/unregister")[0] == 200
         assert wait_until(lambda: not fds_naming(a, key) and not fds_naming(b, key), 30)
-    finally:
-        post(http, "/v2/systemsharedmemory/unregister")
-        os.unlink(f"/dev/shm/{key}")
 
 
 def test_a_sidecar_short_of_descriptors_answers_503_and_opens_the_region_once_it_has_them(tmp_path):
