@@ -131,3 +131,24 @@ def test_a_float_body_takes_the_fast_path_and_an_int_body_keeps_its_integers():
     body = body_of([{"name": "X", "datatype": "INT64", "shape": [len(big)], "data": big}])
     assert type(jsonfast.load(body, kserve.MAX_NESTING)["inputs"][0]["data"]) is list
     assert kserve.parse_request(body, None).inputs["X"].tolist() == big
+
+
+def test_a_thread_keeps_no_parser_sized_for_a_large_document():
+    """A parser kept per thread keeps the buffers of the largest document it read: past KEEP_PARSER_BYTES the
+    document gets a parser of its own, dropped with it."""
+    import threading
+
+    kept = {}
+
+    def parse(body: bytes) -> None:
+        kserve.parse_request(body, None)
+        kept[len(body)] = getattr(jsonfast._local, "parser", None)
+
+    small = orjson.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [512], "data": [0.5] * 512}]})
+    large = orjson.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [40_000], "data": [0.5] * 40_000}]})
+    assert len(small) <= jsonfast.KEEP_PARSER_BYTES < len(large)
+    for body in (small, large):
+        thread = threading.Thread(target=parse, args=(body,))
+        thread.start()
+        thread.join()
+    assert kept[len(small)] is not None and kept[len(large)] is None

@@ -372,3 +372,59 @@ def test_the_record_answers_a_change_with_the_change_alone():
             book.answer({"op": "list", "token": token})
     with pytest.raises(errors.InvalidArgument, match="key of 257 characters is longer than 256"):
         book.answer({"op": "register", "token": "t" * 32, "name": "x", **region, "key": "k" * 257})
+
+
+def test_a_name_registered_again_elsewhere_during_a_register_is_read_from_its_new_segment():
+    """Sidecar A registers r while one change behind; before A fetches the whole record, B unregisters r and
+    registers it again on another segment. A must not keep its descriptor of the first segment under the
+    record of the second (the Regions of both wired to the front's RegionBook in this process)."""
+    import asyncio
+
+    from gepool.http.shm import Regions
+    from gepool.scheduler.regions import RegionBook, version_page, version_page_fd
+
+    keys = [segment(f"sidecars-again-{os.getpid()}-{i}", data) for i, data in enumerate((X, X + 1, X + 2))]
+    rw, ro = version_page_fd()
+    book = RegionBook("t" * 32, rw)
+    uid = os.getuid()
+
+    async def main() -> None:
+        async def ask_b(args: dict) -> dict:
+            return book.answer({**args, "token": "t" * 32})
+
+        b = Regions(ask_b, version_page(ro, False))
+        raced = []
+
+        async def ask_a(args: dict) -> dict:
+            answer = book.answer({**args, "token": "t" * 32})
+            if args["op"] == "register" and not raced:
+                raced.append(True)
+                await b.unregister(uid, "r")
+                await b.register(uid, "r", keys[2], 0, X.nbytes)
+            return answer
+
+        a = Regions(ask_a, version_page(ro, False))
+        try:
+            await b.register(uid, "other", keys[0], 0, X.nbytes)  # a is now one change behind
+            await a.register(uid, "r", keys[1], 0, X.nbytes)
+            assert raced
+            for regions in (a, b):
+                await regions.current()
+                region = regions.acquire(uid, "r")
+                try:
+                    assert bytes(regions.read(region, 0, None, X.nbytes)) == (X + 2).tobytes()
+                finally:
+                    regions.release(region)
+        finally:
+            a.close()
+            b.close()
+
+    try:
+        asyncio.run(main())
+        assert not [fd for key in keys for fd in fds_naming(os.getpid(), key)]  # every descriptor closed
+    finally:
+        book.close()
+        os.close(rw)
+        os.close(ro)
+        for key in keys:
+            os.unlink(f"/dev/shm/{key}")

@@ -13,9 +13,12 @@ import threading
 import numpy as np
 import simdjson
 
-# a parser per thread, kept: a new one allocates its buffers for every document. No proxy of a document
-# outlives load(), so the next parse may reuse them (simdjson refuses it, RuntimeError, while one does)
+# a parser per thread, kept for documents up to KEEP_PARSER_BYTES: a new one allocates its buffers for every
+# document, but a kept one keeps the buffers of the largest it read (about 15 bytes per byte of text). No
+# proxy of a document outlives load(), so the next parse may reuse them (simdjson refuses it, RuntimeError,
+# while one does)
 _local = threading.local()
+KEEP_PARSER_BYTES = 64 << 10
 FAST_MIN_BYTES = 1024  # below this, walking simdjson's proxies costs more than orjson's whole parse
 FLOAT_DATATYPES = ("FP32", "FP64")  # data read as doubles gives these dtypes exactly what Python floats give
 
@@ -35,7 +38,7 @@ def load(raw: bytes, max_openings: int) -> dict | None:
     and '{' the text may hold (a bound on how deep its data can nest)."""
     if raw[:1] != b"{" or openings(raw) > max_openings:
         return None
-    parser = getattr(_local, "parser", None)
+    parser = getattr(_local, "parser", None) if len(raw) <= KEEP_PARSER_BYTES else simdjson.Parser()
     if parser is None:
         parser = _local.parser = simdjson.Parser()
     try:

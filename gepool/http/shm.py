@@ -157,7 +157,8 @@ class Regions:
                         fd = -1
                         self.version = change["version"]
                     else:  # other sidecars changed it too meanwhile: the whole record, this region's fd kept
-                        fd = self._adopt(await self._ask({"op": "list"}), (uid, name), fd)
+                        mine = (uid, name, change["region"]["serial"])
+                        fd = self._adopt(await self._ask({"op": "list"}), mine, fd)
                 if fd >= 0:  # unregistered again (through another sidecar) before this one adopted it
                     os.close(fd)
                 return
@@ -170,10 +171,11 @@ class Regions:
                 os.close(fd)
             raise
 
-    def _adopt(self, record: dict, mine: tuple[int, str] | None = None, fd: int = -1) -> int:
+    def _adopt(self, record: dict, mine: tuple[int, str, int] | None = None, fd: int = -1) -> int:
         """Makes this process's regions the front's ``record``: a region gone from it (or registered again
-        since, under a new serial) is doomed, a new one opened here, except ``mine``, which takes ``fd``
-        (the caller's, just checked). Returns ``fd`` unless the region took it (then -1)."""
+        since, under a new serial) is doomed, a new one opened here, except ``mine`` (uid, name, serial),
+        which takes ``fd`` (the caller's, just checked) if the record still holds that registration.
+        Returns ``fd`` unless the region took it (then -1)."""
         wanted = {(r["uid"], r["name"]): r for r in record["regions"]}
         with self._lock:
             for k, region in list(self.regions.items()):
@@ -181,7 +183,7 @@ class Regions:
                     self._doom(self.regions.pop(k))
             new = [r for k, r in wanted.items() if k not in self.regions]
         for r in new:
-            if (r["uid"], r["name"]) == mine:
+            if (r["uid"], r["name"], r["serial"]) == mine:
                 self._add(r, fd)
                 fd = -1
             else:
