@@ -82,6 +82,7 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
             status["http"] = f"http://{host}:{options.http_port}" if options.http_port else None
             status["metrics"] = f"http://{host}:{options.metrics_port}/metrics" if options.metrics_port else None
             status["grpc"] = f"{host}:{options.grpc_port}" if options.grpc_port else None
+            status["sidecars"] = len(gateway)
         if on_ready is not None:
             on_ready(status)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gepool.ipc import naming
+from gepool.options import PoolOptions
 from tests.conftest import _descendants, free_port, running, wait_until
 
 START_TIMEOUT_S = 120
@@ -44,6 +45,8 @@ def test_start_infer_status_and_sigterm(model_repo, tmp_path):
         assert "model tiny: READY (version 1, 1 worker(s))" in lines
         assert any(line.startswith("model cannot_load: UNAVAILABLE - ") for line in lines)
         assert f"HTTP (KServe v2) on http://127.0.0.1:{http_port}" in lines
+        sized = PoolOptions(".", http_port=http_port).sidecar_count()  # by this host's cores
+        assert f"{sized} sidecar process(es) serve these ports (--sidecars)" in lines
         workers = _descendants(proc.pid)
         assert len(workers) >= 8  # the workers and the HTTP sidecar
         live = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/live", timeout=30)

@@ -60,7 +60,8 @@ class Started:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "gepool.cli", "start", "--endpoint",
                                       f"ipc://{tmp_path}/gw.sock", "--http-port", str(self.http), "--metrics-port",
-                                      "0", "--grpc-port", "0", *args], stdout=subprocess.PIPE, stderr=self._log,
+                                      "0", "--grpc-port", "0", "--sidecars", "1", *args],  # one, on any host
+                                     stdout=subprocess.PIPE, stderr=self._log,
                                      text=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + START_TIMEOUT_S

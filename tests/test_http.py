@@ -13,7 +13,7 @@ import pytest
 
 from gepool import Client, Pool
 from tests import repo as test_repo
-from tests.conftest import SIDECAR_SERVERS, free_port
+from tests.conftest import SIDECAR_SERVERS, free_port, wait_until
 
 httpclient = pytest.importorskip("tritonclient.http")
 RNG = np.random.default_rng(21)
@@ -314,11 +314,11 @@ def test_the_sidecar_reaches_the_front_over_a_lane(http_pool, triton):
     from tests.conftest import _descendants
 
     assert triton.is_model_ready("tiny")
-    sidecar = [pid for pid in _descendants(http_pool.process.pid)
-               if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
-    assert len(sidecar) == 1
+    sidecars = [pid for pid in _descendants(http_pool.process.pid)
+                if b"_gateway_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert sidecars  # one on a small host, one per 8 cores on a larger one
     with Client(http_pool.endpoint, lane=False) as c:
-        assert sidecar[0] in c.status()["lane_pids"]
+        assert wait_until(lambda: set(sidecars) <= set(c.status()["lane_pids"]), 30)
 
 
 @pytest.mark.aiohttp_only

@@ -35,7 +35,8 @@ def hpool(tmp_path_factory, gate, request):
     test_repo.make_models.make_tiny(repo)
     test_repo.bytes_model(repo)
     test_repo.recorder(repo, "recorder", gate=gate, delay_us=0, preferred="1")
-    with Pool(repo, http_port=free_port(), model_control_mode="explicit",
+    # one sidecar whatever the host's cores: the tests watch its process (memory, descriptors, restarts)
+    with Pool(repo, http_port=free_port(), model_control_mode="explicit", sidecars=1,
               load_models=("tiny", "shout", "recorder"), http_server=request.param) as pool:
         yield pool
 
@@ -821,7 +822,7 @@ def test_a_dead_sidecar_is_restarted(tmp_path, server):
     repo = str(tmp_path / "models")
     test_repo.make_models.make_tiny(repo)
     port = free_port()
-    with Pool(repo, http_port=port, http_server=server) as pool:
+    with Pool(repo, http_port=port, http_server=server, sidecars=1) as pool:
         first = sidecar_pid(pool)
         os.kill(first, signal.SIGKILL)
         assert wait_until(lambda: _ready(port) and sidecar_pid(pool) != first, 60)

@@ -22,7 +22,8 @@ INFER = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r
 def served(tmp_path_factory, request):
     repo = str(tmp_path_factory.mktemp("wire-models"))
     test_repo.make_models.make_tiny(repo)
-    with Pool(repo, http_port=free_port(), metrics_port=0, http_server=request.param) as pool:
+    # one sidecar whatever the host's cores: the tests watch its process
+    with Pool(repo, http_port=free_port(), metrics_port=0, http_server=request.param, sidecars=1) as pool:
         yield pool, request.param
 
 

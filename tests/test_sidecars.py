@@ -27,6 +27,7 @@ def two(tmp_path_factory):
     test_repo.make_models.make_tiny(repo)
     ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
     with Pool(repo, sidecars=2, **ports) as pool:
+        assert pool.status["sidecars"] == 2
         assert wait_until(lambda: len(sidecar_pids(pool)) == 2, 30)
         yield pool, ports
 

@@ -176,6 +176,8 @@ def run(args) -> int:
             print(f"gRPC (KServe v2) on {status['grpc']}", flush=True)
         if status.get("metrics"):
             print(f"metrics on {status['metrics']}", flush=True)
+        if status.get("sidecars"):
+            print(f"{status['sidecars']} sidecar process(es) serve these ports (--sidecars)", flush=True)
         print(f"gepool ready on {status['endpoint']}", flush=True)
 
     print(f"gepool starting on {options.endpoint}", flush=True)
