@@ -89,25 +89,26 @@ class PoolOptions:
         if self.sidecars > MAX_SIDECARS:
             raise ValueError(f"sidecars must be at most {MAX_SIDECARS}, not {self.sidecars}")
         if self.sidecars > 1:
-            binds = self._self_binding()
-            if binds:
-                raise ValueError(f"sidecars={self.sidecars}: {binds}, which binds its port itself and cannot share "
+            for why in self.self_bound().values():
+                raise ValueError(f"sidecars={self.sidecars}: {why}, which binds its port itself and cannot share "
                                  f"it with other sidecars; use sidecars=1 or another server")
 
-    def _self_binding(self) -> str | None:
-        """The server in use, if any, that binds its own port (so only one sidecar can serve)."""
+    def self_bound(self) -> dict[str, str]:
+        """The sidecar's ports ("http", "grpc") whose server binds them itself, so that only one sidecar can
+        serve and the pool does not bind them: each with the setting that says so."""
+        bound = {}
         if self.http_port and self.http_server == "granian":
-            return "http_server is granian"
+            bound["http"] = "http_server is granian"
         if self.grpc_port and self.grpc_server == "grpcio":
-            return "grpc_server is grpcio"
-        return None
+            bound["grpc"] = "grpc_server is grpcio"
+        return bound
 
     def sidecar_count(self) -> int:
         """How many sidecars serve the ports: ``sidecars``, or with 0 one per SIDECAR_CORES cores this
         process may run on, between 1 and MAX_AUTO_SIDECARS (one where a server binds its own port)."""
         if self.sidecars:
             return self.sidecars
-        if self._self_binding():
+        if self.self_bound():
             return 1
         return max(1, min(MAX_AUTO_SIDECARS, len(os.sched_getaffinity(0)) // SIDECAR_CORES))
 

@@ -106,18 +106,15 @@ def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]
     the same sockets; returns the sidecar's arguments naming them. granian and grpc.aio bind their own."""
     from gepool.http import listen
 
-    ports = {"http": options.http_port if options.http_server != "granian" else 0,
-             "metrics": options.metrics_port,
-             "grpc": options.grpc_port if options.grpc_server != "grpcio" else 0}
+    ports = {"http": options.http_port, "metrics": options.metrics_port, "grpc": options.grpc_port}
     fds = []
     for name, port in ports.items():
-        if not port:
+        if not port or name in options.self_bound():
             continue
         try:
             socks = listen.bind(options.http_host, port, listen.PORTS[name])
         except OSError as exc:
-            where = " ".join(args[args.index("--http-host"):args.index("--log-level")])
-            raise errors.Unavailable(f"the HTTP sidecar did not start ({where}): {exc}") from None
+            raise errors.Unavailable(f"the HTTP sidecar did not start ({_where(args)}): {exc}") from None
         listening.extend(socks)
         fds += [f"--{name}-fd={sock.fileno()}" for sock in socks]
     return fds
@@ -222,9 +219,13 @@ def _start_gateway(args: list[str], fds: tuple[int, ...] = (), env: dict[str, st
     if line.strip() != "ready":
         _stop(proc)
         why = line.strip().removeprefix("failed ") or f"it exited with code {proc.returncode} and said nothing"
-        where = " ".join(args[args.index("--http-host"):args.index("--log-level")])
-        raise errors.Unavailable(f"the HTTP sidecar did not start ({where}): {why}")
+        raise errors.Unavailable(f"the HTTP sidecar did not start ({_where(args)}): {why}")
     return proc
+
+
+def _where(args: list[str]) -> str:
+    """The sidecar's host and ports, as its command line gives them (for a start that failed)."""
+    return " ".join(args[args.index("--http-host"):args.index("--log-level")])
 
 
 # The sidecar's entry, run with `python -c`: an import that fails (a wheel missing gepool.http, a missing

@@ -1031,52 +1031,40 @@ class Connection(asyncio.Protocol):
                 self._refuse(s, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-class Listener:
+class Listener(listen.Listening):
     """The gRPC server on one address: ``methods`` maps each RPC's path to its ``grpc.RpcMethodHandler``."""
+
+    sweep_s = SWEEP_S
 
     def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int,
                  socks: list[socket.socket] | None = None) -> None:
+        super().__init__(host, port, socks)
         self.methods = {path.encode(): h for path, h in methods.items()}
-        self.host, self.port, self.max_body, self.socks = host, port, max_body, socks
+        self.max_body = max_body
         # whole requests waiting for their calls' tasks a connection may hold before it is read no more
         self.max_held = 4 * max_body + MAX_FRAME_SIZE
         # requests still arriving a connection may hold: past it, the call that went over is refused
         self.max_partial = max(4 * max_body, 64 << 20) + MAX_FRAME_SIZE
-        self.connections: set[Connection] = set()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._servers: list[asyncio.Server] = []
-        self._sweeper: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._servers = await listen.serve(self.loop, lambda: Connection(self), self.host, self.port, self.socks)
-        self._sweeper = self.loop.create_task(self._sweep())
+    def connection(self) -> Connection:
+        return Connection(self)
 
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            now = self.loop.time()
-            for conn in list(self.connections):
-                conn.sweep(now)
-            conn = None  # else the last one swept stays referenced here until the next sweep
+    def swept(self, now: float) -> None:
+        for conn in list(self.connections):
+            conn.sweep(now)
 
     async def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Stops accepting; every connection hears GOAWAY, its calls get ``grace`` seconds to finish, then it closes."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if not self._servers:
-            return
-        for server in self._servers:
-            server.close()
-        for conn in list(self.connections):
-            conn.goaway(NO_ERROR, "the server is stopping")
-        deadline = self.loop.time() + grace
-        while any(c.streams and not c.closing for c in self.connections) and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for conn in list(self.connections):
-            conn.closing = True
-            conn.transport.abort()
-            for s in list(conn.streams.values()):
-                conn._forget(s, cancel=True)
-        for server in self._servers:
-            await server.wait_closed()
+        await super().stop(grace)
+
+    def stopping_now(self, conn: Connection) -> None:
+        conn.goaway(NO_ERROR, "the server is stopping")
+
+    def busy(self, conn: Connection) -> bool:
+        return bool(conn.streams) and not conn.closing
+
+    def cut(self, conn: Connection) -> None:
+        conn.closing = True
+        conn.transport.abort()
+        for s in list(conn.streams.values()):
+            conn._forget(s, cancel=True)

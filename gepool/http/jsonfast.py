@@ -73,7 +73,7 @@ def _input(item) -> object:
             try:
                 out["data"] = Doubles(np.frombuffer(data.as_buffer(of_type="d"), np.float64))
             except TypeError:  # not only numbers (a bool, null, a string, an object): read as orjson would
-                out["data"] = data.as_list()
+                out["data"] = _plain(data)
         else:
             out["data"] = _plain(data)
     return out

@@ -363,8 +363,8 @@ def parse_request(body: bytes, header_length_text: str | None, regions=None, max
     hlen = header_length(body, header_length_text)
     if max_json is not None and hlen > max_json:
         raise JSONTooLarge(json_too_large(hlen, max_json))
-    raw = body if hlen == len(body) and isinstance(body, bytes) else memoryview(body)[:hlen]
-    header = jsonfast.load(bytes(raw), MAX_NESTING) if hlen >= FAST_MIN_BYTES else None
+    raw = body if hlen == len(body) and isinstance(body, bytes) else bytes(memoryview(body)[:hlen])  # copied once
+    header = jsonfast.load(raw, MAX_NESTING) if hlen >= FAST_MIN_BYTES else None
     if header is None:
         header = load_header(raw)
     try:

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import socket
-from collections.abc import Callable
 
 BACKLOG = 1024
 PORTS = {"http": "HTTP", "metrics": "metrics", "grpc": "gRPC"}  # the sidecar's ports (passed as --<name>-fd)
@@ -48,12 +47,73 @@ def adopt(fds: list[int]) -> list[socket.socket]:
     return adopted
 
 
-async def serve(loop: asyncio.AbstractEventLoop, protocol: Callable[[], asyncio.Protocol], host: str, port: int,
-                socks: list[socket.socket] | None) -> list[asyncio.Server]:
-    """Servers accepting on ``socks``, or (None) on host:port bound here."""
-    if socks is None:
-        return [await loop.create_server(protocol, host, port, reuse_address=True, backlog=BACKLOG)]
-    return [await loop.create_server(protocol, sock=sock, backlog=BACKLOG) for sock in socks]
+class Listening:
+    """What gepool's own HTTP/1.1 and gRPC servers share: servers accepting on host:port (bound here) or on
+    inherited sockets, the set of open connections, a sweep of them every ``sweep_s``, and a stop that
+    lets running work finish within a grace period. A subclass says how a connection is made, swept,
+    told to stop, found busy and cut off."""
+
+    sweep_s = 1.0
+
+    def __init__(self, host: str, port: int, socks: list[socket.socket] | None) -> None:
+        self.host, self.port, self.socks = host, port, socks
+        self.connections: set = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._servers: list[asyncio.Server] = []
+        self._sweeper: asyncio.Task | None = None
+
+    def connection(self) -> asyncio.Protocol:
+        raise NotImplementedError
+
+    def swept(self, now: float) -> None:
+        """Called every ``sweep_s`` with the loop's time."""
+        raise NotImplementedError
+
+    def stopping_now(self, conn) -> None:
+        """``conn`` hears that the server stops (it may close at once if idle)."""
+        raise NotImplementedError
+
+    def busy(self, conn) -> bool:
+        """Whether ``conn`` still runs work the stop should wait for."""
+        raise NotImplementedError
+
+    def cut(self, conn) -> None:
+        """Closes ``conn`` at once, ending whatever it still runs."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.socks is None:
+            self._servers = [await self.loop.create_server(self.connection, self.host, self.port,
+                                                           reuse_address=True, backlog=BACKLOG)]
+        else:
+            self._servers = [await self.loop.create_server(self.connection, sock=sock, backlog=BACKLOG)
+                             for sock in self.socks]
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            self.swept(self.loop.time())
+
+    async def stop(self, grace: float) -> None:
+        """Stops accepting; each connection hears so, running work gets ``grace`` seconds, then every
+        connection is cut."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if not self._servers:
+            return
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            self.stopping_now(conn)
+        deadline = self.loop.time() + grace
+        while any(self.busy(c) for c in self.connections) and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            self.cut(conn)
+        for server in self._servers:
+            await server.wait_closed()
 
 
 def _show(address: tuple) -> str:

@@ -526,36 +526,28 @@ def _date() -> bytes:
     return f"Date: {formatdate(usegmt=True)}\r\n".encode()
 
 
-class Listener:
+class Listener(listen.Listening):
     """The server on one address: connections on this loop, each request routed by ``rsgi.Router``.
 
     ``idle_timeout_s`` bounds how long a connection may take to send a request's headers, counted from
     its opening or its previous answer, and how long a body may take to arrive (408)."""
 
+    sweep_s = SWEEP_S
+
     def __init__(self, router: rsgi.Router, host: str, port: int, idle_timeout_s: float, max_body: int,
                  socks: list[socket.socket] | None = None) -> None:
-        self.router, self.host, self.port, self.socks = router, host, port, socks
-        self.idle_timeout_s, self.max_body = idle_timeout_s, max_body
-        self.connections: set[Connection] = set()
+        super().__init__(host, port, socks)
+        self.router, self.idle_timeout_s, self.max_body = router, idle_timeout_s, max_body
         self.stopping = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._servers: list[asyncio.Server] = []
-        self._sweeper: asyncio.Task | None = None
         self.date = _date()
 
-    async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._servers = await listen.serve(self.loop, lambda: Connection(self), self.host, self.port, self.socks)
-        self._sweeper = self.loop.create_task(self._sweep())
+    def connection(self) -> Connection:
+        return Connection(self)
 
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            self.date = _date()
-            now = self.loop.time()
-            for conn in list(self.connections):
-                conn.sweep(now, self.idle_timeout_s)
-            conn = None  # else the last one swept stays referenced here until the next sweep
+    def swept(self, now: float) -> None:
+        self.date = _date()
+        for conn in list(self.connections):
+            conn.sweep(now, self.idle_timeout_s)
 
     async def answer(self, req: Request) -> web.StreamResponse:
         def routed(match_info: dict[str, str]) -> Request:
@@ -564,23 +556,18 @@ class Listener:
 
         return await rsgi.respond(self.router, req.method, req.path, routed)
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Stops accepting; idle connections close now, and each running request is answered (with close) within
-        STOP_GRACE_S; a request that comes meanwhile is answered 503. Then every connection is closed."""
+        ``grace``; a request that comes meanwhile is answered 503. Then every connection is closed."""
         self.stopping = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if not self._servers:
-            return
-        for server in self._servers:
-            server.close()
-        for conn in list(self.connections):
-            if not conn.queue:
-                conn._close()
-        deadline = self.loop.time() + STOP_GRACE_S
-        while any(c.queue and not c.closing for c in self.connections) and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for conn in list(self.connections):
-            conn._abort()
-        for server in self._servers:
-            await server.wait_closed()
+        await super().stop(grace)
+
+    def stopping_now(self, conn: Connection) -> None:
+        if not conn.queue:
+            conn._close()
+
+    def busy(self, conn: Connection) -> bool:
+        return bool(conn.queue) and not conn.closing
+
+    def cut(self, conn: Connection) -> None:
+        conn._abort()

@@ -10,13 +10,12 @@ import asyncio
 import logging
 import re
 import resource
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
 from gepool.common import errors
-from gepool.http import limits
+from gepool.http import limits, listen
 from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
@@ -291,15 +290,8 @@ def _check_free(host: str, port: int) -> None:
     """OSError (address already in use) when something listens on ``host:port``. granian binds with
     SO_REUSEPORT, which would let a second sidecar of the same user share a port that is taken and serve
     half its connections; a bind without it fails where any socket is bound, as aiohttp's does."""
-    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise OSError(exc.errno, f"error while attempting to bind on address {address[:2]}: "
-                                     f"{exc.strerror.lower()}") from None
+    for probe in listen.bind(host, port):
+        probe.close()
 
 
 class Listener:

@@ -342,7 +342,7 @@ class Gateway:
         body = await self._json_body(request)
         uid = self._caller(request, "registering system shared memory")
         await self.regions.register(uid, request.match_info["region"], body.get("key"), body.get("offset", 0),
-                              body.get("byte_size"))
+                                    body.get("byte_size"))
         return web.Response(status=200)
 
     @route
