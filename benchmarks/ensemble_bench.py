@@ -21,6 +21,11 @@ not CPU (waits, batching). A JSON line per measurement follows the tables.
 ``--baseline REV`` runs a second pool from that git revision beside this tree's (started by that tree's
 own ``Pool`` in an interpreter of its own), each measurement taken on both in turn (which goes first
 alternates), so that a change is compared under the same load.
+
+``--pairs N`` measures only the goal's ratio, which one ensemble run against one later mlp run cannot
+settle on a host whose speed drifts: N pairs of the ensemble and mlp alone (the slowest step), library
+client at the highest concurrency, taken back to back in ABBA order, each pair's ratio and the median
+of the N, with both sides' CPU per request and ceilings.
 """
 
 import argparse
@@ -29,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -262,6 +268,30 @@ def cpu_table(rows: list[dict]) -> None:
               + (f"  RESTARTED: {', '.join(r['restarted'])}" if r.get("restarted") else ""))
 
 
+def pairs(n: int, timed) -> int:
+    """``n`` back-to-back pairs of the ensemble and mlp alone (``timed(call, *model)`` measures one), ABBA."""
+    ratios, ceilings = [], []
+    print(f"\n{'pair':>4} {'ensemble/s':>10} {'mlp/s':>8} {'ratio':>6}  {'CPU us ens':>10} {'CPU us mlp':>10} "
+          f"{'ceiling ratio':>13}  front ens/mlp  mlp worker ens/mlp")
+    for i in range(n):
+        got = {}
+        for call in (("ensemble", "step") if i % 2 == 0 else ("step", "ensemble")):
+            got[call] = timed(call, *(("mlp",) if call == "step" else ()))
+        ens, mlp = got["ensemble"], got["step"]
+        ratio = ens["rps"] / mlp["rps"]
+        ce, cm = sum(ens["cpu_us"].values()), sum(mlp["cpu_us"].values())
+        ratios.append(ratio)
+        ceilings.append(cm / ce)
+        print(f"{i + 1:>4} {ens['rps']:10.1f} {mlp['rps']:8.1f} {ratio:6.0%}  {ce:10.0f} {cm:10.0f} {cm / ce:13.0%}  "
+              f"{ens['cpu_us']['front']:5.0f}/{mlp['cpu_us']['front']:<5.0f}   "
+              f"{ens['cpu_us']['worker mlp']:5.0f}/{mlp['cpu_us']['worker mlp']:<5.0f}", flush=True)
+        if ens["errors"] or mlp["errors"]:
+            print(f"     errors: ensemble {ens['errors']}, mlp {mlp['errors']}")
+    print(f"median of {n} pairs: ensemble at {statistics.median(ratios):.0%} of mlp alone (range "
+          f"{min(ratios):.0%}-{max(ratios):.0%}); CPU ceiling ratio {statistics.median(ceilings):.0%}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10.0, help="per measurement (default 10)")
@@ -271,7 +301,11 @@ def main() -> int:
                                              "to a temporary folder by examples/make_models.py)")
     parser.add_argument("--baseline", metavar="REV", help="also measure a pool from this git revision (exported "
                                                          "to a temporary folder), alternating with this tree's")
+    parser.add_argument("--pairs", type=int, metavar="N", help="only N alternating pairs of the ensemble and mlp "
+                                                              "alone (library, highest concurrency) and their ratios")
     args = parser.parse_args()
+    if args.pairs is not None and (args.pairs < 1 or args.baseline):
+        parser.error("--pairs takes N >= 1, and not with --baseline")
 
     import make_models
 
@@ -316,6 +350,12 @@ def main() -> int:
                       f"({', '.join(r['restarted'])}): their CPU figures are wrong", file=sys.stderr)
             return r
 
+        if args.pairs:
+            code = pairs(args.pairs, lambda call, *model: timed("this", "library", max(args.concurrency), call,
+                                                                  *model))
+            stack.close()
+            shutil.rmtree(work, ignore_errors=True)
+            return code
         turn = 0
         for carrier in args.carriers:
             for c in args.concurrency:
