@@ -220,9 +220,9 @@ class Ensembles:
 
     def _advance(self, run: Run) -> None:
         """Starts every waiting step whose inputs exist, in the ensemble's order; answers when all ran."""
-        steps = run.model.config.ensemble.steps
+        steps, have = run.model.config.ensemble.steps, run.tensors.keys()
         for i in run.model.config.ensemble.order:
-            if i in run.waiting and all(t in run.tensors for t in steps[i].input_map.values()):
+            if i in run.waiting and steps[i].reads <= have:
                 run.waiting.discard(i)
                 try:
                     self._submit(run, i)
@@ -236,9 +236,9 @@ class Ensembles:
         by its batch's doorbell takes a CPU from the front in the middle of its hand-over, and the front
         then competes with the batch it handed over; woken first, the worker polls and yields while the
         front copies and admits, and the front goes back to sleep before the batch computes."""
-        steps, have = run.model.config.ensemble.steps, set(coming)
+        steps, have = run.model.config.ensemble.steps, run.tensors.keys() | coming
         for i in run.model.config.ensemble.order:
-            if i in run.waiting and all(t in run.tensors or t in have for t in steps[i].input_map.values()):
+            if i in run.waiting and steps[i].reads <= have:
                 self.prewake(steps[i].model_name)
 
     def _submit(self, run: Run, i: int) -> None:

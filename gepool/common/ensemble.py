@@ -18,6 +18,10 @@ class Step:
     model_version: int = LATEST
     input_map: dict[str, str] = field(default_factory=dict)
     output_map: dict[str, str] = field(default_factory=dict)
+    reads: frozenset[str] = field(init=False, repr=False, compare=False)  # the ensemble tensors it reads
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reads", frozenset(self.input_map.values()))
 
     def label(self, index: int) -> str:
         """How messages name it: 1-based, with its model."""
