@@ -9,7 +9,6 @@ length followed by the bytes.
 
 import json
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -57,11 +56,13 @@ class InferRequest:
 
 
 def numpy_dtype(datatype: str) -> np.dtype:
-    if datatype == "BYTES":
-        return np.dtype(object)
-    if not isinstance(datatype, str) or not dtypes.is_supported(datatype):
+    dtype = _DTYPES.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
         raise InvalidArgument(f"unknown datatype '{datatype}'")
-    return dtypes.to_numpy(datatype)
+    return dtype
+
+
+_DTYPES = {name: dtypes.to_numpy(name) for name in dtypes.DATATYPES}  # BYTES: object
 
 
 MAX_NESTING = 32  # JSON tensor data nested deeper than any shape gepool serves
@@ -73,6 +74,7 @@ OUTPUT_KEYS = ("binary_data", "classification", "shared_memory_region", "shared_
 F32_MAX = float(np.finfo(np.float32).max)
 NUMERIC_MIN = 128  # from this many elements numpy's calls cost less than _checked's Python-level pass
 _INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+_NUMBERS = frozenset((int, float))
 _LISTS = {list}
 
 
@@ -113,11 +115,11 @@ def check_shape(name: str, shape: list[int], datatype: str, limit: int | None) -
     if len(shape) > MAX_DIMS:
         raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions, more than the {MAX_DIMS} gepool "
                               f"allows")
-    big = next((d for d in shape if d > MAX_INT64), None)
-    if big is not None:
+    if shape and max(shape) > MAX_INT64:
+        big = next(d for d in shape if d > MAX_INT64)
         raise InvalidArgument(f"input '{name}': shape dimension {big} is past the largest a tensor may have "
                               f"({MAX_INT64})")
-    elements = math.prod(d for d in shape if d)
+    elements = math.prod(shape) if 0 not in shape else math.prod(d for d in shape if d)
     need = elements * (MIN_BYTES_ELEMENT if datatype == "BYTES" else numpy_dtype(datatype).itemsize)
     limit = MAX_TENSOR_BYTES if limit is None else min(limit, MAX_TENSOR_BYTES)
     if need > limit:
@@ -248,16 +250,17 @@ def _checked(name: str, datatype: str, dtype: np.dtype, shape: list[int], count:
             raise InvalidArgument(f"input '{name}': value {bad} is out of range for {datatype} "
                                   f"[{info.min}, {info.max}]")
         return np.array(flat, dtype=dtype).reshape(shape)
-    if not kinds <= {int, float}:
+    if not kinds <= _NUMBERS:
         raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
     try:
         arr = np.array(flat, dtype=np.float64)
     except OverflowError:
         raise InvalidArgument(f"input '{name}': a value is out of range for {datatype}") from None
     # past float32's range is infinity, without a warning (entering errstate costs 2-3 us: only then)
-    past = dtype.itemsize < 8 and flat and not -F32_MAX <= min(flat) <= max(flat) <= F32_MAX
-    with np.errstate(over="ignore") if past else nullcontext():
-        return arr.astype(dtype).reshape(shape)
+    if dtype.itemsize < 8 and flat and not -F32_MAX <= min(flat) <= max(flat) <= F32_MAX:
+        with np.errstate(over="ignore"):
+            return arr.astype(dtype).reshape(shape)
+    return arr.astype(dtype).reshape(shape)
 
 
 def _flatten(name: str, data) -> tuple[list, set]:
@@ -382,7 +385,7 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
     if header.get("id") is not None and not isinstance(header["id"], str):
         raise InvalidArgument("'id' must be a string")
     limit = len(body) if max_input is None else max_input
-    blob = memoryview(body)[hlen:]
+    blob = None  # the binary data after the header, looked at only when an input says it is there
     pos = 0
     inputs: dict[str, np.ndarray] = {}
     for item in header["inputs"]:
@@ -390,8 +393,8 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
         datatype = item.get("datatype")
         numpy_dtype(datatype)
         shape = _shape(name, item.get("shape"), datatype, max_input)
-        p = _params(f"input '{name}'", item)
-        sent = next((k for k in ("shared_memory_region", "binary_data_size") if k in p), None)
+        p = {} if item.get("parameters") is None else _params(f"input '{name}'", item)
+        sent = next((k for k in ("shared_memory_region", "binary_data_size") if k in p), None) if p else None
         if sent is not None and item.get("data") is not None:  # clients may write an unset field as null
             raise InvalidArgument(f"input '{name}': 'data' and '{sent}' are both given; send the tensor one way")
         if "shared_memory_region" in p:
@@ -407,6 +410,8 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
                           size if size is not None else want, limit)
             inputs[name] = tensor_from_bytes(name, datatype, shape, buf)
         elif "binary_data_size" in p:
+            if blob is None:
+                blob = memoryview(body)[hlen:]
             size = p["binary_data_size"]
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or pos + size > len(blob):
                 raise InvalidArgument(f"input '{name}': binary_data_size {size!r} runs past the "
@@ -417,8 +422,8 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
             inputs[name] = _from_json(name, datatype, shape, item["data"])
         else:
             raise InvalidArgument(f"input '{name}' has no data, binary_data_size or shared_memory_region")
-    if pos != len(blob):
-        raise InvalidArgument(f"{len(blob) - pos} bytes of binary data are not claimed by any input")
+    if pos != len(body) - hlen:
+        raise InvalidArgument(f"{len(body) - hlen - pos} bytes of binary data are not claimed by any input")
     binary_output = checked.binary_data_output
     outputs = None
     if header.get("outputs") is not None:
