@@ -115,7 +115,7 @@ def check_shape(name: str, shape: list[int], datatype: str, limit: int | None) -
     if len(shape) > MAX_DIMS:
         raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions, more than the {MAX_DIMS} gepool "
                               f"allows")
-    if shape and max(shape) > MAX_INT64:
+    if len(shape) and max(shape) > MAX_INT64:
         big = next(d for d in shape if d > MAX_INT64)
         raise InvalidArgument(f"input '{name}': shape dimension {big} is past the largest a tensor may have "
                               f"({MAX_INT64})")
