@@ -429,3 +429,54 @@ def test_a_name_registered_again_elsewhere_during_a_register_is_read_from_its_ne
         os.close(ro)
         for key in keys:
             os.unlink(f"/dev/shm/{key}")
+
+
+def listen_backlogs(port: int) -> list[int]:
+    """The accept-queue limit of each listening TCP socket of this host on ``port``, as sock_diag reports it
+    (a listener's wqueue), for IPv4 and IPv6."""
+    import struct
+
+    head, msg = struct.Struct("=IHHII"), struct.Struct("=BBBB2s2s32x12xIIIII")  # nlmsghdr; inet_diag_msg
+    found = []
+    for family in (socket.AF_INET, socket.AF_INET6):
+        req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << 10) + bytes(48)  # TCP_LISTEN
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
+            nl.settimeout(10)
+            nl.send(head.pack(head.size + len(req), 20, 0x301, 1, 0) + req)  # SOCK_DIAG_BY_FAMILY, REQUEST|DUMP
+            done = False
+            while not done:
+                data, pos = nl.recv(65536), 0
+                while pos + head.size <= len(data):
+                    length, kind, _, _, _ = head.unpack_from(data, pos)
+                    if kind in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
+                        done = True
+                        break
+                    _, _, _, _, sport, _, _, _, backlog, _, _ = msg.unpack_from(data, pos + head.size)
+                    if int.from_bytes(sport, "big") == port:
+                        found.append(backlog)
+                    pos += (length + 3) & ~3
+    return found
+
+
+def test_every_port_keeps_the_pools_accept_queue(two):
+    """aiohttp's SockSite listens again on the socket it is given, with its own default backlog of 128 unless
+    told otherwise: the metrics port (aiohttp in every sidecar) must keep the backlog the pool bound it with."""
+    from gepool.http import listen
+
+    _, ports = two
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        assert listen_backlogs(ports[name]) and set(listen_backlogs(ports[name])) == {listen.BACKLOG}, name
+
+
+@pytest.mark.parametrize("server", ["aiohttp", "granian"])
+def test_a_sidecar_on_another_http_server_keeps_the_accept_queue(tmp_path, server):
+    """aiohttp serves the pool's socket, granian binds its own: both with the backlog the pool binds with."""
+    if server == "granian":
+        pytest.importorskip("granian")
+    from gepool.http import listen
+
+    test_repo.make_models.make_tiny(str(tmp_path))
+    ports = {"http_port": free_port(), "metrics_port": free_port()}
+    with Pool(str(tmp_path), http_server=server, **ports):
+        for name, port in ports.items():
+            assert set(listen_backlogs(port)) == {listen.BACKLOG}, name

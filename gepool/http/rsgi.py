@@ -319,7 +319,7 @@ class Listener:
                                  max_buffer_size=READ_BUFFER_BYTES)
         self.server = Server(app, address=host, port=port, interface=Interfaces.RSGI, runtime_threads=1,
                              http=HTTPModes.http1, websockets=False, log_enabled=False, http1_settings=settings,
-                             backpressure=connection_limit(), task_impl=TaskImpl.asyncio)
+                             backpressure=connection_limit(), task_impl=TaskImpl.asyncio, backlog=listen.BACKLOG)
         self._serving: asyncio.Task | None = None
 
     async def start(self, timeout: float = 30.0) -> None:

@@ -474,11 +474,12 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         # auto_decompress off: limits.decode reads compressed bodies, bounding the bytes read off the wire
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=body_timeout, auto_decompress=False)
         await runner.setup()
+        # the backlog the pool bound with: aiohttp listens again on a socket it is given, by default with 128
         if name in inherited:
             for sock in inherited[name]:
-                await web.SockSite(runner, sock).start()
+                await web.SockSite(runner, sock, backlog=listen.BACKLOG).start()
         else:
-            await web.TCPSite(runner, host, port, reuse_address=True).start()
+            await web.TCPSite(runner, host, port, reuse_address=True, backlog=listen.BACKLOG).start()
         runners.append(runner)
     if grpc_port:
         from gepool.grpc import server as grpc_server
