@@ -440,7 +440,11 @@ def listen_backlogs(port: int) -> list[int]:
     found = []
     for family in (socket.AF_INET, socket.AF_INET6):
         req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << 10) + bytes(48)  # TCP_LISTEN
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
+        try:
+            nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+        except OSError as exc:
+            pytest.skip(f"sock_diag is not available here: {exc}")
+        with nl:
             nl.settimeout(10)
             nl.send(head.pack(head.size + len(req), 20, 0x301, 1, 0) + req)  # SOCK_DIAG_BY_FAMILY, REQUEST|DUMP
             done = False
