@@ -338,8 +338,9 @@ class Connection(asyncio.Protocol):
             self._refuse(503, "the HTTP server is stopping")
             return
         # the first copy of a repeated header wins: the dict keeps the value it is given last
-        headers = Headers((name.decode("latin-1").lower(), value.decode("utf-8", "replace"))
-                          for name, value in reversed(self._raw))
+        headers = Headers()
+        for name, value in reversed(self._raw):
+            headers[name.decode("latin-1").lower()] = value.decode("utf-8", "replace")
         try:
             path = httptools.parse_url(self._url).path or b"/"  # (none in an absolute URL without one)
         except httptools.HttpParserInvalidURLError:
