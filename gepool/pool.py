@@ -107,9 +107,10 @@ def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]
     from gepool.http import listen
 
     ports = {"http": options.http_port, "metrics": options.metrics_port, "grpc": options.grpc_port}
+    own = options.self_bound()
     fds = []
     for name, port in ports.items():
-        if not port or name in options.self_bound():
+        if not port or name in own:
             continue
         try:
             socks = listen.bind(options.http_host, port, listen.PORTS[name])

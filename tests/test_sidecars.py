@@ -433,30 +433,34 @@ def test_a_name_registered_again_elsewhere_during_a_register_is_read_from_its_ne
 
 def listen_backlogs(port: int) -> list[int]:
     """The accept-queue limit of each listening TCP socket of this host on ``port``, as sock_diag reports it
-    (a listener's wqueue), for IPv4 and IPv6."""
-    import struct
+    (a listener's wqueue), for IPv4 and IPv6: a dump of every listener, with peer.py's netlink layout."""
+    from gepool.http import peer
 
-    head, msg = struct.Struct("=IHHII"), struct.Struct("=BBBB2s2s32x12xIIIII")  # nlmsghdr; inet_diag_msg
+    nlmsg_done, nlm_f_dump, tcp_listen = 3, 0x300, 10
     found = []
     for family in (socket.AF_INET, socket.AF_INET6):
-        req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << 10) + bytes(48)  # TCP_LISTEN
+        req = peer._REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << tcp_listen) + bytes(peer._SOCKID_BYTES)
         try:
-            nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+            nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, peer.NETLINK_SOCK_DIAG)
         except OSError as exc:
             pytest.skip(f"sock_diag is not available here: {exc}")
         with nl:
             nl.settimeout(10)
-            nl.send(head.pack(head.size + len(req), 20, 0x301, 1, 0) + req)  # SOCK_DIAG_BY_FAMILY, REQUEST|DUMP
+            nl.send(peer._NLMSG.pack(peer._NLMSG.size + len(req), peer.SOCK_DIAG_BY_FAMILY,
+                                     peer.NLM_F_REQUEST | nlm_f_dump, 1, 0) + req)
             done = False
             while not done:
                 data, pos = nl.recv(65536), 0
-                while pos + head.size <= len(data):
-                    length, kind, _, _, _ = head.unpack_from(data, pos)
-                    if kind in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
+                while pos + peer._NLMSG.size <= len(data):
+                    length, kind, _, _, _ = peer._NLMSG.unpack_from(data, pos)
+                    if kind in (peer.NLMSG_ERROR, nlmsg_done):
                         done = True
                         break
-                    _, _, _, _, sport, _, _, _, backlog, _, _ = msg.unpack_from(data, pos + head.size)
-                    if int.from_bytes(sport, "big") == port:
+                    body = pos + peer._NLMSG.size
+                    sport = int.from_bytes(data[body + peer._MSG_HEAD.size:body + peer._MSG_HEAD.size + 2], "big")
+                    _, _, backlog, _, _ = peer._MSG_TAIL.unpack_from(
+                        data, body + peer._MSG_HEAD.size + peer._SOCKID_BYTES)
+                    if sport == port:
                         found.append(backlog)
                     pos += (length + 3) & ~3
     return found
