@@ -26,6 +26,7 @@ from gepool.scheduler.requests import Admission, Request, check_batch, check_nam
 from gepool.scheduler.stats import CANCELED, failure_reason
 
 log = logging.getLogger("gepool.ensemble")
+MAX_CHECKED = 1024  # step checks remembered (one per ensemble generation and its steps' generations)
 
 
 @dataclass(eq=False)
@@ -127,6 +128,7 @@ class Ensembles:
         self.copies = Copies()
         self._links: list[Link] | None = None  # step requests submitted while a completion is handled
         self._pending: list[tuple[Run, Model, list[Link]]] = []  # runs holding views of the completed slot
+        self._checked: dict[tuple, tuple] = {}  # _steps_problem's results
 
     # -- state -------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -165,26 +167,39 @@ class Ensembles:
             return UNAVAILABLE, f"ensemble '{model.name}': {problem}"
         configs, loading = {}, []
         for i, step in enumerate(model.config.ensemble.steps):
-            where = f"ensemble '{model.name}' {step.label(i)}"
             group = self.control.groups.get(step.model_name)
             if group is None or group.unloading:
                 gone = step.model_name in self.control.unloaded or (group is not None and group.unloading)
-                return UNAVAILABLE, f"{where}: model '{step.model_name}' is {'unloaded' if gone else 'not loaded'}"
+                return UNAVAILABLE, (f"ensemble '{model.name}' {step.label(i)}: model '{step.model_name}' is "
+                                     f"{'unloaded' if gone else 'not loaded'}")
             for inner in (*group.serving.values(), *group.loading):
                 self._settle(inner, settled)  # an ensemble as a step: in its own steps' state first
             target = self._target(group, step.model_version)
             if target is None:
                 if group.loading or any(m.state == LOADING for m in group.serving.values()):
-                    loading.append(where)
+                    loading.append(f"ensemble '{model.name}' {step.label(i)}")
                     continue
                 want = f"version {step.model_version}" if step.model_version != LATEST else "version"
                 why = group.error or "; ".join(m.reason for m in group.serving.values() if m.reason) or "not ready"
-                return UNAVAILABLE, f"{where}: model '{step.model_name}' has no {want} ready: {why}"
+                return UNAVAILABLE, (f"ensemble '{model.name}' {step.label(i)}: model '{step.model_name}' has no "
+                                     f"{want} ready: {why}")
             configs[i] = target.config
         if loading:
             return LOADING, f"{loading[0]}: its model is loading"
-        problem = check_steps(model.config, configs)
+        problem = self._steps_problem(model.config, configs)
         return (UNAVAILABLE, problem) if problem else (AVAILABLE, "")
+
+    def _steps_problem(self, config, configs: dict[int, object]) -> str | None:
+        """``check_steps``, once per ensemble config and set of step configs (all frozen): the front's tick
+        refreshes every ensemble's state."""
+        key = (id(config), *map(id, configs.values()))
+        hit = self._checked.get(key)
+        if hit is None:
+            if len(self._checked) >= MAX_CHECKED:
+                self._checked.clear()
+            # the configs are held with their result, so that their ids cannot be reused meanwhile
+            hit = self._checked[key] = (check_steps(config, configs), config, tuple(configs.values()))
+        return hit[0]
 
     @staticmethod
     def _target(group, version: int) -> Model | None:

@@ -319,6 +319,24 @@ def test_unloading_a_model_deep_inside_makes_every_ensemble_above_it_unavailable
     np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 8.0, np.float32))
 
 
+def test_a_step_model_reloaded_with_a_config_that_no_longer_fits_makes_the_ensemble_unavailable(tmp_path, harness):  # noqa: F811
+    for name in "ab":
+        echo_model(tmp_path, name)
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness(model_control_mode="explicit", load_models=("a", "b", "pipe"))
+    h.ready_all()
+    assert reasons(h)["pipe"] == (ModelState.AVAILABLE, "")
+    for mbs, want in ((4, (ModelState.UNAVAILABLE, "ensemble 'pipe' step 2 ('b'): model 'b' batches at most 4 rows, "
+                                                    "less than the ensemble's max_batch_size 8")),
+                      (8, (ModelState.AVAILABLE, ""))):
+        path = tmp_path / "b" / "config.pbtxt"
+        path.write_text(path.read_text().replace(f"max_batch_size: {12 - mbs}", f"max_batch_size: {mbs}"))
+        h.send(protocol.Query(mbs, "load", {"model": "b"}))
+        h.ready_all()
+        h.tick()  # b's old generation drains
+        assert reasons(h)["pipe"] == want
+
+
 def test_a_nesting_cycle_makes_each_ensemble_on_it_unavailable_naming_the_cycle(tmp_path, harness):  # noqa: F811
     echo_model(tmp_path, "a")
     chain(tmp_path, "e1", [("a", "INPUT", "OUTPUT"), ("e2", "X", "Y")])
