@@ -209,6 +209,24 @@ def test_classify_equals_its_three_models_run_one_after_another(client, rows):
     np.testing.assert_array_equal(got["SCORES"], want["SCORES"])
 
 
+@pytest.mark.parametrize("kind", ["distinct", "ties", "nan"])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_the_example_topk_equals_a_stable_sort_of_each_row(client, rows, kind):
+    rng = np.random.default_rng(rows)
+    logits = rng.standard_normal((rows, 1000)).astype(np.float32)
+    if kind == "ties":  # ties at and across the k-th place
+        logits = rng.integers(0, 3, (rows, 1000)).astype(np.float32)
+    if kind == "nan":
+        logits[::2, rng.integers(0, 1000, 4)] = np.nan
+    got = client.infer("topk", {"LOGITS": logits})
+    with np.errstate(invalid="ignore"):
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = z / z.sum(axis=1, keepdims=True)
+    best = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]
+    np.testing.assert_array_equal(got["CLASSES"], best)
+    np.testing.assert_array_equal(got["SCORES"], np.take_along_axis(probs, best, axis=1))
+
+
 def test_300_concurrent_ensemble_requests_from_3_clients_get_their_own_answers(pool):
     rng = np.random.default_rng(7)
     xs = [rng.random((1 + i % 3, 1024), dtype=np.float32) for i in range(300)]
