@@ -26,6 +26,27 @@ def test_settle_moves_what_is_alive_out_of_every_scanned_generation():
         gc.unfreeze()  # this test process goes on; its objects go back to the oldest generation
 
 
+def test_after_settle_young_collections_come_only_after_many_allocations():
+    threshold = gc.get_threshold()
+    runs = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    try:
+        gc_policy.settle()
+        gc.callbacks.append(count)
+        kept = [[i] for i in range(7_000)]  # ten times CPython's default threshold of 700
+        assert runs == [] and len(kept) == 7_000
+        kept += [[i] for i in range(gc_policy.YOUNG_THRESHOLD)]
+        assert runs and runs[0] == 0  # past the threshold, the young generation is collected
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
 def test_the_sidecar_settles_before_it_reports_ready(tmp_path):
     """The real sidecar entry point (no ports, a front that is not there): the freeze count when it writes
     'ready' to its pipe, read through a wrapper of os.write."""
@@ -34,7 +55,7 @@ def test_the_sidecar_settles_before_it_reports_ready(tmp_path):
         write = os.write
         def reporting(fd, data):
             if data == b"ready\\n":
-                data = b"ready frozen=%d\\n" % gc.get_freeze_count()
+                data = b"ready frozen=%d young=%d\\n" % (gc.get_freeze_count(), gc.get_threshold()[0])
             return write(fd, data)
         os.write = reporting
         from gepool.http.server import main
@@ -50,7 +71,9 @@ def test_the_sidecar_settles_before_it_reports_ready(tmp_path):
             assert select.select([pipe], [], [], READY_WAIT_S)[0], "the sidecar wrote nothing"
             line = pipe.readline()  # the one line is written whole: readline returns once it is in
         assert line.startswith(b"ready frozen="), (line, proc.stderr.read() if proc.poll() is not None else b"")
-        assert int(line.split(b"=")[1]) > 10_000  # the imports' modules, classes and functions at least
+        frozen, young = (int(field.split(b"=")[1]) for field in line.split()[1:])
+        assert frozen > 10_000  # the imports' modules, classes and functions at least
+        assert young == gc_policy.YOUNG_THRESHOLD
     finally:
         proc.terminate()
         proc.wait(READY_WAIT_S)

@@ -2,6 +2,12 @@
 
 import gc
 
+# Container allocations (net of deallocations) between two young collections; CPython's default is 700.
+# A young collection scans what is alive and young: in a server, the requests in flight, however seldom it
+# runs, so running it less often costs less in all. What cyclic garbage waits meanwhile stays bounded by
+# this count.
+YOUNG_THRESHOLD = 20_000
+
 
 def settle() -> None:
     """Called once start-up is done, just before serving. Collects what start-up left, then moves every
@@ -10,3 +16,5 @@ def settle() -> None:
     start-up heap while every request on the event loop waited."""
     gc.collect()
     gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
