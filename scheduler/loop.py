@@ -122,8 +122,8 @@ class Loop:
     def _loop(self, wake_r: int) -> None:
         """Requests and completions (the hot events) only schedule the models they touched; everything
         else (watchdog, restarts, arenas, model control, readiness, timers) runs in the core's tick,
-        after any other event, when the poll times out, and at least every TICK_S while hot events keep
-        coming."""
+        after any other event, when a housekeeping deadline passes, and at least every TICK_S while hot
+        events keep coming. A wait that ended for a model's queue timer only schedules the queued models."""
         core, zmq_channel, lanes = self.core, self.channels.zmq, self.channels.lanes
         clients, lanes_fd = self.clients_fd, lanes.fileno() if lanes is not None else -1
         by_bell, dirty, schedule = self.by_bell, core.dirty, core.schedule
@@ -134,7 +134,7 @@ class Loop:
             if lanes is not None:
                 lanes.flush()  # the replies this pass made, one record per lane, before any wait
             events = self._wait(next_tick if dirty_since_tick else None)
-            tick = not events
+            tick = False
             for fd, _ in events:
                 if fd == lanes_fd:
                     lanes.receive(MAX_MESSAGES_PER_WAKE)
@@ -156,7 +156,7 @@ class Loop:
                     elif fd in self.by_sentinel:
                         self._on_exit(fd, self.by_sentinel.pop(fd))
             now = time.monotonic()
-            if tick or now >= next_tick:
+            if tick or now >= next_tick or not events and self._housekeeping_due(now):
                 next_tick, dirty_since_tick = now + TICK_S, False
                 if self._tick(now):
                     return
@@ -164,6 +164,12 @@ class Loop:
                 dirty_since_tick = True
                 schedule(dirty | core.queued)
                 dirty.clear()
+
+    def _housekeeping_due(self, now: float) -> bool:
+        """A deadline of the tick's has passed (the core's housekeeping, or the lanes' paused accepting)."""
+        lanes, wake_at = self.channels.lanes, self.core.wake_at
+        resume_at = lanes.resume_at if lanes is not None else None
+        return (wake_at is not None and now >= wake_at) or (resume_at is not None and now >= resume_at)
 
     def _tick(self, now: float) -> bool:
         if self.channels.lanes is not None:
