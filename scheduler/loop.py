@@ -26,7 +26,8 @@ log = logging.getLogger("gepool.front")
 limited = Limited(log)  # what another process's bytes make the front say
 
 MAX_MESSAGES_PER_WAKE = 256  # so a flood of clients cannot starve the workers' completions
-TICK_S = 0.01  # housekeeping cadence while requests and completions keep the loop busy
+TICK_S = 0.05  # housekeeping cadence while requests and completions keep the loop busy (how late, at most,
+# a hung batch is noticed or a replaced generation stopped under load)
 
 
 class Loop:
