@@ -102,7 +102,10 @@ async def read_body(request: web.Request, max_body: int, timeout: float, max_jso
         raise BodyTooLarge(too_large(max_body)) from None
     except web.RequestPayloadError:  # aiohttp's chunked framing failed
         raise web.HTTPBadRequest(reason=NOT_FRAMED) from None
-    except ConnectionResetError:
+    except ConnectionResetError as exc:
+        # aiohttp's reader keeps the exception, whose traceback holds the frames that hold the reader: a cycle
+        # that would keep the body read so far until the collector's next pass
+        exc.__traceback__ = None
         raise ClientGone(CLIENT_GONE) from None
 
 
