@@ -7,44 +7,49 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from gepool.common import gc_policy
 
 READY_WAIT_S = 120  # the sidecar's imports on a loaded machine
 
 
-def test_settle_moves_what_is_alive_out_of_every_scanned_generation():
+@pytest.fixture
+def collector():
+    """settle() changes this process's collector: it is put back as it was after the test."""
+    threshold = gc.get_threshold()
+    yield
+    gc.set_threshold(*threshold)
+    gc.unfreeze()  # this test process goes on; its objects go back to the oldest generation
+
+
+def test_settle_moves_what_is_alive_out_of_every_scanned_generation(collector):
     made_at_startup = [[i] for i in range(1000)]
     assert any(o is made_at_startup for o in gc.get_objects())
     frozen_before = gc.get_freeze_count()
-    try:
-        gc_policy.settle()
-        assert gc.get_freeze_count() >= frozen_before + len(made_at_startup)
-        assert not any(o is made_at_startup for o in gc.get_objects())  # no generation holds it: never scanned
-        made_later = [0]
-        assert any(o is made_later for o in gc.get_objects())
-    finally:
-        gc.unfreeze()  # this test process goes on; its objects go back to the oldest generation
+    gc_policy.settle()
+    assert gc.get_freeze_count() >= frozen_before + len(made_at_startup)
+    assert not any(o is made_at_startup for o in gc.get_objects())  # no generation holds it: never scanned
+    made_later = [0]
+    assert any(o is made_later for o in gc.get_objects())
 
 
-def test_after_settle_young_collections_come_only_after_many_allocations():
-    threshold = gc.get_threshold()
+def test_after_settle_young_collections_come_only_after_many_allocations(collector):
     runs = []
 
     def count(phase: str, info: dict) -> None:
         if phase == "start":
             runs.append(info["generation"])
 
+    gc_policy.settle()
+    gc.callbacks.append(count)
     try:
-        gc_policy.settle()
-        gc.callbacks.append(count)
         kept = [[i] for i in range(7_000)]  # ten times CPython's default threshold of 700
         assert runs == [] and len(kept) == 7_000
         kept += [[i] for i in range(gc_policy.YOUNG_THRESHOLD)]
         assert runs and runs[0] == 0  # past the threshold, the young generation is collected
     finally:
         gc.callbacks.remove(count)
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
 
 
 def test_the_sidecar_settles_before_it_reports_ready(tmp_path):

@@ -3,9 +3,8 @@
 import gc
 
 # Container allocations (net of deallocations) between two young collections; CPython's default is 700.
-# A young collection scans what is alive and young: in a server, the requests in flight, however seldom it
-# runs, so running it less often costs less in all. What cyclic garbage waits meanwhile stays bounded by
-# this count.
+# Garbage in a reference cycle waits this much longer to be freed, with any buffer it holds: a request's
+# path must not leave its body in a cycle (tests/test_body_cycles.py).
 YOUNG_THRESHOLD = 20_000
 
 
