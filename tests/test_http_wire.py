@@ -364,6 +364,44 @@ def test_a_closed_connection_is_freed_without_the_cyclic_collector():
         gc.enable()
 
 
+def test_a_body_cut_short_by_a_half_close_is_answered_and_closed_without_lingering(monkeypatch):
+    """A client that half-closes before its body has all come can send nothing more: its request fails, is
+    answered, and the connection closes at once instead of waiting for the rest of a body that cannot come
+    (a flood of such clients would otherwise hold a descriptor each for the linger)."""
+    from aiohttp import web
+
+    from gepool.http import limits, native, rsgi
+
+    monkeypatch.setattr(native, "LINGER_S", 3600.0)
+    monkeypatch.setattr(native, "LINGER_IDLE_S", 3600.0)
+
+    async def upload(request):
+        try:
+            await request.read_body(1 << 20, 30)
+        except limits.ClientGone:
+            return web.Response(status=400, body=b"{}", content_type="application/json")
+        return web.Response(body=b"{}", content_type="application/json")
+
+    async def main(port: int) -> bytes:
+        router = rsgi.Router()
+        router.add_post("/x", upload)
+        listener = native.Listener(router, "127.0.0.1", port, 30.0, 1 << 20)
+        await listener.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b" " * 10)
+            await writer.drain()
+            writer.write_eof()
+            answer = await asyncio.wait_for(reader.read(), 30)  # to the end: the server closed
+            writer.close()
+            return answer
+        finally:
+            await listener.stop()
+
+    answer = asyncio.run(main(free_port()))
+    assert answer.startswith(b"HTTP/1.1 400") and b"Connection: close" in answer, answer
+
+
 def test_stopping_closes_idle_connections_and_answers_running_requests():
     """On stop, an idle keep-alive connection closes at once; a running request is answered, with close, and
     stop returns without waiting out its grace."""

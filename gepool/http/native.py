@@ -215,6 +215,7 @@ class Connection(asyncio.Protocol):
         self._refusal: tuple[int, str] | None = None  # a request refused by the parser, answered in turn
         self.finishing = False  # answered with close: what still comes of the body is dropped, then it closes
         self.last_data = 0.0  # while finishing: when data last came
+        self.ended = False  # the client half-closed: nothing more will come
 
     # -- asyncio --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -294,6 +295,7 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         """The client has sent all it will (a half-close): the requests it sent are still answered, the last
         one with close; one whose body did not all come fails. Nothing queued: the connection closes."""
+        self.ended = True
         if not self.queue or self.closing:
             return None
         self.queue[-1].keep_alive = False
@@ -434,7 +436,7 @@ class Connection(asyncio.Protocol):
                 return
             if close:
                 self.queue.clear()  # requests pipelined after one answered with close never run
-                if req.done or self._refusal is not None:
+                if req.done or self._refusal is not None or self.ended:
                     self._close()
                 else:  # the client may still be sending the body: drop it as it comes, then close
                     self.finishing, self.last_data = True, self.idle_since
