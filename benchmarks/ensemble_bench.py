@@ -270,9 +270,9 @@ def cpu_table(rows: list[dict]) -> None:
 
 def pairs(n: int, timed) -> int:
     """``n`` back-to-back pairs of the ensemble and mlp alone (``timed(call, *model)`` measures one), ABBA."""
-    ratios, ceilings = [], []
+    ratios, ceilings, nan = [], [], float("nan")
     print(f"\n{'pair':>4} {'ensemble/s':>10} {'mlp/s':>8} {'ratio':>6}  {'CPU us ens':>10} {'CPU us mlp':>10} "
-          f"{'ceiling ratio':>13}  front ens/mlp  mlp worker ens/mlp")
+          f"{'ceiling ratio':>13}  front ens/mlp  mlp worker ens/mlp  python steps  mlp rows/batch ens/mlp")
     for i in range(n):
         got = {}
         for call in (("ensemble", "step") if i % 2 == 0 else ("step", "ensemble")):
@@ -284,7 +284,9 @@ def pairs(n: int, timed) -> int:
         ceilings.append(cm / ce)
         print(f"{i + 1:>4} {ens['rps']:10.1f} {mlp['rps']:8.1f} {ratio:6.0%}  {ce:10.0f} {cm:10.0f} {cm / ce:13.0%}  "
               f"{ens['cpu_us']['front']:5.0f}/{mlp['cpu_us']['front']:<5.0f}   "
-              f"{ens['cpu_us']['worker mlp']:5.0f}/{mlp['cpu_us']['worker mlp']:<5.0f}", flush=True)
+              f"{ens['cpu_us']['worker mlp']:5.0f}/{mlp['cpu_us']['worker mlp']:<5.0f}        "
+              f"{ens['cpu_us'].get('worker preprocess', 0) + ens['cpu_us'].get('worker topk', 0):5.0f}        "
+              f"{ens['rows_per_batch'].get('mlp', nan):4.1f}/{mlp['rows_per_batch'].get('mlp', nan):<4.1f}", flush=True)
         if ens["errors"] or mlp["errors"]:
             print(f"     errors: ensemble {ens['errors']}, mlp {mlp['errors']}")
     print(f"median of {n} pairs: ensemble at {statistics.median(ratios):.0%} of mlp alone (range "
@@ -351,8 +353,12 @@ def main() -> int:
             return r
 
         if args.pairs:
-            code = pairs(args.pairs, lambda call, *model: timed("this", "library", max(args.concurrency), call,
-                                                                  *model))
+            def paired(call: str, *model: str) -> dict:
+                seen = stats["this"].stats()
+                r = timed("this", "library", max(args.concurrency), call, *model)
+                return {**r, "rows_per_batch": rows_per_batch(seen, stats["this"].stats())}
+
+            code = pairs(args.pairs, paired)
             stack.close()
             shutil.rmtree(work, ignore_errors=True)
             return code
