@@ -114,16 +114,19 @@ class Ensembles:
     outbox's), ``enqueue`` puts a step request in its model's queue and marks it to be scheduled (raising
     as admission does when it cannot; a step of an ensemble a BLS call runs is booked there, under the batch
     that made the call), ``prewake(model name)`` wakes the idle worker of a step about to
-    be queued, when traffic is sequential (the core's rule for a client's request), ``dispatch(model)``
+    be queued, when traffic is sequential (the core's rule for a client's request; ``may_prewake()`` says
+    whether it is, for any model), ``dispatch(model)``
     hands out the batches a model's queue can send now (the dispatcher's). ``hand_over()`` must follow each
     completion the dispatcher handles, before any other batch is dispatched (the core's on_completions).
     ``calls``: the BLS calls' books, which a step of such an ensemble leaves when it is withdrawn."""
 
     def __init__(self, control, arenas, respond: Callable, reply: Callable, enqueue: Callable,
                  clock: Callable[[], float], prewake: Callable[[str], bool] = lambda name: False,
-                 dispatch: Callable[[Model], None] = lambda model: None, calls: Calls | None = None) -> None:
+                 dispatch: Callable[[Model], None] = lambda model: None, calls: Calls | None = None,
+                 may_prewake: Callable[[], bool] = lambda: True) -> None:
         self.control, self.arenas, self.clock = control, arenas, clock
         self.respond, self.reply, self.enqueue, self.prewake = respond, reply, enqueue, prewake
+        self.may_prewake = may_prewake
         self.dispatch, self.calls = dispatch, calls
         self.copies = Copies()
         self._links: list[Link] | None = None  # step requests submitted while a completion is handled
@@ -251,6 +254,8 @@ class Ensembles:
         by its batch's doorbell takes a CPU from the front in the middle of its hand-over, and the front
         then competes with the batch it handed over; woken first, the worker polls and yields while the
         front copies and admits, and the front goes back to sleep before the batch computes."""
+        if not self.may_prewake():
+            return
         steps, have = run.model.config.ensemble.steps, run.tensors.keys() | coming
         for i in run.model.config.ensemble.order:
             if i in run.waiting and steps[i].reads <= have:
