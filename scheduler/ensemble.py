@@ -169,23 +169,26 @@ class Ensembles:
         if problem:
             return UNAVAILABLE, f"ensemble '{model.name}': {problem}"
         configs, loading = {}, []
+
+        def where(i: int, step) -> str:  # formatted only for a message: the tick refreshes every ensemble
+            return f"ensemble '{model.name}' {step.label(i)}"
+
         for i, step in enumerate(model.config.ensemble.steps):
             group = self.control.groups.get(step.model_name)
             if group is None or group.unloading:
                 gone = step.model_name in self.control.unloaded or (group is not None and group.unloading)
-                return UNAVAILABLE, (f"ensemble '{model.name}' {step.label(i)}: model '{step.model_name}' is "
-                                     f"{'unloaded' if gone else 'not loaded'}")
+                state = "unloaded" if gone else "not loaded"
+                return UNAVAILABLE, f"{where(i, step)}: model '{step.model_name}' is {state}"
             for inner in (*group.serving.values(), *group.loading):
                 self._settle(inner, settled)  # an ensemble as a step: in its own steps' state first
             target = self._target(group, step.model_version)
             if target is None:
                 if group.loading or any(m.state == LOADING for m in group.serving.values()):
-                    loading.append(f"ensemble '{model.name}' {step.label(i)}")
+                    loading.append(where(i, step))
                     continue
                 want = f"version {step.model_version}" if step.model_version != LATEST else "version"
                 why = group.error or "; ".join(m.reason for m in group.serving.values() if m.reason) or "not ready"
-                return UNAVAILABLE, (f"ensemble '{model.name}' {step.label(i)}: model '{step.model_name}' has no "
-                                     f"{want} ready: {why}")
+                return UNAVAILABLE, f"{where(i, step)}: model '{step.model_name}' has no {want} ready: {why}"
             configs[i] = target.config
         if loading:
             return LOADING, f"{loading[0]}: its model is loading"
