@@ -63,7 +63,7 @@ class Core:
         self.queued: set[Model] = set()  # models left with queued requests after their last scheduling
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
         self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock,
-                                   self._prewake_step, self.dispatch.schedule, self.calls, self._may_prewake)
+                                   self._prepare_worker, self.dispatch.schedule, self.calls, self._may_prewake)
         self.logging = LogSettings.of_level(opts.log_level)
 
     def start(self) -> None:
@@ -215,13 +215,9 @@ class Core:
         return False
 
     def _may_prewake(self) -> bool:
-        """Traffic is sequential and no worker computes: a step's worker may be prewoken."""
+        """Traffic is sequential and no worker computes: an ensemble step's worker may be prewoken (by
+        ``_prepare_worker``, as a client's request's is)."""
         return self.polling.enabled and self.dispatch.last_batch_requests <= 1 and not self.workers.busy()
-
-    def _prewake_step(self, name: str) -> bool:
-        """An ensemble's step about to enter its model's queue: its worker is prewoken as a client's
-        request's would be, while traffic is sequential and no worker computes."""
-        return self._may_prewake() and self._prepare_worker(name)
 
     def message_limit(self) -> int:
         """The most bytes one client message may declare: the largest slot of any model, plus headers."""
