@@ -2,6 +2,7 @@
 HTTP/1.0, HEAD, an answer given before its body has arrived."""
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
@@ -324,10 +325,25 @@ def test_requests_pipelined_after_a_refused_one_never_run(served):
     assert client.stats()["tiny"]["requests"] == before
 
 
+@contextlib.asynccontextmanager
+async def _native_post(port: int, handler):
+    """The native server on 127.0.0.1:``port`` answering POST /x with ``handler``, stopped afterwards."""
+    from gepool.http import native, rsgi
+
+    router = rsgi.Router()
+    router.add_post("/x", handler)
+    listener = native.Listener(router, "127.0.0.1", port, 30.0, 1 << 20)
+    await listener.start()
+    try:
+        yield listener
+    finally:
+        await listener.stop()
+
+
 def test_a_closed_connection_is_freed_without_the_cyclic_collector():
     """The parser holds the connection's callbacks and its requests hold the connection: those cycles are
     broken when it closes, so what it held goes at once, even with the collector off."""
-    from gepool.http import native, rsgi
+    from gepool.http import native
 
     async def hello(request):
         from aiohttp import web
@@ -336,11 +352,7 @@ def test_a_closed_connection_is_freed_without_the_cyclic_collector():
         return web.Response(body=b"{}", content_type="application/json")
 
     async def main(port: int) -> int:
-        router = rsgi.Router()
-        router.add_post("/x", hello)
-        listener = native.Listener(router, "127.0.0.1", port, 30.0, 1 << 20)
-        await listener.start()
-        try:
+        async with _native_post(port, hello) as listener:
             for _ in range(20):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
@@ -353,8 +365,6 @@ def test_a_closed_connection_is_freed_without_the_cyclic_collector():
                 await asyncio.sleep(0.02)
             await asyncio.sleep(native.SWEEP_S * 2)
             return sum(isinstance(o, native.Connection) for o in gc.get_objects())
-        finally:
-            await listener.stop()
 
     gc.collect()
     gc.disable()
@@ -370,7 +380,7 @@ def test_a_body_cut_short_by_a_half_close_is_answered_and_closed_without_lingeri
     (a flood of such clients would otherwise hold a descriptor each for the linger)."""
     from aiohttp import web
 
-    from gepool.http import limits, native, rsgi
+    from gepool.http import limits, native
 
     monkeypatch.setattr(native, "LINGER_S", 3600.0)
     monkeypatch.setattr(native, "LINGER_IDLE_S", 3600.0)
@@ -383,11 +393,7 @@ def test_a_body_cut_short_by_a_half_close_is_answered_and_closed_without_lingeri
         return web.Response(body=b"{}", content_type="application/json")
 
     async def main(port: int) -> bytes:
-        router = rsgi.Router()
-        router.add_post("/x", upload)
-        listener = native.Listener(router, "127.0.0.1", port, 30.0, 1 << 20)
-        await listener.start()
-        try:
+        async with _native_post(port, upload):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b" " * 10)
             await writer.drain()
@@ -395,8 +401,6 @@ def test_a_body_cut_short_by_a_half_close_is_answered_and_closed_without_lingeri
             answer = await asyncio.wait_for(reader.read(), 30)  # to the end: the server closed
             writer.close()
             return answer
-        finally:
-            await listener.stop()
 
     answer = asyncio.run(main(free_port()))
     assert answer.startswith(b"HTTP/1.1 400") and b"Connection: close" in answer, answer
