@@ -28,7 +28,7 @@ async def _abort_one_upload() -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     try:
         def upload() -> None:
             with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
