@@ -1,8 +1,10 @@
 """The asyncio client: ``await client.infer(...)``, many requests in flight on one socket."""
 
 import asyncio
+import logging
 import socket
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -13,6 +15,8 @@ from gepool.common import errors
 from gepool.ipc import lane as _lane
 from gepool.ipc import protocol
 from gepool.ipc.sockets import make_socket
+
+log = logging.getLogger("gepool.client")
 
 
 class AsyncClient(ClientCore):
@@ -94,6 +98,31 @@ class AsyncClient(ClientCore):
             finally:
                 out.release(self.arena)
         raise AssertionError("unreachable")
+
+    def submit(self, model: str, inputs: dict, outputs: list[str | tuple[str, int]] | None,
+               done: Callable[[dict | None, BaseException | None], None], *, version: int | None = None,
+               timeout: float | None = None, priority: int = 0, origin: protocol.Origin = protocol.Origin.LIBRARY,
+               wait: float | None = None) -> bool:
+        """``infer`` without a task or a future, for a request that fits one lane record: it joins this loop
+        pass's flush, and ``done(outputs, None)`` or ``done(None, error)`` is called once, from the loop, when
+        the answer comes, the request fails, or ``wait`` passes (as ``infer``'s). False, with nothing sent,
+        where ``infer`` must serve it: no lane open yet, a shared-memory arena, a longer message."""
+        if self._lane is None or self.arena is not None:
+            return False
+        _wire.check_priority(priority)
+        out = self._encode(model, inputs, outputs, version, timeout, priority, origin, wait)
+        if wait is None:
+            wait = self._wait(timeout)
+        wait = self.timeout if wait is None else wait
+        now = time.monotonic()
+        deadline = None if wait is None else now + wait
+        self._inflight[out.req_id] = (out, _Answer(done, out), deadline, True)
+        if not self._queue_one(out.frames, out.req_id):
+            del self._inflight[out.req_id]
+            return False
+        if deadline is not None and (self._timer_at is None or deadline < self._timer_at):
+            self._arm(deadline, now)
+        return True
 
     async def model_metadata(self, model: str) -> dict:
         return await self._call(self._query("metadata", {"model": model}))
@@ -373,6 +402,40 @@ class AsyncClient(ClientCore):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class _Answer:
+    """What a ``submit``ted request waits with in place of a future: its reply, decoded, or its failure,
+    handed to the caller's callback once. A callback that raises is logged here: it runs inside the
+    client's lane reader, timer or lane loss, which must go on."""
+
+    __slots__ = ("_done", "_out", "_called")
+
+    def __init__(self, done: Callable[[dict | None, BaseException | None], None], out: _wire.Outgoing) -> None:
+        self._done, self._out, self._called = done, out, False
+
+    def done(self) -> bool:
+        return self._called
+
+    def set_result(self, reply: tuple) -> None:
+        self._called = True
+        msg, frames = reply
+        try:
+            outputs = _wire.result(msg, frames, None, self._out)
+        except Exception as exc:  # the pool's error for this request (or a reply that does not decode)
+            self._call(None, exc)
+            return
+        self._call(outputs, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._called = True
+        self._call(None, exc)
+
+    def _call(self, outputs: dict | None, exc: BaseException | None) -> None:
+        try:
+            self._done(outputs, exc)
+        except Exception:
+            log.exception("internal error in the answer callback of request %s", self._out.req_id)
 
 
 def _framed(queue: list) -> list[list]:

@@ -47,6 +47,17 @@ _DROPPED = frozenset(("content-length", "transfer-encoding", "connection", "date
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_TRAILER_BYTES = 8 << 10  # bytes read past a chunk size line with no data after it (a last chunk's trailers)
 TRAILERS = "trailers after a chunked body are not accepted"
+_WAIT = object()  # _answered: the next request waits for the client to read what was written
+
+
+class Reply:
+    """A handler's answer without aiohttp's response object (the infer route's answer on its fast path)."""
+
+    __slots__ = ("status", "headers", "body")
+    keep_alive = None
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
 
 
 class Headers(dict):
@@ -114,6 +125,17 @@ class Request:
             waiter.set_result(None)
 
     # -- read by the handler --------------------------------------------------------------------
+    def body_now(self) -> bytes | None:
+        """The whole body if it has all arrived, unencoded and unrefused, else None; ``read_body`` still reads it."""
+        if not self.done or self._error is not None or "content-encoding" in self.headers:
+            return None
+        parts = self._parts
+        if len(parts) > 1:
+            joined = b"".join(parts)
+            parts.clear()
+            parts.append(joined)
+        return parts[0] if parts else b""
+
     async def read_body(self, max_body: int, timeout: float) -> bytes:
         """The whole body, decompressed as its Content-Encoding says; 413 by its declared size before a byte is
         read and as it arrives past ``max_body``; 408 when it is not all here within ``timeout`` seconds."""
@@ -216,6 +238,9 @@ class Connection(asyncio.Protocol):
         self.finishing = False  # answered with close: what still comes of the body is dropped, then it closes
         self.last_data = 0.0  # while finishing: when data last came
         self.ended = False  # the client half-closed: nothing more will come
+        # a request whose route has a fast path, headed in the chunk being parsed: it takes the fast path if its
+        # body ends in the same chunk, else data_received gives it a task as any other
+        self._fast: tuple[Request, object] | None = None
 
     # -- asyncio --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -245,6 +270,14 @@ class Connection(asyncio.Protocol):
             self.writable.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._received(data)
+        finally:
+            if self._fast is not None:  # its body is still to come (or the chunk was refused): a task serves it
+                req, self._fast = self._fast[0], None
+                self.listener.loop.create_task(self._serve(req))
+
+    def _received(self, data: bytes) -> None:
         if self._refusal is not None:
             return
         if self.finishing:
@@ -369,6 +402,14 @@ class Connection(asyncio.Protocol):
         self.arriving = req
         self.queue.append(req)
         if len(self.queue) == 1:
+            fast = self.listener.fast
+            if fast and method == "POST" and keep_alive:
+                handler, match_info, _ = self.listener.router.resolve(method, req.path)
+                now = fast.get(handler)
+                if now is not None:
+                    req.match_info = match_info
+                    self._fast = (req, now)
+                    return
             self.listener.loop.create_task(self._serve(req))
         elif self.reading:  # a pipelined request waits: read no further until it runs
             self.transport.pause_reading()
@@ -389,6 +430,9 @@ class Connection(asyncio.Protocol):
         req._complete()
         if self.finishing:  # the rest of an answered request's body has been dropped
             self._close()
+        elif self._fast is not None and self._fast[0] is req:
+            now, self._fast = self._fast[1], None
+            self._start_fast(req, now)
 
     # -- answering ------------------------------------------------------------------------------
     def _refuse(self, status: int, message: str) -> None:
@@ -425,47 +469,90 @@ class Connection(asyncio.Protocol):
             self._abort()
 
     async def _run(self, req: Request) -> None:
-        listener = self.listener
         while True:
-            response = await listener.answer(req)
-            close = not req.done or not req.keep_alive or response.keep_alive is False \
-                or self._refusal is not None or listener.stopping
-            self._write_response(req, response, close)
-            self.idle_since = listener.loop.time()
-            if self.closing:
+            req = self._answered(req, await self.listener.answer(req))
+            if req is _WAIT:
+                req = await self._drained()
+            if req is None:
                 return
-            if close:
-                self.queue.clear()  # requests pipelined after one answered with close never run
-                if req.done or self._refusal is not None or self.ended:
-                    self._close()
-                else:  # the client may still be sending the body: drop it as it comes, then close
-                    self.finishing, self.last_data = True, self.idle_since
-                    req._linger_until = self.idle_since + LINGER_S
-                    if not self.reading:
-                        self.transport.resume_reading()
-                        self.reading = True
-                return
-            if self.writable is not None and not self.writable.done():
-                # one answer at most waits in the buffer of a client that does not read; the request stays
-                # first in the queue meanwhile, so one that comes waits behind it (this task runs it)
-                await self.writable
-                if self.closing:
-                    return
-            self.queue.popleft()
-            if not self.queue and self._refusal is not None:
-                self._answer_refusal()
-                return
-            if len(self.queue) <= 1 and not self.reading and self._refusal is None:
-                self.transport.resume_reading()  # the next one's body may not all be here yet
-                self.reading = True
-            if not self.queue:
-                return
-            req = self.queue[0]
+
+    def _start_fast(self, req: Request, now) -> None:
+        """Runs the route's fast path for ``req``, whose body has all come; where it declines, a task serves it."""
+        try:
+            started = now(req, self._fast_done)
+        except Exception:
+            log.exception("internal error in the fast path of %s %s", req.method, req.path)
+            started = False
+        if not started:
+            self.listener.loop.create_task(self._serve(req))
+
+    def _fast_done(self, req: Request, response: web.StreamResponse | Reply) -> None:
+        """A fast path's answer to ``req`` (called once, from the loop): written as ``_run`` writes one."""
+        try:
+            nxt = self._answered(req, response)
+            if nxt is _WAIT:
+                self.listener.loop.create_task(self._serve_drained(req))
+            elif nxt is not None:
+                self.listener.loop.create_task(self._serve(nxt))
+        except Exception:
+            log.exception("internal error answering %s %s", req.method, req.path)
+            self._abort()
+
+    async def _serve_drained(self, req: Request) -> None:
+        try:
+            nxt = await self._drained()
+            if nxt is not None:
+                await self._run(nxt)
+        except Exception:
+            log.exception("internal error answering %s %s", req.method, req.path)
+            self._abort()
+
+    def _answered(self, req: Request, response: web.StreamResponse | Reply) -> Request | None | object:
+        """Writes ``req``'s answer; then the next request to run, None if none is to run now, or _WAIT while
+        the client's buffer is full (``_drained`` then gives the next)."""
+        listener = self.listener
+        close = not req.done or not req.keep_alive or response.keep_alive is False \
+            or self._refusal is not None or listener.stopping
+        self._write_response(req, response, close)
+        self.idle_since = listener.loop.time()
+        if self.closing:
+            return None
+        if close:
+            self.queue.clear()  # requests pipelined after one answered with close never run
+            if req.done or self._refusal is not None or self.ended:
+                self._close()
+            else:  # the client may still be sending the body: drop it as it comes, then close
+                self.finishing, self.last_data = True, self.idle_since
+                req._linger_until = self.idle_since + LINGER_S
+                if not self.reading:
+                    self.transport.resume_reading()
+                    self.reading = True
+            return None
+        if self.writable is not None and not self.writable.done():
+            # one answer at most waits in the buffer of a client that does not read; the request stays
+            # first in the queue meanwhile, so one that comes waits behind it (the next step runs it)
+            return _WAIT
+        return self._next()
+
+    async def _drained(self) -> Request | None:
+        await self.writable
+        return None if self.closing else self._next()
+
+    def _next(self) -> Request | None:
+        """The answered request leaves the queue: the one behind it, if it is to run now."""
+        self.queue.popleft()
+        if not self.queue and self._refusal is not None:
+            self._answer_refusal()
+            return None
+        if len(self.queue) <= 1 and not self.reading and self._refusal is None:
+            self.transport.resume_reading()  # the next one's body may not all be here yet
+            self.reading = True
+        return self.queue[0] if self.queue else None
 
     def _write_response(self, req: Request | None, response: web.StreamResponse, close: bool) -> None:
         if self.closing:
             return
-        body = response.body if isinstance(response, web.Response) else None
+        body = response.body if isinstance(response, web.Response | Reply) else None
         if body is None:
             body = b""
         elif not isinstance(body, bytes | bytearray | memoryview):
@@ -543,6 +630,9 @@ class Listener(listen.Listening):
         self.router, self.idle_timeout_s, self.max_body = router, idle_timeout_s, max_body
         self.stopping = False
         self.date = _date()
+        # route handler -> its fast path: now(request, done) -> bool, False where the handler must answer; else it
+        # calls done(request, response) once, later, from the loop
+        self.fast: dict[object, object] = {}
 
     def connection(self) -> Connection:
         return Connection(self)

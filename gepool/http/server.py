@@ -28,7 +28,7 @@ from gepool.clientcore import ANSWER_GRACE_S
 from gepool.common import errors, gc_policy
 from gepool.common.logsettings import LogSettings
 from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
-from gepool.http import host, kserve, limits, listen, metrics, peer, rsgi, servers, trace
+from gepool.http import host, kserve, limits, listen, metrics, native, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
 from gepool.http.limits import (
@@ -62,6 +62,14 @@ def answer_wait(timeout_s: float | None) -> float:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+class _Declined(Exception):
+    """The fast path met what it leaves to the handler (an input in shared memory spelled with escapes)."""
+
+
+def _no_regions(name, offset, size, limit) -> bytes:
+    raise _Declined(name)
 
 
 class Gateway:
@@ -303,6 +311,61 @@ class Gateway:
                 self.regions.release(region)
         return web.Response(body=payload, headers=headers)
 
+    def infer_now(self, request, done) -> bool:
+        """The infer route's common case on the native server, with no task, coroutine or future: a body that
+        came whole, small enough to parse here, with no shared memory, to a front already connected. Parsed and
+        sent now; ``done(request, response)`` is called once with the answer, as ``infer`` would give it.
+        False, with nothing sent, for anything else and for any error found before sending: ``infer`` then
+        serves the request from the start and answers as it always does."""
+        client = self.client
+        if client is None or not self.connected.is_set() or self.regions.stale():
+            return False
+        body = request.body_now()
+        if body is None or len(body) > INLINE_PARSE_BYTES or len(body) > self.max_body:
+            return False
+        headers = request.headers
+        if self.restrictions.refusal(request.path, headers) is not None:
+            return False
+        header_length = headers.get(kserve.HEADER_LENGTH)
+        try:
+            hlen = kserve.header_length(body, header_length)
+            if body.find(b"shared_memory_region", 0, hlen) >= 0:
+                return False
+            version = model_version(request.match_info.get("version"))
+            req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, self.max_body)
+        except (errors.GepoolError, _Declined):
+            return False
+        if not req.inputs or any(o.region is not None for o in req.outputs or ()):
+            return False
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("HTTP request: %s %s", request.method, request.path)
+        model = request.match_info["model"]
+
+        def answered(outputs: dict | None, exc: BaseException | None) -> None:
+            if exc is None:
+                try:
+                    served = getattr(outputs, "model_version", None)
+                    payload, head = kserve.encode_response(
+                        model, str(served) if served is not None else (str(version) if version else ""), req,
+                        outputs)
+                    done(request, native.Reply(200, head, payload))
+                    return
+                except Exception as failed:  # answered below as the route answers a failure
+                    exc = failed
+            if isinstance(exc, errors.GepoolError):
+                done(request, _error(exc.http_status, exc.message))
+            else:
+                log.error("internal error on %s %s", request.method, request.path, exc_info=exc)
+                done(request, _error(500, errors.INTERNAL_MESSAGE))
+
+        names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
+            if req.outputs is not None else None
+        try:
+            return client.submit(model, req.inputs, names, answered, version=version, priority=req.priority,
+                                 timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
+        except errors.GepoolError:
+            return False
+
     # -- repository ------------------------------------------------------------------------
     @route
     async def repository_index(self, request):
@@ -459,9 +522,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         if http_server == "granian":
             listener = rsgi.Listener(rsgi.App(router), host, http_port, body_timeout)
         else:
-            from gepool.http import native
-
             listener = native.Listener(router, host, http_port, body_timeout, max_body, inherited.get("http"))
+            listener.fast[gw.infer] = gw.infer_now
         await listener.start()
     for name, port, app in (("http", 0 if listener else http_port, http_app(gw)), ("metrics", metrics_port, None)):
         if not port:
