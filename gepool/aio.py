@@ -117,8 +117,15 @@ class AsyncClient(ClientCore):
         now = time.monotonic()
         deadline = None if wait is None else now + wait
         self._inflight[out.req_id] = (out, _Answer(done, out), deadline, True)
-        if not self._queue_one(out.frames, out.req_id):
-            del self._inflight[out.req_id]
+        try:
+            queued = self._queue_one(out.frames, out.req_id)
+        except BaseException:
+            queued = False
+            raise
+        finally:
+            if not queued:  # nothing was sent: nothing may call back
+                del self._inflight[out.req_id]
+        if not queued:
             return False
         if deadline is not None and (self._timer_at is None or deadline < self._timer_at):
             self._arm(deadline, now)

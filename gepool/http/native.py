@@ -50,16 +50,6 @@ TRAILERS = "trailers after a chunked body are not accepted"
 _WAIT = object()  # _answered: the next request waits for the client to read what was written
 
 
-class Reply:
-    """A handler's answer without aiohttp's response object (the infer route's answer on its fast path)."""
-
-    __slots__ = ("status", "headers", "body")
-    keep_alive = None
-
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status, self.headers, self.body = status, headers, body
-
-
 class Headers(dict):
     """A request's headers by lower-cased name, looked up case-insensitively as aiohttp's are; of a repeated
     one, the first copy."""
@@ -241,6 +231,7 @@ class Connection(asyncio.Protocol):
         # a request whose route has a fast path, headed in the chunk being parsed: it takes the fast path if its
         # body ends in the same chunk, else data_received gives it a task as any other
         self._fast: tuple[Request, object] | None = None
+        self._starting: Request | None = None  # the request whose fast path is running (see _fast_done)
 
     # -- asyncio --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -478,16 +469,24 @@ class Connection(asyncio.Protocol):
 
     def _start_fast(self, req: Request, now) -> None:
         """Runs the route's fast path for ``req``, whose body has all come; where it declines, a task serves it."""
+        self._starting = req
         try:
             started = now(req, self._fast_done)
         except Exception:
             log.exception("internal error in the fast path of %s %s", req.method, req.path)
             started = False
+        finally:
+            self._starting = None
         if not started:
             self.listener.loop.create_task(self._serve(req))
+        else:
+            req._parts.clear()  # the fast path has read the body: it is not held while the answer waits
 
-    def _fast_done(self, req: Request, response: web.StreamResponse | Reply) -> None:
+    def _fast_done(self, req: Request, response: web.StreamResponse | rsgi.Reply) -> None:
         """A fast path's answer to ``req`` (called once, from the loop): written as ``_run`` writes one."""
+        if req is self._starting:  # called back before it returned, inside the parser: written on the next pass
+            self.listener.loop.call_soon(self._fast_done, req, response)
+            return
         try:
             nxt = self._answered(req, response)
             if nxt is _WAIT:
@@ -507,7 +506,7 @@ class Connection(asyncio.Protocol):
             log.exception("internal error answering %s %s", req.method, req.path)
             self._abort()
 
-    def _answered(self, req: Request, response: web.StreamResponse | Reply) -> Request | None | object:
+    def _answered(self, req: Request, response: web.StreamResponse | rsgi.Reply) -> Request | None | object:
         """Writes ``req``'s answer; then the next request to run, None if none is to run now, or _WAIT while
         the client's buffer is full (``_drained`` then gives the next)."""
         listener = self.listener
@@ -552,7 +551,7 @@ class Connection(asyncio.Protocol):
     def _write_response(self, req: Request | None, response: web.StreamResponse, close: bool) -> None:
         if self.closing:
             return
-        body = response.body if isinstance(response, web.Response | Reply) else None
+        body = response.body if isinstance(response, web.Response | rsgi.Reply) else None
         if body is None:
             body = b""
         elif not isinstance(body, bytes | bytearray | memoryview):

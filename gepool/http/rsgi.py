@@ -193,6 +193,17 @@ class Request:
             pass
 
 
+class Reply:
+    """A handler's answer without aiohttp's response object (the infer route's answer on the native server's
+    fast path, ``Gateway.infer_now``)."""
+
+    __slots__ = ("status", "headers", "body")
+    keep_alive = None
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+
 class Router:
     """aiohttp's route patterns (``{name}``, ``{name:regex}``), each path tried in the order added."""
 

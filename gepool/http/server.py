@@ -19,6 +19,8 @@ import mmap
 import os
 import socket
 import sys
+from collections.abc import Coroutine
+from typing import NoReturn
 
 from aiohttp import web
 
@@ -28,7 +30,7 @@ from gepool.clientcore import ANSWER_GRACE_S
 from gepool.common import errors, gc_policy
 from gepool.common.logsettings import LogSettings
 from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
-from gepool.http import host, kserve, limits, listen, metrics, native, peer, rsgi, servers, trace
+from gepool.http import host, kserve, limits, listen, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
 from gepool.http.host import CpuUtilization
 from gepool.http.limits import (
@@ -70,6 +72,25 @@ class _Declined(Exception):
 
 def _no_regions(name, offset, size, limit) -> bytes:
     raise _Declined(name)
+
+
+def _names(req: kserve.InferRequest) -> list | None:
+    """The outputs asked for; one asked for as classes travels as [name, class_count] (the front's
+    classification)."""
+    return [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
+        if req.outputs is not None else None
+
+
+def _failure(request, exc: BaseException) -> web.Response:
+    """What the route answers for an exception its handler raised."""
+    if isinstance(exc, errors.GepoolError):
+        return _error(exc.http_status, exc.message)
+    log.error("internal error on %s %s", request.method, request.path, exc_info=exc)
+    return _error(500, errors.INTERNAL_MESSAGE)
+
+
+async def _raise(exc: BaseException) -> NoReturn:
+    raise exc
 
 
 class Gateway:
@@ -287,24 +308,16 @@ class Gateway:
                 for o in req.outputs or []:
                     if o.region is not None:  # an unknown region, or a place past its end, fails before the model runs
                         self.regions.check_output(acquire(o.region), o.region_offset, o.region_size)
-            except errors.GepoolError:
-                await self._model_meta(request)  # an unknown model is what the caller hears first
-                raise
+            except errors.GepoolError as exc:
+                await self._unparsed(request, exc)
             if not req.inputs:
-                meta = await self._model_meta(request)
-                raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
-                                             f"model '{model}'")
-            # an output asked for as classes travels as [name, class_count] (the front's classification)
-            names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
-                if req.outputs is not None else None
+                await self._no_inputs(request)
+            names = _names(req)
             client = self.client if self.connected.is_set() else await self.front()
             outputs = await client.infer(model, req.inputs, names, version=version, priority=req.priority,
                                          timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
-            # the version that ran it, from the reply itself (asking the front for metadata cost every
-            # unversioned request a second round trip)
-            served = getattr(outputs, "model_version", None)
-            payload, headers = kserve.encode_response(
-                model, str(served) if served is not None else (str(version) if version else ""), req, outputs,
+            payload, headers = self._encoded(
+                model, version, req, outputs,
                 lambda name, offset, size, data: self.regions.write(held[name], offset, size, data))
         finally:
             for region in held.values():
@@ -314,9 +327,10 @@ class Gateway:
     def infer_now(self, request, done) -> bool:
         """The infer route's common case on the native server, with no task, coroutine or future: a body that
         came whole, small enough to parse here, with no shared memory, to a front already connected. Parsed and
-        sent now; ``done(request, response)`` is called once with the answer, as ``infer`` would give it.
-        False, with nothing sent, for anything else and for any error found before sending: ``infer`` then
-        serves the request from the start and answers as it always does."""
+        sent now; ``done(request, response)`` is called once, later, with the answer ``infer`` would give.
+        False, with nothing done, for what only ``infer`` serves (it then reads the request from the start).
+        Once a body is parsed it is never handed back: what the fast path cannot send, or what did not parse,
+        is answered by a task here, as ``infer`` would answer it, so no body is parsed twice."""
         client = self.client
         if client is None or not self.connected.is_set() or self.regions.stale():
             return False
@@ -328,43 +342,89 @@ class Gateway:
             return False
         header_length = headers.get(kserve.HEADER_LENGTH)
         try:
-            hlen = kserve.header_length(body, header_length)
-            if body.find(b"shared_memory_region", 0, hlen) >= 0:
-                return False
             version = model_version(request.match_info.get("version"))
-            req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, self.max_body)
-        except (errors.GepoolError, _Declined):
+            hlen = kserve.header_length(body, header_length)
+        except errors.GepoolError:
             return False
-        if not req.inputs or any(o.region is not None for o in req.outputs or ()):
+        if body.find(b"shared_memory_region", 0, hlen) >= 0:
             return False
         if log.isEnabledFor(logging.DEBUG):
             log.debug("HTTP request: %s %s", request.method, request.path)
+        try:
+            req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, self.max_body)
+        except _Declined:  # an input in shared memory, its key spelled with escapes
+            return False
+        except errors.GepoolError as exc:
+            self._answer_later(request, done, self._unparsed(request, exc))
+            return True
+        if any(o.region is not None for o in req.outputs or ()):  # (the same, for an output)
+            return False
+        if not req.inputs:
+            self._answer_later(request, done, self._no_inputs(request))
+            return True
         model = request.match_info["model"]
 
         def answered(outputs: dict | None, exc: BaseException | None) -> None:
             if exc is None:
                 try:
-                    served = getattr(outputs, "model_version", None)
-                    payload, head = kserve.encode_response(
-                        model, str(served) if served is not None else (str(version) if version else ""), req,
-                        outputs)
-                    done(request, native.Reply(200, head, payload))
-                    return
-                except Exception as failed:  # answered below as the route answers a failure
-                    exc = failed
-            if isinstance(exc, errors.GepoolError):
-                done(request, _error(exc.http_status, exc.message))
+                    response = self._reply(model, version, req, outputs)
+                except Exception as failed:  # answered below, as the route answers a failure
+                    response = _failure(request, failed)
             else:
-                log.error("internal error on %s %s", request.method, request.path, exc_info=exc)
-                done(request, _error(500, errors.INTERNAL_MESSAGE))
+                response = _failure(request, exc)
+            done(request, response)
 
-        names = [[o.name, o.class_count] if o.class_count else o.name for o in req.outputs] \
-            if req.outputs is not None else None
+        names = _names(req)
         try:
-            return client.submit(model, req.inputs, names, answered, version=version, priority=req.priority,
-                                 timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
-        except errors.GepoolError:
-            return False
+            if client.submit(model, req.inputs, names, answered, version=version, priority=req.priority,
+                             timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s)):
+                return True
+        except errors.GepoolError as exc:
+            self._answer_later(request, done, _raise(exc))
+            return True
+        self._answer_later(request, done, self._infer_parsed(model, version, req, names))  # longer than one record
+        return True
+
+    def _answer_later(self, request, done, work: Coroutine) -> None:
+        """A task answers ``request`` with what ``work`` returns or raises, mapped as the route maps it."""
+
+        async def answer() -> None:
+            try:
+                response = await work
+            except Exception as exc:
+                response = _failure(request, exc)
+            done(request, response)
+
+        asyncio.get_running_loop().create_task(answer())
+
+    async def _unparsed(self, request, exc: errors.GepoolError) -> NoReturn:
+        """A body that did not parse: the caller hears first of a model (or version) that is not there."""
+        await self._model_meta(request)
+        raise exc
+
+    async def _no_inputs(self, request) -> NoReturn:
+        meta = await self._model_meta(request)
+        raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
+                                     f"model '{request.match_info['model']}'")
+
+    async def _infer_parsed(self, model: str, version: int | None, req: kserve.InferRequest,
+                            names: list | None) -> rsgi.Reply:
+        outputs = await self.client.infer(model, req.inputs, names, version=version, priority=req.priority,
+                                          timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
+        return self._reply(model, version, req, outputs)
+
+    def _reply(self, model: str, version: int | None, req: kserve.InferRequest, outputs: dict) -> rsgi.Reply:
+        payload, headers = self._encoded(model, version, req, outputs)
+        return rsgi.Reply(200, headers, payload)
+
+    @staticmethod
+    def _encoded(model: str, version: int | None, req: kserve.InferRequest, outputs: dict,
+                 write_region=None) -> tuple[bytes, dict[str, str]]:
+        """The answer's body and headers. The version that ran it comes from the reply itself (asking the
+        front for metadata cost every unversioned request a second round trip)."""
+        served = getattr(outputs, "model_version", None)
+        return kserve.encode_response(model, str(served) if served is not None else (str(version) if version else ""),
+                                      req, outputs, write_region)
 
     # -- repository ------------------------------------------------------------------------
     @route
@@ -522,6 +582,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         if http_server == "granian":
             listener = rsgi.Listener(rsgi.App(router), host, http_port, body_timeout)
         else:
+            from gepool.http import native  # (httptools may be absent where another server is asked for)
+
             listener = native.Listener(router, host, http_port, body_timeout, max_body, inherited.get("http"))
             listener.fast[gw.infer] = gw.infer_now
         await listener.start()
