@@ -234,6 +234,7 @@ class Connection(asyncio.Protocol):
         # body ends in the same chunk, else data_received gives it a task as any other
         self._fast: tuple[Request, object] | None = None
         self._starting: Request | None = None  # the request whose fast path is running (see _fast_done)
+        self._called_back = False  # ... and whether it has called back already
 
     # -- asyncio --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -471,7 +472,7 @@ class Connection(asyncio.Protocol):
 
     def _start_fast(self, req: Request, now) -> None:
         """Runs the route's fast path for ``req``, whose body has all come; where it declines, a task serves it."""
-        self._starting = req
+        self._starting, self._called_back = req, False
         try:
             started = now(req, self._fast_done)
         except Exception:
@@ -479,6 +480,9 @@ class Connection(asyncio.Protocol):
             started = False
         finally:
             self._starting = None
+        if self._called_back and not started:  # it answered, then declined: the answer stands, alone
+            log.error("the fast path of %s %s answered the request and then declined it", req.method, req.path)
+            started = True
         if not started:
             self.listener.loop.create_task(self._serve(req))
         else:
@@ -487,7 +491,10 @@ class Connection(asyncio.Protocol):
     def _fast_done(self, req: Request, response: web.StreamResponse | rsgi.Reply) -> None:
         """A fast path's answer to ``req`` (called once, from the loop): written as ``_run`` writes one."""
         if req is self._starting:  # called back before it returned, inside the parser: written on the next pass
+            self._called_back = True
             self.listener.loop.call_soon(self._fast_done, req, response)
+            return
+        if not self.queue or self.queue[0] is not req:  # the connection is gone (or this one was answered already)
             return
         try:
             nxt = self._answered(req, response)

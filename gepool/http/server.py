@@ -74,6 +74,11 @@ def _no_regions(name, offset, size, limit) -> bytes:
     raise _Declined(name)
 
 
+def _logged(request) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("HTTP request: %s %s", request.method, request.path)
+
+
 def _names(req: kserve.InferRequest) -> list | None:
     """The outputs asked for; one asked for as classes travels as [name, class_count] (the front's
     classification)."""
@@ -90,7 +95,10 @@ def _failure(request, exc: BaseException) -> web.Response:
 
 
 async def _raise(exc: BaseException) -> NoReturn:
-    raise exc
+    try:
+        raise exc
+    finally:
+        exc = None  # no cycle through this frame (see Gateway._unparsed)
 
 
 class Gateway:
@@ -116,6 +124,7 @@ class Gateway:
         self.max_body, self.body_timeout = max_body, body_timeout
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
+        self._answering: set[asyncio.Task] = set()  # infer_now's tasks
         self.cpu = CpuUtilization()
         self.front_ready = front_ready
 
@@ -348,17 +357,17 @@ class Gateway:
             return False
         if body.find(b"shared_memory_region", 0, hlen) >= 0:
             return False
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("HTTP request: %s %s", request.method, request.path)
         try:
             req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, self.max_body)
         except _Declined:  # an input in shared memory, its key spelled with escapes
             return False
         except errors.GepoolError as exc:
+            _logged(request)
             self._answer_later(request, done, self._unparsed(request, exc))
             return True
         if any(o.region is not None for o in req.outputs or ()):  # (the same, for an output)
             return False
+        _logged(request)
         if not req.inputs:
             self._answer_later(request, done, self._no_inputs(request))
             return True
@@ -395,12 +404,17 @@ class Gateway:
                 response = _failure(request, exc)
             done(request, response)
 
-        asyncio.get_running_loop().create_task(answer())
+        task = asyncio.get_running_loop().create_task(answer())
+        self._answering.add(task)  # held until it ends (the loop keeps only a weak reference)
+        task.add_done_callback(self._answering.discard)
 
     async def _unparsed(self, request, exc: errors.GepoolError) -> NoReturn:
         """A body that did not parse: the caller hears first of a model (or version) that is not there."""
-        await self._model_meta(request)
-        raise exc
+        try:
+            await self._model_meta(request)
+            raise exc
+        finally:
+            exc = None  # the traceback holds this frame: with it the body would sit in a cycle (gc_policy)
 
     async def _no_inputs(self, request) -> NoReturn:
         meta = await self._model_meta(request)
