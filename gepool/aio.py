@@ -114,19 +114,12 @@ class AsyncClient(ClientCore):
         if wait is None:
             wait = self._wait(timeout)
         wait = self.timeout if wait is None else wait
+        if not self._queue_one(out.frames, out.req_id):
+            return False
+        # booked after it is queued, before the flush that sends it (a later pass of the loop) can be answered
         now = time.monotonic()
         deadline = None if wait is None else now + wait
         self._inflight[out.req_id] = (out, _Answer(done, out), deadline, True)
-        try:
-            queued = self._queue_one(out.frames, out.req_id)
-        except BaseException:
-            queued = False
-            raise
-        finally:
-            if not queued:  # nothing was sent: nothing may call back
-                del self._inflight[out.req_id]
-        if not queued:
-            return False
         if deadline is not None and (self._timer_at is None or deadline < self._timer_at):
             self._arm(deadline, now)
         return True

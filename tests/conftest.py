@@ -1,9 +1,11 @@
 """Shared fixtures: generated model repositories, one session pool, and leak checks on every test."""
 
+import gc
 import os
 import random
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -229,3 +231,19 @@ def front(tmp_path):
     yield make
     for h in made:
         h.close()
+
+
+def cyclic_garbage(run: Callable[[], object]) -> list:
+    """The objects in reference cycles after ``run()`` ran with the collector off (the sidecar's collector runs
+    seldom, so whatever a cycle holds stays until it does): a test looks among them for what must not be there."""
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

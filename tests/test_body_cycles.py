@@ -8,6 +8,7 @@ import socket
 from aiohttp import web
 
 from gepool.http import limits
+from tests.conftest import cyclic_garbage
 
 SENT = 512 << 10  # of a body declaring twice as much
 
@@ -41,17 +42,7 @@ async def _abort_one_upload() -> None:
 
 
 def test_an_upload_cut_short_leaves_no_cycle_holding_its_body():
-    gc.collect()
-    gc.disable()
-    try:
-        asyncio.run(_abort_one_upload())
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        held = [o for o in gc.garbage if type(o).__name__ == "StreamReader"]
-        big = [r for o in gc.garbage for r in gc.get_referents(o)
-               if isinstance(r, bytes | bytearray) and len(r) >= SENT // 4]
-        assert not held and not big, (held, [len(b) for b in big])
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+    garbage = cyclic_garbage(lambda: asyncio.run(_abort_one_upload()))
+    held = [o for o in garbage if type(o).__name__ == "StreamReader"]
+    big = [r for o in garbage for r in gc.get_referents(o) if isinstance(r, bytes | bytearray) and len(r) >= SENT // 4]
+    assert not held and not big, (held, [len(b) for b in big])

@@ -15,7 +15,7 @@ from aiohttp import web
 from gepool import Pool
 from gepool.http import kserve, native, rsgi, server
 from tests import repo as test_repo
-from tests.conftest import free_port
+from tests.conftest import cyclic_garbage, free_port
 
 TINY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                "data": [float(i) for i in range(16)]}]}).encode()
@@ -172,19 +172,9 @@ def test_a_body_that_does_not_parse_is_not_kept_in_a_cycle(pool):
             writer.close()
             assert taken == [True]
 
-    gc.collect()
-    gc.disable()
-    try:
-        asyncio.run(main())
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        held = [r for o in gc.garbage for r in gc.get_referents(o)  # the body, its copies, its parsed text
-                if (isinstance(r, bytes | bytearray) and pad.encode() in r) or (isinstance(r, str) and pad in r)]
-        assert not held, [type(r).__name__ for r in held]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+    held = [r for o in cyclic_garbage(lambda: asyncio.run(main())) for r in gc.get_referents(o)  # the body, its
+            if (isinstance(r, bytes | bytearray) and pad.encode() in r) or (isinstance(r, str) and pad in r)]  # text
+    assert not held, [type(r).__name__ for r in held]
 
 
 def test_many_connections_on_the_fast_path_each_get_their_own_answer(pool):
@@ -306,15 +296,12 @@ def test_a_fast_path_that_declines_or_fails_leaves_the_request_to_the_handler(ca
 def test_a_fast_path_answering_before_it_returns_is_written_after_the_parser_is_done():
     async def main() -> None:
         async with _listener() as (listener, later):
-            later.mode = "at once"
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
-            writer.write(_post("/x", b"1") + _post("/x", b"22"))
-            answers = await _responses(reader, 2)
-            assert [body for _, body in answers] == [b'{"at once": true}', b'{"handled": 2}']  # (pipelined: a task)
-            later.mode = "answer and decline"  # a broken fast path: its answer stands, and the handler never runs
-            writer.write(_post("/x", b"1") + _post("/x", b"22"))
-            answers = await _responses(reader, 2)
-            assert [body for _, body in answers] == [b'{"at once": true}', b'{"handled": 2}']
+            # "answer and decline" is a broken fast path: its answer stands, and the handler never runs
+            for later.mode in ("at once", "answer and decline"):
+                writer.write(_post("/x", b"1") + _post("/x", b"22"))
+                answers = await _responses(reader, 2)
+                assert [body for _, body in answers] == [b'{"at once": true}', b'{"handled": 2}']  # (pipelined: a task)
             assert later.handled == 2
             writer.close()
 
@@ -332,6 +319,26 @@ def test_requests_pipelined_behind_a_fast_one_are_answered_after_it_in_order():
             later.answer(b'{"first": 1}')
             answers = await _responses(reader, 3)
             assert [body for _, body in answers] == [b'{"first": 1}', b'{"handled": 2}', b'{"handled": 3}']
+            writer.close()
+
+    asyncio.run(main())
+
+
+def test_a_fast_answer_its_client_does_not_read_holds_the_next_request_until_it_is_read():
+    big = b'{"x": "' + b"y" * (8 << 20) + b'"}'
+
+    async def main() -> None:
+        async with _listener() as (listener, later):
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)  # reads 128 KiB, then stops
+            writer.write(_post("/x", b"1") + _post("/x", b"22"))
+            await _until(lambda: later.waiting)
+            later.answer(big)  # more than the transport buffers: writing pauses until the client reads
+            (conn,) = listener.connections
+            assert conn.writable is not None and not conn.writable.done()
+            await asyncio.sleep(0.2)
+            assert later.handled == 0  # the one behind it waits for the answer to be read
+            answers = await _responses(reader, 2)
+            assert [body for _, body in answers] == [big, b'{"handled": 2}']
             writer.close()
 
     asyncio.run(main())

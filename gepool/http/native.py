@@ -454,21 +454,25 @@ class Connection(asyncio.Protocol):
         if not self.closing:
             self.transport.write(data)
 
-    async def _serve(self, req: Request) -> None:
-        """Answers ``req`` and the requests pipelined behind it; a bug here closes only this connection."""
+    async def _serve(self, req: Request, answered: bool = False) -> None:
+        """Answers ``req`` and the requests pipelined behind it (see _run); a bug here closes only this connection."""
         try:
-            await self._run(req)
+            await self._run(req, answered)
         except Exception:
             log.exception("internal error answering %s %s", req.method, req.path)
             self._abort()
 
-    async def _run(self, req: Request) -> None:
+    async def _run(self, req: Request, answered: bool = False) -> None:
+        """Answers ``req`` (``answered``: already answered, its answer waiting for the client to read it) and
+        the requests behind it."""
         while True:
-            req = self._answered(req, await self.listener.answer(req))
-            if req is _WAIT:
-                req = await self._drained()
-            if req is None:
+            nxt = _WAIT if answered else self._answered(req, await self.listener.answer(req))
+            answered = False
+            if nxt is _WAIT:
+                nxt = await self._drained()
+            if nxt is None:
                 return
+            req = nxt
 
     def _start_fast(self, req: Request, now) -> None:
         """Runs the route's fast path for ``req``, whose body has all come; where it declines, a task serves it."""
@@ -499,18 +503,9 @@ class Connection(asyncio.Protocol):
         try:
             nxt = self._answered(req, response)
             if nxt is _WAIT:
-                self.listener.loop.create_task(self._serve_drained(req))
+                self.listener.loop.create_task(self._serve(req, answered=True))
             elif nxt is not None:
                 self.listener.loop.create_task(self._serve(nxt))
-        except Exception:
-            log.exception("internal error answering %s %s", req.method, req.path)
-            self._abort()
-
-    async def _serve_drained(self, req: Request) -> None:
-        try:
-            nxt = await self._drained()
-            if nxt is not None:
-                await self._run(nxt)
         except Exception:
             log.exception("internal error answering %s %s", req.method, req.path)
             self._abort()

@@ -87,11 +87,18 @@ def _names(req: kserve.InferRequest) -> list | None:
 
 
 def _failure(request, exc: BaseException) -> web.Response:
-    """What the route answers for an exception its handler raised."""
+    """What the route answers for an exception its handler raised: a GepoolError's status and message, else
+    500 (the traceback stays in the log; the client hears no Python)."""
     if isinstance(exc, errors.GepoolError):
         return _error(exc.http_status, exc.message)
     log.error("internal error on %s %s", request.method, request.path, exc_info=exc)
     return _error(500, errors.INTERNAL_MESSAGE)
+
+
+async def _ask(client: AsyncClient, model: str, version: int | None, req: kserve.InferRequest,
+               names: list | None) -> dict:
+    return await client.infer(model, req.inputs, names, version=version, priority=req.priority, timeout=req.timeout_s,
+                              origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
 
 
 async def _raise(exc: BaseException) -> NoReturn:
@@ -183,13 +190,10 @@ class Gateway:
                 response = _error(exc.http_status, exc.message)
                 response.force_close()  # the rest of the body may still come: never read it as a request
                 return response
-            except errors.GepoolError as exc:
-                return _error(exc.http_status, exc.message)
             except web.HTTPException as exc:
                 return _error(exc.status, exc.reason)
-            except Exception:  # the traceback stays here; the client hears a 500 without Python in it
-                log.exception("internal error on %s %s", request.method, request.path)
-                return _error(500, errors.INTERNAL_MESSAGE)
+            except Exception as exc:
+                return _failure(request, exc)
         return wrapped
 
     async def _body(self, request: web.Request) -> bytes:
@@ -321,10 +325,8 @@ class Gateway:
                 await self._unparsed(request, exc)
             if not req.inputs:
                 await self._no_inputs(request)
-            names = _names(req)
             client = self.client if self.connected.is_set() else await self.front()
-            outputs = await client.infer(model, req.inputs, names, version=version, priority=req.priority,
-                                         timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
+            outputs = await _ask(client, model, version, req, _names(req))
             payload, headers = self._encoded(
                 model, version, req, outputs,
                 lambda name, offset, size, data: self.regions.write(held[name], offset, size, data))
@@ -423,8 +425,7 @@ class Gateway:
 
     async def _infer_parsed(self, model: str, version: int | None, req: kserve.InferRequest,
                             names: list | None) -> rsgi.Reply:
-        outputs = await self.client.infer(model, req.inputs, names, version=version, priority=req.priority,
-                                          timeout=req.timeout_s, origin=Origin.HTTP, wait=answer_wait(req.timeout_s))
+        outputs = await _ask(self.client, model, version, req, names)
         return self._reply(model, version, req, outputs)
 
     def _reply(self, model: str, version: int | None, req: kserve.InferRequest, outputs: dict) -> rsgi.Reply:
