@@ -4,9 +4,9 @@
         [--levels 64] [--tools wrk] [--base-http-server SERVER] [--head-http-server SERVER]
     python benchmarks/gateway_ab.py --base HEAD --head-http-server granian ...   (one tree, both servers)
 
-Each round runs ``benchmarks/gateway_bench.py`` of the base and of the head (the working tree when no
-``--head`` is given; base first in odd rounds, head first in even ones, so that a host's drifting load
-falls on both alike), each against its own code: a revision is exported with ``git archive`` into a
+Each round runs the head's ``benchmarks/gateway_bench.py`` on the base and on the head (the working tree
+when no ``--head`` is given; base first in odd rounds, head first in even ones, so that a host's drifting
+load falls on both alike), each on its own package: a revision is exported with ``git archive`` into a
 temporary folder and laid out as the installed package (``gepool.ipc`` = ``ipc/``, ...) on PYTHONPATH,
 ahead of the editable install. The table at the end gives, per model, tool and concurrency, the median
 over the rounds of req/s and of each process's CPU microseconds per request (on a shared host the
@@ -76,7 +76,8 @@ def ab_rounds(script: str, base: str | None, head: str | None, rounds: int, args
 
 
 def run(src: str, root: str, args: argparse.Namespace, http_server: str | None) -> dict:
-    """{(model, tool, conc): {"rps": .., label: cpu us}} from one gateway_bench run."""
+    """{(model, tool, conc): {"rps": .., label: cpu us}} from one run of ``src``'s gateway_bench on ``root``'s
+    package."""
     env = dict(os.environ, PYTHONPATH=root)
     cmd = [sys.executable, os.path.join(src, "benchmarks", "gateway_bench.py"), "--seconds", str(args.seconds),
            "--levels", args.levels, "--models", args.models, "--tools", args.tools]
@@ -125,8 +126,9 @@ def main() -> None:
         results: dict[str, list[dict]] = {"base": [], "head": []}
         for r in range(args.rounds):
             order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]  # ABBA: drift cancels
-            for label, (src, root) in order:
-                results[label].append(run(src, root, args, servers[label]))
+            for label, (_, root) in order:
+                # one harness for both: the head's script (a base's may lack a tool), each side's own package
+                results[label].append(run(versions["head"][0], root, args, servers[label]))
                 for key, row in sorted(results[label][-1].items()):
                     print(f"round {r + 1} {label:4s} {' '.join(map(str, key)):14s} "
                           + " ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)

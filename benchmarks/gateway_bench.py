@@ -1,7 +1,7 @@
-"""The HTTP gateway under the peer harness's load: wrk (KServe v2 JSON) and perf_analyzer (binary tensors),
-with the CPU each process of the pool spends per request (benchmarks/README.md).
+"""The gateway under the peer harness's load: wrk (KServe v2 JSON), perf_analyzer (binary tensors over HTTP)
+and perf_analyzer over gRPC, with the CPU each process of the pool spends per request (benchmarks/README.md).
 
-    python benchmarks/gateway_bench.py [--seconds 10] [--levels 1,8,64] [--models tiny,mlp] [--tools wrk,pa]
+    python benchmarks/gateway_bench.py [--seconds 10] [--levels 1,8,64] [--models tiny,mlp] [--tools wrk,pa,grpc]
         [--sidecars N] [--profile-sidecar FILE.prof]
 
 Both models get the peers' batching settings (max_batch_size 32, preferred [8, 16, 32], 1 ms delay).
@@ -10,6 +10,7 @@ counted over the same window: on a shared host that is the figure to compare, no
 """
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -174,7 +175,7 @@ def perf_analyzer_env() -> tuple[str, dict] | None:
     return exe, env
 
 
-def run_pa(url: str, model: str, conc: int, seconds: float, workdir: str) -> dict:
+def run_pa(url: str, model: str, conc: int, seconds: float, workdir: str, protocol: str = "http") -> dict:
     found = perf_analyzer_env()
     if found is None:
         return {"rps": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan"), "errors": 0,
@@ -183,7 +184,7 @@ def run_pa(url: str, model: str, conc: int, seconds: float, workdir: str) -> dic
     out = os.path.join(workdir, "pa.csv")
     # three windows of a third of the level each; a shared host never passes the stability check
     window_ms = max(300, int(seconds * 1000 / 3))
-    proc = subprocess.run([exe, "-m", model, "-u", url.removeprefix("http://"), "-i", "http",
+    proc = subprocess.run([exe, "-m", model, "-u", url.removeprefix("http://"), "-i", protocol,
                            "--concurrency-range", str(conc), "--measurement-interval", str(window_ms),
                            "--stability-percentage", "1000", "--max-trials", "3", "-f", out],
                           capture_output=True, text=True, env=env)
@@ -226,12 +227,14 @@ finally:
 """
 
 
-def start_profiled_sidecar(endpoint: str, port: int, profile: str, http_server: str | None) -> subprocess.Popen:
+def start_profiled_sidecar(endpoint: str, port: int, profile: str, http_server: str | None,
+                           grpc_port: int = 0) -> subprocess.Popen:
     """The sidecar as gepool starts it, under cProfile (its stats written when it is stopped)."""
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen([sys.executable, "-c", PROFILED_SIDECAR, profile, "--endpoint", endpoint,
                              "--http-port", str(port), "--metrics-port", "0", "--ready-fd", str(write_fd),
-                             *(["--http-server", http_server] if http_server else [])],
+                             *(["--http-server", http_server] if http_server else []),
+                             *(["--grpc-port", str(grpc_port)] if grpc_port else [])],
                             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     os.close(write_fd)
     with os.fdopen(read_fd) as reader:
@@ -246,7 +249,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per level and tool")
     parser.add_argument("--levels", default="1,8,64", help="client concurrencies")
     parser.add_argument("--models", default="tiny,mlp")
-    parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies) and/or pa (perf_analyzer, binary)")
+    parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies), pa (perf_analyzer, binary) and/or "
+                                                          "grpc (perf_analyzer over gRPC)")
     parser.add_argument("--http-server", help="the sidecar's HTTP server: aiohttp, granian or httptools (default: "
                                               "the pool's)")
     parser.add_argument("--sidecars", type=int, help="sidecar processes sharing the port (default: the pool's)")
@@ -255,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.levels.split(",")]
     models = args.models.split(",")
-    tools = {"wrk": run_wrk, "pa": run_pa}
+    tools = {"wrk": run_wrk, "pa": run_pa, "grpc": functools.partial(run_pa, protocol="grpc")}
     chosen = [(t, tools[t]) for t in args.tools.split(",")]
     if shutil.which("wrk") is None and any(t == "wrk" for t, _ in chosen):
         raise SystemExit("wrk is not installed")
@@ -271,19 +275,23 @@ def main() -> None:
         extra = {"http_server": args.http_server} if args.http_server else {}  # older trees lack it
         if args.sidecars is not None:
             extra["sidecars"] = args.sidecars
+        grpc_port = free_port() if any(t == "grpc" for t, _ in chosen) else 0
+        if grpc_port:
+            extra["grpc_port"] = 0 if args.profile_sidecar else grpc_port
         with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
             if args.profile_sidecar:
                 sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar),
-                                                 args.http_server)
-            url = f"http://127.0.0.1:{port}"
+                                                 args.http_server, grpc_port)
+            urls = {"wrk": f"http://127.0.0.1:{port}", "pa": f"http://127.0.0.1:{port}",
+                    "grpc": f"127.0.0.1:{grpc_port}"}
             client = pool.client()
             procs = processes(pool.process.pid, sidecar.pid if sidecar else None)
             print("processes:", " ".join(f"{k}={v}" for k, v in procs.items()), flush=True)
             for model in models:
-                run_wrk(url, model, 8, 1.0, workdir) if shutil.which("wrk") else None  # warm-up
+                run_wrk(urls["wrk"], model, 8, 1.0, workdir) if shutil.which("wrk") else None  # warm-up
                 for name, tool in chosen:
                     for conc in levels:
-                        r = level(tool, url, client, procs, model, conc, args.seconds, workdir)
+                        r = level(tool, urls[name], client, procs, model, conc, args.seconds, workdir)
                         rows.append((model, name, conc, r))
                         cpu = " ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
                         print(f"{model:5s} {name:3s} c={conc:<3d} {r['rps']:8.0f} req/s p50 {r['p50_ms']:7.2f} "

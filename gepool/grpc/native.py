@@ -4,6 +4,8 @@ grpc.aio hands each call between its reader thread, its polling thread and the e
 switches a request); here a call costs the handler's task and nothing else: frames are parsed where they
 arrive, a repeated header block (all indexed, as clients send them) is looked up instead of decoded, and
 an answer goes out in one write. The handlers are the ones grpc.aio serves (``grpc.RpcMethodHandler``).
+A unary method may also have a fast path (``Listener.fast``) that takes a call with no deadline from the
+frame parser's callback and answers it through a callback, with no task at all.
 
 Every byte is hostile: a frame over our MAX_FRAME_SIZE, a header block over MAX_HEADER_BLOCK, a message
 declaring more than the body limit (RESOURCE_EXHAUSTED, before it is read), more than MAX_STREAMS calls at
@@ -23,6 +25,7 @@ import socket
 import struct
 import zlib
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 from hpack import Decoder, HPACKError
@@ -195,7 +198,7 @@ class Stream:
 
     __slots__ = ("conn", "sid", "handler", "serialize", "encoding", "deadline", "opened", "buf", "messages",
                  "inbox", "queued", "unacked", "remote_ended", "task", "send_window", "out", "out_bytes",
-                 "drained", "head_sent", "ending", "done", "error", "stalled_since", "started")
+                 "drained", "head_sent", "ending", "done", "error", "stalled_since", "started", "fast")
 
     def __init__(self, conn: Connection, sid: int, now: float) -> None:
         self.conn, self.sid, self.opened = conn, sid, now
@@ -220,6 +223,7 @@ class Stream:
         self.started = False  # a unary call whose request has ended: its task is made
         self.done = False  # its answer has ended (or it was reset)
         self.error: tuple[grpc.StatusCode, str] | None = None  # a refusal found while its request arrived
+        self.fast = None  # the method's fast path (Listener.fast), for a unary call with no deadline
 
 
 class Connection(asyncio.Protocol):
@@ -599,6 +603,8 @@ class Connection(asyncio.Protocol):
         if handler.request_streaming:
             s.inbox = Messages(s)
             self._start(s, self._run(s))
+        elif s.deadline is None:
+            s.fast = self.listener.fast.get(path)
 
     def _data(self, sid: int, flags: int, payload: memoryview) -> None:
         if not sid:
@@ -729,7 +735,8 @@ class Connection(asyncio.Protocol):
         elif s.task is None:
             s.started = True
             self.whole += s.queued
-            self._start(s, self._run(s))
+            if s.fast is None or not self._start_fast(s):
+                self._start(s, self._run(s))
 
     def consumed(self, s: Stream, size: int) -> None:
         """A handler took a message: what it held is freed, and a stream may send again."""
@@ -755,6 +762,48 @@ class Connection(asyncio.Protocol):
 
     def _ended(self, task: asyncio.Task) -> None:
         self.running -= 1
+
+    def _start_fast(self, s: Stream) -> bool:
+        """Hands a unary call's request to its method's fast path: ``now(request, peer, done) -> bool``, which
+        takes it (True) and calls ``done(reply, None)`` or ``done(None, exc)`` once, later or at once, or
+        declines it (False) having done nothing. A taken call counts as running until ``done``, as a task does."""
+        if len(s.messages) != 1 or isinstance(s.messages[0], tuple):  # none, or compressed: the task says why
+            return False
+        called = False
+
+        def done(reply, exc: BaseException | None) -> None:
+            nonlocal called
+            if not called:
+                called = True
+                self._fast_done(s, reply, exc)
+
+        self.running += 1
+        try:
+            taken = s.fast(s.messages[0], self.peer, done)
+        except Exception as exc:  # the fast path's own failure, answered as a handler's is
+            taken = True
+            done(None, exc)
+        if not taken:
+            self.running -= 1
+            return False
+        if s.messages:  # not answered yet: the request is the fast path's now
+            s.messages.pop()
+            self.consumed(s, s.queued)
+        return True
+
+    def _fast_done(self, s: Stream, reply, exc: BaseException | None) -> None:
+        self.running -= 1
+        if s.done or s.ending:  # reset, or the connection went, while it ran
+            return
+        if exc is None:
+            try:
+                self._queue_message(s, s.serialize(reply))
+            except Exception as failed:
+                exc = failed
+        if exc is None:
+            self._trailers(s, OK, "")
+        else:
+            self._failed(s, exc)
 
     async def _message(self, raw) -> bytes:
         if not isinstance(raw, tuple):
@@ -842,6 +891,12 @@ class Connection(asyncio.Protocol):
         """Queues one message on the call and sends what the windows allow; waits while much is unsent."""
         if s.done or s.ending:
             return  # reset, or its answer ended: the handler's task is cancelled
+        self._queue_message(s, payload)
+        while s.out_bytes > QUEUED_BYTES and not s.done:
+            s.drained = self.loop.create_future()
+            await s.drained
+
+    def _queue_message(self, s: Stream, payload: bytes) -> None:
         size = len(payload) + 5
         now = not s.out and size <= min(s.send_window, self.send_window, self.peer_frame) and not self.paused
         if not s.head_sent:
@@ -857,9 +912,6 @@ class Connection(asyncio.Protocol):
         s.out_bytes += size
         self.unsent += size
         self._flush(s)
-        while s.out_bytes > QUEUED_BYTES and not s.done:
-            s.drained = self.loop.create_future()
-            await s.drained
 
     def _trailers(self, s: Stream, code: grpc.StatusCode, details: str) -> None:
         if s.done or s.ending:
@@ -1040,6 +1092,8 @@ class Listener(listen.Listening):
                  socks: list[socket.socket] | None = None) -> None:
         super().__init__(host, port, socks)
         self.methods = {path.encode(): h for path, h in methods.items()}
+        # a method's path -> its fast path for unary calls without a deadline (Connection._start_fast)
+        self.fast: dict[bytes, Callable[[bytes, str, Callable], bool]] = {}
         self.max_body = max_body
         # whole requests waiting for their calls' tasks a connection may hold before it is read no more
         self.max_held = 4 * max_body + MAX_FRAME_SIZE

@@ -154,9 +154,31 @@ def _address(host: str, port: int) -> str:
         return f"{host}:{port}"
 
 
-def methods(gw, host: str, port: int) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+def _fast(now, what: str):
+    """A method's fast path for the native server (``native.Listener.fast``), its failures answered as
+    ``_unary``'s handler answers them: a GepoolError with its status, anything else INTERNAL, logged."""
+    from gepool.grpc import native
+
+    def fast(raw: bytes, peer_text: str, done) -> bool:
+        def answered(reply, exc: BaseException | None) -> None:
+            if exc is not None and not isinstance(exc, grpc.aio.AbortError):
+                if isinstance(exc, errors.GepoolError):
+                    exc = native.Abort(status_of(exc), exc.message)
+                else:
+                    log.error("internal error on %s", what, exc_info=exc)
+                    exc = native.Abort(grpc.StatusCode.INTERNAL, errors.INTERNAL_MESSAGE)
+            done(reply, exc)
+
+        try:
+            return now(raw, peer_text, answered)
+        except Exception as exc:  # after a request was taken, or before: answered once either way (native)
+            answered(None, exc)
+            return True
+    return fast
+
+
+def methods(service: InferenceService) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
     """Every RPC the port serves, by service and method name."""
-    service = InferenceService(gw, host, port)
     table = {SERVICE: inference_methods(service), HEALTH_SERVICE: health_methods(Health(service))}
     reflection = Reflection([SERVICE, HEALTH_SERVICE])
     for name in REFLECTION_SERVICES:
@@ -167,12 +189,14 @@ def methods(gw, host: str, port: int) -> dict[str, dict[str, grpc.RpcMethodHandl
 async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks: list | None = None):
     """Listens on host:port (refusing a port another process holds), or for the native server on the
     listening sockets ``socks`` where given, and serves until ``stop``."""
-    table = methods(gw, host, port)
+    service = InferenceService(gw, host, port)
+    table = methods(service)
     if kind == "native":
         from gepool.grpc import native
 
-        listener = native.Listener({f"/{service}/{name}": h for service, handlers in table.items()
-                                    for name, h in handlers.items()}, host, port, gw.max_body, socks)
+        listener = native.Listener({f"/{name}/{method}": h for name, handlers in table.items()
+                                    for method, h in handlers.items()}, host, port, gw.max_body, socks)
+        listener.fast[f"/{SERVICE}/ModelInfer".encode()] = _fast(service.infer_now, "ModelInfer")
         try:
             await listener.start()
         except OSError as exc:

@@ -8,6 +8,8 @@ carry the same messages as over HTTP, with the gRPC status codes Triton uses.
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Callable, Coroutine
+from typing import NoReturn
 
 import grpc
 from google.protobuf import json_format, message
@@ -52,11 +54,30 @@ def parse_message(cls: type[message.Message], raw: bytes) -> message.Message:
         raise errors.InvalidArgument(f"malformed {cls.DESCRIPTOR.name}: {exc}") from None
 
 
+def _names(call: tensors.InferCall) -> list | None:
+    """The outputs to ask the front for; one asked for as classes travels as [name, class_count] (the front's
+    classification)."""
+    if call.outputs is None:
+        return None
+    return [[o.name, o.class_count] if o.class_count else o.name for o in call.outputs]
+
+
+def _served(call: tensors.InferCall, outputs: dict) -> str:
+    """The version that ran the request, from the reply itself."""
+    served = getattr(outputs, "model_version", None)
+    return str(served) if served is not None else (str(call.version) if call.version else "")
+
+
+def _no_regions(*args) -> None:
+    raise AssertionError("infer_now serves no shared memory")
+
+
 class InferenceService:
     """The RPCs, by name, over one Gateway (its client of the front, regions and limits)."""
 
     def __init__(self, gw, host: str, port: int) -> None:
         self.gw, self.host, self.port = gw, host, port
+        self._answering: set[asyncio.Task] = set()  # infer_now's tasks
 
     # -- helpers ---------------------------------------------------------------------------
     def caller(self, context: grpc.aio.ServicerContext | str, why: str) -> int:
@@ -127,8 +148,11 @@ class InferenceService:
 
     # -- inference -------------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        return await self._infer(request, context.peer())
+
+    async def _infer(self, request: pb.ModelInferRequest, peer_text: str) -> pb.ModelInferResponse:
         held: dict[str, object] = {}  # region name -> Region, referenced until the request has ended
-        regions, peer_text = self.gw.regions, context.peer()
+        regions = self.gw.regions
 
         def acquire(name: str):
             if name not in held:
@@ -149,27 +173,105 @@ class InferenceService:
                 for o in call.outputs or []:
                     if o.region is not None:  # an unknown region, or a place past its end, fails before the model runs
                         regions.check_output(acquire(o.region), o.region_offset, o.region_size)
-            except errors.GepoolError:
-                if request.model_name:
-                    await self.model_meta(request.model_name, "")  # an unknown model is what the caller hears first
-                raise
+            except errors.GepoolError as exc:
+                await self._unparsed(request, exc)
             if not call.inputs:
-                meta = await self.model_meta(call.model, "")
-                raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
-                                             f"model '{call.model}'")
-            # an output asked for as classes travels as [name, class_count] (the front's classification)
-            names = [[o.name, o.class_count] if o.class_count else o.name for o in call.outputs] \
-                if call.outputs is not None else None
-            outputs = await (await self.gw.front()).infer(call.model, call.inputs, names, version=call.version,
-                                                          timeout=call.timeout_s, priority=call.priority,
-                                                          origin=Origin.GRPC, wait=answer_wait(call.timeout_s))
-            served = getattr(outputs, "model_version", None)
-            served_text = str(served) if served is not None else (str(call.version) if call.version else "")
-            return tensors.response(request, call, served_text, outputs,
+                await self._no_inputs(call)
+            outputs = await self._ask(call)
+            return tensors.response(request, call, _served(call, outputs), outputs,
                                     lambda name, offset, size, data: regions.write(held[name], offset, size, data))
         finally:
             for region in held.values():
                 regions.release(region)
+
+    def infer_now(self, raw: bytes, peer_text: str,
+                  done: Callable[[pb.ModelInferResponse | None, BaseException | None], None]) -> bool:
+        """ModelInfer's common case on the native server, with no task, coroutine or future: a request small
+        enough to parse here, with no shared memory, to a front already connected. Parsed and sent now;
+        ``done(reply, None)`` or ``done(None, exc)`` is called once, later, with what ``ModelInfer`` would
+        answer or raise. False, with nothing done, for what only ``ModelInfer`` serves. A request once parsed
+        is never handed back: what the fast path cannot send, or what did not parse, a task here answers."""
+        gw = self.gw
+        client = gw.client
+        if client is None or not gw.connected.is_set() or gw.regions.stale() or len(raw) > INLINE_PARSE_BYTES:
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            request = parse_message(pb.ModelInferRequest, raw)
+        except errors.GepoolError as exc:
+            loop.call_soon(done, None, exc)
+            return True
+        if any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs)):
+            self._answer_later(done, self._infer(request, peer_text))
+            return True
+        try:
+            call = tensors.parse(request, _no_regions, gw.max_body)
+        except errors.GepoolError as exc:
+            self._answer_later(done, self._unparsed(request, exc))
+            return True
+        if not call.inputs:
+            self._answer_later(done, self._no_inputs(call))
+            return True
+
+        def answered(outputs: dict | None, exc: BaseException | None) -> None:
+            if exc is None:
+                try:
+                    reply = tensors.response(request, call, _served(call, outputs), outputs, _no_regions)
+                except Exception as failed:
+                    done(None, failed)
+                    return
+                done(reply, None)
+            else:
+                done(None, exc)
+
+        try:
+            if client.submit(call.model, call.inputs, _names(call), answered, version=call.version,
+                             timeout=call.timeout_s, priority=call.priority, origin=Origin.GRPC,
+                             wait=answer_wait(call.timeout_s)):
+                return True
+        except errors.GepoolError as exc:
+            loop.call_soon(done, None, exc)
+            return True
+        self._answer_later(done, self._infer_parsed(request, call))  # longer than one lane record
+        return True
+
+    def _answer_later(self, done: Callable, work: Coroutine) -> None:
+        """A task calls ``done`` with what ``work`` returns or raises."""
+
+        async def answer() -> None:
+            try:
+                reply = await work
+            except Exception as exc:
+                done(None, exc)
+                return
+            done(reply, None)
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._answering.add(task)  # held until it ends (the loop keeps only a weak reference)
+        task.add_done_callback(self._answering.discard)
+
+    async def _unparsed(self, request: pb.ModelInferRequest, exc: errors.GepoolError) -> NoReturn:
+        """A request that did not parse: the caller hears first of a model that is not there."""
+        try:
+            if request.model_name:
+                await self.model_meta(request.model_name, "")
+            raise exc
+        finally:
+            exc = None  # the traceback holds this frame: with it the request would sit in a cycle
+
+    async def _no_inputs(self, call: tensors.InferCall) -> NoReturn:
+        meta = await self.model_meta(call.model, "")
+        raise errors.InvalidArgument(f"expected {len(meta.get('inputs', []))} inputs but got 0 inputs for "
+                                     f"model '{call.model}'")
+
+    async def _ask(self, call: tensors.InferCall) -> dict:
+        return await (await self.gw.front()).infer(call.model, call.inputs, _names(call), version=call.version,
+                                                   timeout=call.timeout_s, priority=call.priority,
+                                                   origin=Origin.GRPC, wait=answer_wait(call.timeout_s))
+
+    async def _infer_parsed(self, request: pb.ModelInferRequest, call: tensors.InferCall) -> pb.ModelInferResponse:
+        outputs = await self._ask(call)
+        return tensors.response(request, call, _served(call, outputs), outputs, _no_regions)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         return await self.infer(request, context)

@@ -1,0 +1,394 @@
+"""ModelInfer's fast path on the native gRPC server (``InferenceService.infer_now``): what takes it, what it
+leaves to the handler's task, and that both answer byte for byte alike; the connection's handling of an
+answer that comes later, at once, twice, or after its call was reset."""
+
+import asyncio
+import contextlib
+import gc
+import gzip
+
+import grpc
+import numpy as np
+import pytest
+
+from gepool import Pool
+from gepool.grpc import grpc_service_pb2 as pb
+from gepool.grpc import native, tensors
+from gepool.grpc import server as grpc_server
+from gepool.grpc.service import SERVICE
+from gepool.http import server
+from tests import repo as test_repo
+from tests.conftest import cyclic_garbage, free_port, wait_until
+from tests.test_grpc_wire import OK, UNKNOWN, Raw, Served
+
+INFER = f"/{SERVICE}/ModelInfer"
+ECHO_PY = """
+class Model:
+    def execute(self, inputs):
+        return {"OUT": inputs["IN"]}
+"""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("grpc-fast-models"))
+    test_repo.make_models.make_tiny(repo)
+    for name, dtype in (("echo", "FP32"), ("echo64", "INT64")):
+        test_repo.write(f"{repo}/{name}/1/model.py", ECHO_PY)
+        test_repo.write(f"{repo}/{name}/config.pbtxt", f"""
+            backend: "python"
+            max_batch_size: 0
+            input [ {{ name: "IN" data_type: TYPE_{dtype} dims: [ -1 ] }} ]
+            output [ {{ name: "OUT" data_type: TYPE_{dtype} dims: [ -1 ] }} ]
+            parameters {{ key: "slot_bytes" value: {{ string_value: "1M" }} }}
+        """)
+    with Pool(repo, metrics_port=0) as pool:
+        yield pool
+
+
+@contextlib.asynccontextmanager
+async def _gateway(pool: Pool):
+    """This process's own gateway on ``pool`` (its client a real one, over a lane), its gRPC port on the native
+    server, a grpc.aio channel to it, and the fast path's verdicts: True where it took a call, False where
+    it left it to the handler's task."""
+    gw = server.Gateway(pool.endpoint)
+    await gw.connect()
+    port = free_port()
+    listener = await grpc_server.start(gw, "127.0.0.1", port, "native")
+    fast = listener.fast[INFER.encode()]
+    taken: list[bool] = []
+
+    def infer_now(raw: bytes, peer: str, done) -> bool:
+        taken.append(fast(raw, peer, done))
+        return taken[-1]
+
+    listener.fast[INFER.encode()] = infer_now
+    for _ in range(500):  # the client's lane: until it is open, the fast path leaves calls to the handler
+        if gw.client._lane is not None:
+            break
+        await gw.client.status()
+        await asyncio.sleep(0.01)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield listener, channel.unary_unary(INFER), taken
+    finally:
+        await channel.close()
+        await grpc_server.stop(listener)
+        await gw.client.close()
+
+
+def _request(model: str = "tiny", rows: int = 1, **fields) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name=model, **fields)
+    if model in ("tiny", "nope"):
+        r.inputs.add(name="INPUT0", datatype="FP32", shape=[rows, 16])
+        r.raw_input_contents.append(np.arange(16 * rows, dtype=np.float32).tobytes())
+    return r
+
+
+def _tiny_typed() -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="tiny")
+    r.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend(range(16))
+    return r
+
+
+def _named_outputs() -> pb.ModelInferRequest:
+    r = _request(rows=2, id="call-7")
+    r.outputs.add(name="OUTPUT0")
+    return r
+
+
+def _classes() -> pb.ModelInferRequest:
+    r = _request()
+    r.outputs.add(name="OUTPUT0").parameters["classification"].int64_param = 3
+    return r
+
+
+def _priority() -> pb.ModelInferRequest:
+    r = _request(id="p")
+    r.parameters["priority"].int64_param = 1
+    return r
+
+
+def _unsupported() -> pb.ModelInferRequest:
+    r = _request()
+    r.parameters["colour"].string_param = "blue"
+    return r
+
+
+def _short_raw() -> pb.ModelInferRequest:
+    r = _request()
+    r.raw_input_contents[0] = bytes(60)
+    return r
+
+
+def _wrong_shape() -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="tiny")
+    r.inputs.add(name="INPUT0", datatype="FP32", shape=[2, 8])
+    r.raw_input_contents.append(np.arange(16, dtype=np.float32).tobytes())
+    return r
+
+
+def _echo64() -> pb.ModelInferRequest:
+    # 20,000 zeros: 20 KB as varints, 160 KB as int64, past one lane record
+    r = pb.ModelInferRequest(model_name="echo64")
+    r.inputs.add(name="IN", datatype="INT64", shape=[20000]).contents.int64_contents.extend([0] * 20000)
+    return r
+
+
+def _echo_large() -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="echo")  # an 80 KB message: over what is parsed on the loop
+    r.inputs.add(name="IN", datatype="FP32", shape=[20000])
+    r.raw_input_contents.append(np.ones(20000, np.float32).tobytes())
+    return r
+
+
+def _shared_memory() -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="tiny")
+    t = r.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    t.parameters["shared_memory_region"].string_param = "not-registered"
+    t.parameters["shared_memory_byte_size"].int64_param = 64
+    return r
+
+
+def _no_inputs() -> pb.ModelInferRequest:
+    return pb.ModelInferRequest(model_name="tiny")
+
+
+# name -> (the request's bytes, call options); every one of them is served by either path alike
+CASES = {
+    "raw contents": (_request(), {}),
+    "typed contents": (_tiny_typed(), {}),
+    "two rows, an output named, an id": (_named_outputs(), {}),
+    "versioned": (_request(model_version="1"), {}),
+    "a priority": (_priority(), {}),
+    "classification": (_classes(), {}),
+    "past a lane record": (_echo64(), {}),
+    "unknown model": (_request("nope"), {}),
+    "unknown version": (_request(model_version="9"), {}),
+    "bad version": (_request(model_version="x1"), {}),
+    "wrong shape": (_wrong_shape(), {}),
+    "raw contents too short": (_short_raw(), {}),
+    "an unsupported parameter": (_unsupported(), {}),
+    "no inputs": (_no_inputs(), {}),
+    "no model name": (pb.ModelInferRequest(), {}),
+    "not protobuf": (b"\xff\xff\xff", {}),
+    "shared memory, unregistered": (_shared_memory(), {}),
+    # left to the handler's task: by the fast path, or before it is asked
+    "over the inline size": (_echo_large(), {}),
+    "compressed": (_request(), {"compression": grpc.Compression.Gzip}),
+    "a deadline": (_request(), {"timeout": 60}),
+}
+TAKEN = {"over the inline size": [False], "compressed": [], "a deadline": []}
+SERVED = {"raw contents", "typed contents", "two rows, an output named, an id", "versioned", "a priority",
+          "classification", "past a lane record", "over the inline size", "compressed", "a deadline"}
+
+
+async def _answer(call, message, options: dict):
+    """A call's reply bytes, or its status and details."""
+    raw = message if isinstance(message, bytes) else message.SerializeToString()
+    try:
+        return await call(raw, **options)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+
+
+def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
+    """Each call twice, with the fast path on and off: the same reply bytes (or the same status and details),
+    each request parsed once; what the fast path leaves to the handler, it leaves before parsing."""
+    parsed: list[object] = []
+    parse = tensors.parse
+
+    def counted(request, *args, **kwargs):
+        parsed.append(request)
+        return parse(request, *args, **kwargs)
+
+    monkeypatch.setattr(tensors, "parse", counted)
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, call, taken):
+            fast = listener.fast
+            for name, (message, options) in CASES.items():
+                answers = []
+                taken.clear()
+                for listener.fast in (fast, {}):
+                    parsed.clear()
+                    answers.append(await _answer(call, message, options))
+                    assert len(parsed) <= 1, (name, len(parsed))
+                assert taken == TAKEN.get(name, [True]), (name, taken)
+                assert answers[0] == answers[1], (name, answers)
+                if name in SERVED:
+                    assert isinstance(answers[0], bytes), (name, answers[0])
+                    assert pb.ModelInferResponse.FromString(answers[0]).raw_output_contents, name
+                else:
+                    assert isinstance(answers[0], tuple) and answers[0][0] != grpc.StatusCode.OK, (name, answers)
+                    assert answers[0][0] not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), (name, answers)
+
+    asyncio.run(main())
+
+
+def test_the_fast_path_serves_what_the_model_computes(pool):
+    """64 calls in flight at once on one connection, 5 each: every answer is 2x + 1 of its own rows."""
+
+    async def one(call, i: int) -> None:
+        for j in range(5):
+            x = np.random.default_rng(i * 100 + j).standard_normal((1, 16)).astype(np.float32)
+            r = pb.ModelInferRequest(model_name="tiny", id=f"{i}-{j}")
+            r.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+            r.raw_input_contents.append(x.tobytes())
+            reply = pb.ModelInferResponse.FromString(await call(r.SerializeToString()))
+            assert reply.id == f"{i}-{j}"
+            got = np.frombuffer(reply.raw_output_contents[0], np.float32)
+            assert got.tobytes() == (x * np.float32(2) + np.float32(1)).tobytes(), (i, j)
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, call, taken):
+            await asyncio.gather(*(one(call, i) for i in range(64)))
+            assert taken.count(True) == 320
+            (conn,) = listener.connections
+            for _ in range(1000):  # the last calls' streams end once their trailers are written
+                if conn.running == 0 and not conn.streams:
+                    break
+                await asyncio.sleep(0.01)
+            assert (conn.running, len(conn.streams)) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_request_that_does_not_parse_is_not_kept_in_a_cycle(pool):
+    """The sidecar's collector runs seldom: a call that did not parse (its error raised again after the model
+    lookup, with a traceback over the frames that held the request) must leave no cycle holding it."""
+    pad = "x" * (40 << 10)
+    r = _request()
+    r.parameters["colour"].string_param = pad
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, call, taken):
+            fast = listener.fast
+            for listener.fast in (fast, {}):
+                code, _ = await _answer(call, r, {})
+                assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert taken == [True]
+
+    held = [o for o in cyclic_garbage(lambda: asyncio.run(main())) for o in (o, *gc.get_referents(o))
+            if (isinstance(o, bytes | bytearray) and pad.encode() in o) or (isinstance(o, str) and pad in o)
+            or isinstance(o, pb.ModelInferRequest)]
+    assert not held, [type(o).__name__ for o in held]
+
+
+# -- the connection's side, with stand-in fast paths on test_grpc_wire's listener -------------------------------
+
+@pytest.fixture
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+def _fast(served, path: str, now) -> None:
+    async def put() -> None:
+        served.listener.fast[path.encode()] = now
+    served.call(put())
+
+
+def _running(served) -> list[int]:
+    return [r for (r,) in served.connections("running")]
+
+
+def test_an_answer_given_at_once_twice_or_as_an_abort(served):
+    """``done`` called inside the fast path answers the call; a second ``done`` is ignored; an Abort is the
+    call's status; a fast path that raises is answered as a handler that raises; one that declines leaves
+    the call to its handler's task."""
+    verdicts = {b"now": True, b"twice": True, b"abort": True, b"raise": True, b"decline": False}
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        if raw == b"raise":
+            raise RuntimeError("a secret path /etc/shadow")
+        if raw == b"abort":
+            done(None, native.Abort(grpc.StatusCode.FAILED_PRECONDITION, "not now"))
+        elif raw != b"decline":
+            done(raw.upper(), None)
+            if raw == b"twice":
+                done(b"again", None)
+        return verdicts[raw]
+
+    _fast(served, "/t.S/Echo", now)
+    raw = Raw(served.port)
+    expected = {b"now": (OK, "", [b"NOW"]), b"twice": (OK, "", [b"TWICE"]), b"abort": (9, "not now", []),
+                b"raise": (UNKNOWN, "Unexpected error in the gRPC handler", []),
+                b"decline": (OK, "", [b"decline"])}  # the handler echoes
+    for i, (message, want) in enumerate(expected.items()):
+        sid = 2 * i + 1
+        raw.send(raw.headers(sid), raw.data(sid, message))
+        assert raw.result(sid) == want, message
+    assert wait_until(lambda: _running(served) == [0], 10)
+    assert served.echo_works()
+
+
+def test_an_answer_after_its_call_was_reset_is_dropped(served):
+    """A call reset by its client while the fast path holds it: the later answer writes nothing, the call
+    stops counting as running, and the connection goes on serving."""
+    held: list = []
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        held.append(done)
+        return True
+
+    _fast(served, "/t.S/Echo", now)
+    raw = Raw(served.port)
+    raw.send(raw.headers(1), raw.data(1, b"first"), raw.headers(3), raw.data(3, b"second"))
+    assert wait_until(lambda: len(held) == 2, 10)
+    assert _running(served) == [2]
+    raw.send(native.frame(native.RST_STREAM, 0, 1, native._U32.pack(native.CANCEL)))
+    assert wait_until(lambda: served.connections("streams")[0][0].keys() == {3}, 10)
+    served.loop.call_soon_threadsafe(held[0], b"late", None)
+    served.loop.call_soon_threadsafe(held[1], b"on time", None)
+    assert raw.result(3) == (OK, "", [b"on time"])
+    assert wait_until(lambda: _running(served) == [0], 10)
+    raw.send(raw.headers(5), raw.data(5, b"third"))
+    assert wait_until(lambda: len(held) == 3, 10)
+    served.loop.call_soon_threadsafe(held[2], b"3", None)
+    assert raw.result(5) == (OK, "", [b"3"])
+
+
+def test_a_fast_answer_larger_than_the_clients_window_goes_out_under_flow_control(served):
+    """An answer over the connection's window and the client's frame size is sent, in frames, as the client
+    opens its window, and its trailers after it."""
+    def now(raw: bytes, peer: str, done) -> bool:
+        served.loop.call_soon(done, bytes(200_000), None)
+        return True
+
+    _fast(served, "/t.S/Echo", now)
+    raw = Raw(served.port)
+    raw.send(raw.headers(1), raw.data(1, b"x"))
+    body, status = b"", None
+    while status is None:
+        f = raw.frame()
+        assert f is not None, "the connection closed before the call ended"
+        kind, _, sid, payload = f
+        if kind == native.DATA:
+            body += payload
+            if len(body) == 65535:  # the connection's window, spent: opened for the rest
+                raw.send(native.frame(native.WINDOW_UPDATE, 0, 0, native._U32.pack(1 << 20)),
+                         native.frame(native.WINDOW_UPDATE, 0, 1, native._U32.pack(1 << 20)))
+        elif kind == native.HEADERS:
+            status = dict(raw.dec.decode(payload)).get("grpc-status")
+        assert kind != native.RST_STREAM, payload
+    assert (status, len(body), body[5:]) == ("0", 200_005, bytes(200_000))
+    assert wait_until(lambda: _running(served) == [0], 10)
+
+
+def test_a_compressed_request_is_not_offered_to_the_fast_path(served):
+    offered: list[bytes] = []
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        offered.append(raw)
+        return False
+
+    _fast(served, "/t.S/Echo", now)
+    raw = Raw(served.port)
+    raw.send(raw.headers(1, extra=(("grpc-encoding", "gzip"),)), raw.data(1, gzip.compress(b"zipped"), compressed=1))
+    assert raw.result(1) == (OK, "", [b"zipped"])
+    raw.send(raw.headers(3), raw.data(3, b"plain"))
+    assert raw.result(3) == (OK, "", [b"plain"])
+    assert offered == [b"plain"]
+
