@@ -79,7 +79,7 @@ def infer(service: InferenceService, client: Client, request: pb.ModelInferReque
                                priority=call.priority)
         served = getattr(outputs, "model_version", None)
         served_text = str(served) if served is not None else (str(call.version) if call.version else "")
-        return tensors.response(request, call, served_text, outputs,
+        return tensors.response(request.id, call, served_text, outputs,
                                 lambda name, offset, size, data: regions.write(held[name], offset, size, data))
     finally:
         for region in held.values():

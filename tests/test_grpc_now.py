@@ -6,8 +6,11 @@ import asyncio
 import contextlib
 import gc
 import gzip
+import logging
+import weakref
 
 import grpc
+import hpack
 import numpy as np
 import pytest
 
@@ -28,6 +31,16 @@ class Model:
         return {"OUT": inputs["IN"]}
 """
 
+GATE_PY = """
+import os, time
+
+class Model:
+    def execute(self, inputs):
+        while not os.path.exists(GATE_PATH):  # opened by the test
+            time.sleep(0.005)
+        return {"OUT": inputs["IN"]}
+"""
+
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
@@ -42,15 +55,23 @@ def pool(tmp_path_factory):
             output [ {{ name: "OUT" data_type: TYPE_{dtype} dims: [ -1 ] }} ]
             parameters {{ key: "slot_bytes" value: {{ string_value: "1M" }} }}
         """)
+    test_repo.write(f"{repo}/gate/1/model.py", GATE_PY.replace("GATE_PATH", repr(f"{repo}/gate-open")))
+    test_repo.write(f"{repo}/gate/config.pbtxt", """
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+    """)
     with Pool(repo, metrics_port=0) as pool:
+        pool.gate = f"{repo}/gate-open"
         yield pool
 
 
 @contextlib.asynccontextmanager
 async def _gateway(pool: Pool):
     """This process's own gateway on ``pool`` (its client a real one, over a lane), its gRPC port on the native
-    server, a grpc.aio channel to it, and the fast path's verdicts: True where it took a call, False where
-    it left it to the handler's task."""
+    server, a grpc.aio channel to it, the fast path's verdicts (True where it took a call, False where it left
+    it to the handler's task) and the gateway."""
     gw = server.Gateway(pool.endpoint)
     await gw.connect()
     port = free_port()
@@ -70,7 +91,7 @@ async def _gateway(pool: Pool):
         await asyncio.sleep(0.01)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield listener, channel.unary_unary(INFER), taken
+        yield listener, channel.unary_unary(INFER), taken, gw
     finally:
         await channel.close()
         await grpc_server.stop(listener)
@@ -128,6 +149,27 @@ def _wrong_shape() -> pb.ModelInferRequest:
     return r
 
 
+def _with_output(name: str, region: str | None = None) -> pb.ModelInferRequest:
+    r = _request()
+    o = r.outputs.add(name=name)
+    if region is not None:
+        o.parameters["shared_memory_region"].string_param = region
+        o.parameters["shared_memory_byte_size"].int64_param = 64
+    return r
+
+
+def _wrong_datatype() -> pb.ModelInferRequest:
+    r = _request()
+    r.inputs[0].datatype = "INT32"
+    return r
+
+
+def _with_parameter(key: str, **value) -> pb.ModelInferRequest:
+    r = _request()
+    r.parameters[key].MergeFrom(pb.InferParameter(**value))
+    return r
+
+
 def _echo64() -> pb.ModelInferRequest:
     # 20,000 zeros: 20 KB as varints, 160 KB as int64, past one lane record
     r = pb.ModelInferRequest(model_name="echo64")
@@ -173,6 +215,12 @@ CASES = {
     "no model name": (pb.ModelInferRequest(), {}),
     "not protobuf": (b"\xff\xff\xff", {}),
     "shared memory, unregistered": (_shared_memory(), {}),
+    "an unknown output": (_with_output("NOPE"), {}),
+    "an output in shared memory, unregistered": (_with_output("OUTPUT0", region="nowhere"), {}),
+    "a wrong datatype": (_wrong_datatype(), {}),
+    "a sequence id": (_with_parameter("sequence_id", int64_param=1), {}),
+    "the final-response flag": (_with_parameter("triton_enable_empty_final_response", bool_param=True), {}),
+    "priority 2^63": (_with_parameter("priority", uint64_param=1 << 63), {}),
     # left to the handler's task: by the fast path, or before it is asked
     "over the inline size": (_echo_large(), {}),
     "compressed": (_request(), {"compression": grpc.Compression.Gzip}),
@@ -180,7 +228,8 @@ CASES = {
 }
 TAKEN = {"over the inline size": [False], "compressed": [], "a deadline": []}
 SERVED = {"raw contents", "typed contents", "two rows, an output named, an id", "versioned", "a priority",
-          "classification", "past a lane record", "over the inline size", "compressed", "a deadline"}
+          "classification", "past a lane record", "over the inline size", "compressed", "a deadline",
+          "the final-response flag", "priority 2^63"}
 
 
 async def _answer(call, message, options: dict):
@@ -205,7 +254,7 @@ def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
     monkeypatch.setattr(tensors, "parse", counted)
 
     async def main() -> None:
-        async with _gateway(pool) as (listener, call, taken):
+        async with _gateway(pool) as (listener, call, taken, gw):
             fast = listener.fast
             for name, (message, options) in CASES.items():
                 answers = []
@@ -241,7 +290,7 @@ def test_the_fast_path_serves_what_the_model_computes(pool):
             assert got.tobytes() == (x * np.float32(2) + np.float32(1)).tobytes(), (i, j)
 
     async def main() -> None:
-        async with _gateway(pool) as (listener, call, taken):
+        async with _gateway(pool) as (listener, call, taken, gw):
             await asyncio.gather(*(one(call, i) for i in range(64)))
             assert taken.count(True) == 320
             (conn,) = listener.connections
@@ -254,6 +303,71 @@ def test_the_fast_path_serves_what_the_model_computes(pool):
     asyncio.run(main())
 
 
+def test_calls_cancelled_or_cut_off_while_the_model_runs_hold_nothing(pool, caplog):
+    """Calls the fast path sent, to a model that waits for the test: one cancelled by its client, two whose
+    connection closes. The cancelled call frees its place at once (another call is served meanwhile), the lost
+    connection's buffers go, and when the model answers at last, the answers are dropped without an error."""
+
+    def gated() -> bytes:
+        r = pb.ModelInferRequest(model_name="gate")
+        r.inputs.add(name="IN", datatype="FP32", shape=[4])
+        r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+        return r.SerializeToString()
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, call, taken, gw):
+            cancelled = asyncio.ensure_future(call(gated()))
+            while len(taken) < 1:
+                await asyncio.sleep(0.01)
+            (conn,) = listener.connections
+            assert conn.running == 1
+            cancelled.cancel()
+            for _ in range(1000):
+                if conn.running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (conn.running, len(conn.streams)) == (0, 0)
+            assert pb.ModelInferResponse.FromString(await call(_request().SerializeToString())).raw_output_contents
+            # a connection of its own, by hand: two calls, then most of a 1 MiB DATA frame, then it closes
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            head = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", INFER),
+                                           (":authority", "t"), ("content-type", "application/grpc")])
+            message = native._PREFIX.pack(0, len(gated())) + gated()
+            writer.write(native.PREFACE + native.frame(native.SETTINGS, 0, 0) + b"".join(
+                native.frame(native.HEADERS, native.END_HEADERS, sid, head)
+                + native.frame(native.DATA, native.END_STREAM, sid, message) for sid in (1, 3))
+                + native.frame(native.HEADERS, native.END_HEADERS, 5, head)
+                + native._HEADER.pack(16, 0, native.DATA, 0, 5) + bytes(900_000))
+            while len(taken) < 4:
+                await asyncio.sleep(0.01)
+            (second,) = listener.connections - {conn}
+            for _ in range(1000):
+                if len(second.buf) >= 900_000:
+                    break
+                await asyncio.sleep(0.01)
+            assert second.running == 2 and len(second.buf) >= 900_000
+            writer.close()
+            for _ in range(1000):
+                if second.closing and second not in listener.connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert second not in listener.connections
+            assert (second.running, len(second.buf), second.writes, len(second.streams)) == (0, 0, [], 0)
+            open(pool.gate, "w").close()
+            for _ in range(3000):  # the three answers come, and are dropped
+                if not gw.client._inflight:
+                    break
+                await asyncio.sleep(0.01)
+            assert not gw.client._inflight
+            assert taken == [True, True, True, True]  # the gated three and the tiny call
+
+    try:
+        asyncio.run(main())
+    finally:
+        open(pool.gate, "w").close()  # (again, should the test have failed before: the model must not wait on)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_a_request_that_does_not_parse_is_not_kept_in_a_cycle(pool):
     """The sidecar's collector runs seldom: a call that did not parse (its error raised again after the model
     lookup, with a traceback over the frames that held the request) must leave no cycle holding it."""
@@ -262,7 +376,7 @@ def test_a_request_that_does_not_parse_is_not_kept_in_a_cycle(pool):
     r.parameters["colour"].string_param = pad
 
     async def main() -> None:
-        async with _gateway(pool) as (listener, call, taken):
+        async with _gateway(pool) as (listener, call, taken, gw):
             fast = listener.fast
             for listener.fast in (fast, {}):
                 code, _ = await _answer(call, r, {})
@@ -340,6 +454,7 @@ def test_an_answer_after_its_call_was_reset_is_dropped(served):
     assert _running(served) == [2]
     raw.send(native.frame(native.RST_STREAM, 0, 1, native._U32.pack(native.CANCEL)))
     assert wait_until(lambda: served.connections("streams")[0][0].keys() == {3}, 10)
+    assert _running(served) == [1]  # as a reset call's task is cancelled: it holds no place among MAX_STREAMS
     served.loop.call_soon_threadsafe(held[0], b"late", None)
     served.loop.call_soon_threadsafe(held[1], b"on time", None)
     assert raw.result(3) == (OK, "", [b"on time"])
@@ -348,6 +463,96 @@ def test_an_answer_after_its_call_was_reset_is_dropped(served):
     assert wait_until(lambda: len(held) == 3, 10)
     served.loop.call_soon_threadsafe(held[2], b"3", None)
     assert raw.result(5) == (OK, "", [b"3"])
+
+
+def test_reset_calls_the_fast_path_still_holds_do_not_refuse_new_ones(served):
+    """A client that resets as many calls as a connection may hold, while the fast path holds them all, may
+    open as many again: each new call is served, none refused (REFUSED_STREAM)."""
+    held: list = []
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        if raw == b"hold":
+            held.append(done)
+        else:
+            done(raw, None)
+        return True
+
+    _fast(served, "/t.S/Echo", now)
+    raw = Raw(served.port)
+    sids = range(1, 2 * native.MAX_STREAMS, 2)
+    raw.send(*(f for sid in sids for f in (raw.headers(sid), raw.data(sid, b"hold"))))
+    assert wait_until(lambda: len(held) == native.MAX_STREAMS, 10)
+    raw.send(*(native.frame(native.RST_STREAM, 0, sid, native._U32.pack(native.CANCEL)) for sid in sids))
+    assert wait_until(lambda: _running(served) == [0], 10)
+    base = 2 * native.MAX_STREAMS + 1
+    raw.send(*(f for i in range(native.MAX_STREAMS) for f in (raw.headers(base + 2 * i), raw.data(base + 2 * i, b"x"))))
+    for i in range(native.MAX_STREAMS):
+        assert raw.result(base + 2 * i) == (OK, "", [b"x"]), i
+    for done in held:  # the front's answers, at last: dropped
+        served.loop.call_soon_threadsafe(done, b"late", None)
+    raw.send(raw.headers(base + 2 * native.MAX_STREAMS), raw.data(base + 2 * native.MAX_STREAMS, b"y"))
+    assert raw.result(base + 2 * native.MAX_STREAMS) == (OK, "", [b"y"])
+
+
+def test_a_lost_connection_keeps_nothing_big_while_its_answers_are_awaited(served):
+    """The connection's buffers go when it is lost, although the callbacks of the calls the fast path holds
+    reach it until the answers come; once they came, nothing holds it."""
+    held: list = []
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        held.append(done)
+        return True
+
+    _fast(served, "/t.S/Echo", now)
+    raw = Raw(served.port)
+    raw.send(raw.headers(1), raw.data(1, b"held"), raw.headers(3))
+    assert wait_until(lambda: len(held) == 1, 10)
+
+    async def conn():
+        (c,) = served.listener.connections
+        return weakref.ref(c)
+
+    ref = served.call(conn())
+    # a DATA frame of 1 MiB, 900 KB of it sent: the connection buffers it whole before reading it
+    raw.send(native._HEADER.pack(16, 0, native.DATA, 0, 3) + bytes(900_000))
+    assert wait_until(lambda: len(ref().buf) >= 900_000, 10)
+    raw.sock.close()
+    assert wait_until(lambda: not served.listener.connections, 10)
+    assert (len(ref().buf), ref().writes, ref().running) == (0, [], 0)
+    served.loop.call_soon_threadsafe(held.pop(), b"late", None)
+    served.call(asyncio.sleep(0))
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_reply_that_cannot_be_serialised_is_unknown_and_kept_in_no_cycle(served):
+    """A reply whose serialiser raises: the call ends UNKNOWN, as a handler's does, and nothing keeps the reply."""
+
+    class Unsendable:
+        def __init__(self) -> None:
+            self.payload = b"p" * (1 << 20)
+
+        def __bytes__(self) -> bytes:
+            raise ValueError("cannot")
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        done(Unsendable(), None)
+        return True
+
+    _fast(served, "/t.S/Echo", now)
+
+    def call() -> None:
+        raw = Raw(served.port)
+        raw.send(raw.headers(1), raw.data(1, b"x"))
+        assert raw.result(1) == (UNKNOWN, "Unexpected error in the gRPC handler", [])
+        raw.sock.close()
+
+    logging.disable(logging.ERROR)  # else the captured log record keeps the error, and with it the reply
+    try:
+        kept = [o for o in cyclic_garbage(call) if isinstance(o, Unsendable)]
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not kept
 
 
 def test_a_fast_answer_larger_than_the_clients_window_goes_out_under_flow_control(served):

@@ -162,7 +162,7 @@ def test_hostile_requests_are_refused_naming_what_is_wrong():
     flagged = raw([4], b"\0" * 16)
     flagged.parameters["triton_enable_empty_final_response"].bool_param = True
     call = tensors.parse(flagged, _no_shm, 1 << 20)
-    reply = tensors.response(flagged, call, "1", {"Y": np.zeros(2, np.float32)}, None)
+    reply = tensors.response(flagged.id, call, "1", {"Y": np.zeros(2, np.float32)}, None)
     assert call.mark_final and reply.parameters["triton_final_response"].bool_param
 
 
@@ -227,7 +227,7 @@ def test_response_reads_back_in_tritonclient():
     shm_call = tensors.InferCall("m", None, {}, [tensors.OutputRequest("S"), tensors.OutputRequest("Y", "out", 24)],
                                  None)
     for c in (call, shm_call):
-        msg = tensors.response(req, c, "1", {"Y": x, "S": s},
+        msg = tensors.response(req.id, c, "1", {"Y": x, "S": s},
                                lambda name, off, size, data: written.__setitem__(name, (off, size, data)))
         result = InferResult(service_pb2.ModelInferResponse.FromString(msg.SerializeToString()))
         assert result.get_response().id == "r1" and result.get_response().model_version == "1"

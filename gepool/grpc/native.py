@@ -198,7 +198,7 @@ class Stream:
 
     __slots__ = ("conn", "sid", "handler", "serialize", "encoding", "deadline", "opened", "buf", "messages",
                  "inbox", "queued", "unacked", "remote_ended", "task", "send_window", "out", "out_bytes",
-                 "drained", "head_sent", "ending", "done", "error", "stalled_since", "started", "fast")
+                 "drained", "head_sent", "ending", "done", "error", "stalled_since", "started", "fast", "held_fast")
 
     def __init__(self, conn: Connection, sid: int, now: float) -> None:
         self.conn, self.sid, self.opened = conn, sid, now
@@ -224,6 +224,7 @@ class Stream:
         self.done = False  # its answer has ended (or it was reset)
         self.error: tuple[grpc.StatusCode, str] | None = None  # a refusal found while its request arrived
         self.fast = None  # the method's fast path (Listener.fast), for a unary call with no deadline
+        self.held_fast = False  # its fast path took the call and has not answered: it counts as running
 
 
 class Connection(asyncio.Protocol):
@@ -290,6 +291,8 @@ class Connection(asyncio.Protocol):
         for s in list(self.streams.values()):
             self._forget(s, cancel=True)
         self.blocked.clear()
+        # a fast path's answer still to come holds this connection until it does: nothing big may stay with it
+        self.buf, self.writes, self.pending, self._indexed = bytearray(), [], 0, {}
 
     def pause_writing(self) -> None:
         # a client that does not read its answers is not read either: its PINGs and calls wait
@@ -766,7 +769,8 @@ class Connection(asyncio.Protocol):
     def _start_fast(self, s: Stream) -> bool:
         """Hands a unary call's request to its method's fast path: ``now(request, peer, done) -> bool``, which
         takes it (True) and calls ``done(reply, None)`` or ``done(None, exc)`` once, later or at once, or
-        declines it (False) having done nothing. A taken call counts as running until ``done``, as a task does."""
+        declines it (False) having done nothing. A taken call counts as running until it is answered or
+        forgotten (reset, its connection lost), as a task does until it ends or is cancelled."""
         if len(s.messages) != 1 or isinstance(s.messages[0], tuple):  # none, or compressed: the task says why
             return False
         called = False
@@ -777,30 +781,37 @@ class Connection(asyncio.Protocol):
                 called = True
                 self._fast_done(s, reply, exc)
 
+        s.held_fast = True
         self.running += 1
         try:
             taken = s.fast(s.messages[0], self.peer, done)
         except Exception as exc:  # the fast path's own failure, answered as a handler's is
             taken = True
             done(None, exc)
-        if not taken:
+        if not taken and not called:
+            s.held_fast = False
             self.running -= 1
             return False
+        if not taken:  # answered, then declined: the answer stands alone (no task runs the call again)
+            log.error("the fast path of %s answered a call and then declined it", s.handler)
         if s.messages:  # not answered yet: the request is the fast path's now
             s.messages.pop()
             self.consumed(s, s.queued)
         return True
 
     def _fast_done(self, s: Stream, reply, exc: BaseException | None) -> None:
+        if not s.held_fast:  # reset, or the connection went, while it ran (_forget counted it out)
+            return
+        s.held_fast = False
         self.running -= 1
-        if s.done or s.ending:  # reset, or the connection went, while it ran
+        if s.done or s.ending:
             return
         if exc is None:
             try:
                 self._queue_message(s, s.serialize(reply))
-            except Exception as failed:
-                exc = failed
-        if exc is None:
+            except Exception as failed:  # (not kept in exc: its traceback holds this frame, and the reply)
+                self._failed(s, failed)
+                return
             self._trailers(s, OK, "")
         else:
             self._failed(s, exc)
@@ -1004,6 +1015,9 @@ class Connection(asyncio.Protocol):
 
     def _forget(self, s: Stream, cancel: bool) -> None:
         s.done = True
+        if s.held_fast:  # its answer, when it comes, is dropped; a reset call does not hold a stream's place
+            s.held_fast = False
+            self.running -= 1
         if self.streams.get(s.sid) is not s:
             return
         self._release(s)

@@ -6,6 +6,7 @@ carry the same messages as over HTTP, with the gRPC status codes Triton uses.
 """
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 from collections.abc import Callable, Coroutine
@@ -178,7 +179,7 @@ class InferenceService:
             if not call.inputs:
                 await self._no_inputs(call)
             outputs = await self._ask(call)
-            return tensors.response(request, call, _served(call, outputs), outputs,
+            return tensors.response(request.id, call, _served(call, outputs), outputs,
                                     lambda name, offset, size, data: regions.write(held[name], offset, size, data))
         finally:
             for region in held.values():
@@ -213,10 +214,14 @@ class InferenceService:
             self._answer_later(done, self._no_inputs(call))
             return True
 
+        # what the answer needs, and no more: the callback lives until the front answers, even when the call's
+        # connection has gone (the request and its inputs would stay with it)
+        request_id, wanted = request.id, dataclasses.replace(call, inputs={})
+
         def answered(outputs: dict | None, exc: BaseException | None) -> None:
             if exc is None:
                 try:
-                    reply = tensors.response(request, call, _served(call, outputs), outputs, _no_regions)
+                    reply = tensors.response(request_id, wanted, _served(wanted, outputs), outputs, _no_regions)
                 except Exception as failed:
                     done(None, failed)
                     return
@@ -271,7 +276,7 @@ class InferenceService:
 
     async def _infer_parsed(self, request: pb.ModelInferRequest, call: tensors.InferCall) -> pb.ModelInferResponse:
         outputs = await self._ask(call)
-        return tensors.response(request, call, _served(call, outputs), outputs, _no_regions)
+        return tensors.response(request.id, call, _served(call, outputs), outputs, _no_regions)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         return await self.infer(request, context)

@@ -166,10 +166,11 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
                      checked.timeout_s, checked.final_response, checked.priority)
 
 
-def response(request: pb.ModelInferRequest, call: InferCall, served: str, outputs: dict[str, np.ndarray],
+def response(request_id: str, call: InferCall, served: str, outputs: dict[str, np.ndarray],
              write_region: Callable[[str, int, int, bytes], None]) -> pb.ModelInferResponse:
-    """The answer to ``request``: every wanted output raw, or (shared memory) written where it was asked."""
-    out = pb.ModelInferResponse(model_name=call.model, model_version=served, id=request.id)
+    """The answer to the request ``request_id`` names: every wanted output raw, or (shared memory) written where
+    it was asked."""
+    out = pb.ModelInferResponse(model_name=call.model, model_version=served, id=request_id)
     if call.mark_final:
         out.parameters["triton_final_response"].bool_param = True
     wanted = call.outputs if call.outputs is not None else [OutputRequest(n) for n in outputs]
