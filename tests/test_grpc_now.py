@@ -7,6 +7,7 @@ import contextlib
 import gc
 import gzip
 import logging
+import os
 import weakref
 
 import grpc
@@ -18,7 +19,7 @@ from gepool import Pool
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import native, tensors
 from gepool.grpc import server as grpc_server
-from gepool.grpc.service import SERVICE
+from gepool.grpc.service import SERVICE, InferenceService
 from gepool.http import server
 from tests import repo as test_repo
 from tests.conftest import cyclic_garbage, free_port, wait_until
@@ -365,6 +366,204 @@ def test_calls_cancelled_or_cut_off_while_the_model_runs_hold_nothing(pool, capl
         asyncio.run(main())
     finally:
         open(pool.gate, "w").close()  # (again, should the test have failed before: the model must not wait on)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+STREAM = f"/{SERVICE}/ModelStreamInfer"
+STREAM_CASES = [name for name, (_, options) in CASES.items() if not options]  # (call options: not per message)
+
+
+def test_a_stream_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
+    """Every case as a message on one ModelStreamInfer call, with the stream's fast path on and off: the same
+    answers, byte for byte (errors in error_message, naming the request); all sent from the stream's loop
+    but the one over the inline size."""
+    sent: list[object] = []
+    send_now = InferenceService._send_now
+
+    def counted(self, request, *args):
+        sent.append(request)
+        return send_now(self, request, *args)
+
+    monkeypatch.setattr(InferenceService, "_send_now", counted)
+
+    async def answers(channel) -> list[bytes]:
+        call = channel.stream_stream(STREAM)()
+        for name in STREAM_CASES:
+            message = CASES[name][0]
+            await call.write(message if isinstance(message, bytes) else message.SerializeToString())
+        await call.done_writing()
+        out = [answer async for answer in call]
+        assert await call.code() == grpc.StatusCode.OK
+        return out
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, _, taken, gw):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}")
+            try:
+                got = {}
+                for on in (True, False):
+                    monkeypatch.setattr(InferenceService, "stream_now", on)
+                    sent.clear()
+                    got[on] = await answers(channel)
+                    assert len(sent) == (len(STREAM_CASES) - 2 if on else 0)  # not: over the size; not protobuf
+            finally:
+                await channel.close()
+        assert len(got[True]) == len(STREAM_CASES)
+        by_text = {on: sorted(got[on]) for on in got}  # answered as each finishes: compared as sets
+        assert by_text[True] == by_text[False]
+        replies = [pb.ModelStreamInferResponse.FromString(a) for a in got[True]]
+        assert sum(not r.error_message for r in replies) == len([n for n in STREAM_CASES if n in SERVED])
+
+    asyncio.run(main())
+
+
+def test_a_stream_waits_for_its_answers_and_lets_large_ones_wait_for_the_client(pool, monkeypatch):
+    """A stream whose requests are all sent before a model answers any, then half-closed: every answer comes
+    before the call's status. Answers larger than the client reads at once queue past what write_now takes
+    (it declines, and a task writes them in turn), and all come, each to its own request."""
+    declined: list[bool] = []
+    write_now = native.Context.write_now
+
+    def counted(self, reply) -> bool:
+        declined.append(not write_now(self, reply))
+        return not declined[-1]
+
+    monkeypatch.setattr(native.Context, "write_now", counted)
+    xs = {str(i): np.full(16000, i, np.float32) for i in range(40)}  # 64 KB answers, 2.5 MB in all
+    if os.path.exists(pool.gate):
+        os.unlink(pool.gate)
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, _, taken, gw):
+            # by hand, so that the client's window stays shut until the test opens it
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            head = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", STREAM),
+                                           (":authority", "t"), ("content-type", "application/grpc")])
+            frames = [native.PREFACE, native.frame(native.SETTINGS, 0, 0),
+                      native.frame(native.HEADERS, native.END_HEADERS, 1, head)]
+            for rid, x in xs.items():
+                r = pb.ModelInferRequest(model_name="gate", id=rid)
+                r.inputs.add(name="IN", datatype="FP32", shape=[x.size])
+                r.raw_input_contents.append(x.tobytes())
+                message = r.SerializeToString()
+                frames.append(native.frame(native.DATA, 0, 1, native._PREFIX.pack(0, len(message)) + message))
+            writer.write(b"".join(frames) + native.frame(native.DATA, native.END_STREAM, 1))
+            open(pool.gate, "w").close()
+            for _ in range(3000):
+                if any(declined):
+                    break
+                await asyncio.sleep(0.01)
+            assert any(declined)
+            writer.write(native.frame(native.WINDOW_UPDATE, 0, 0, native._U32.pack(64 << 20))
+                         + native.frame(native.WINDOW_UPDATE, 0, 1, native._U32.pack(64 << 20)))
+            data, status, decoder = b"", None, hpack.Decoder()
+            while status is None:
+                length, kind = await reader.readexactly(9), None
+                n, kind, sid = int.from_bytes(length[:3], "big"), length[3], int.from_bytes(length[5:], "big")
+                payload = await asyncio.wait_for(reader.readexactly(n), 60)
+                if kind == native.DATA and sid == 1:
+                    data += payload
+                elif kind == native.HEADERS:
+                    status = dict(decoder.decode(payload)).get("grpc-status")
+                assert kind != native.RST_STREAM and kind != native.GOAWAY, payload
+            writer.close()
+            assert status == "0"
+            pos = 0
+            while pos < len(data):
+                size = int.from_bytes(data[pos + 1:pos + 5], "big")
+                reply = pb.ModelStreamInferResponse.FromString(data[pos + 5:pos + 5 + size])
+                pos += 5 + size
+                assert not reply.error_message, reply.error_message
+                got[reply.infer_response.id] = np.frombuffer(reply.infer_response.raw_output_contents[0], np.float32)
+
+    got: dict[str, np.ndarray] = {}
+    try:
+        asyncio.run(main())
+    finally:
+        open(pool.gate, "w").close()  # (again, should the test have failed before: the model must not wait on)
+    assert set(got) == set(xs)
+    for rid, x in xs.items():
+        assert got[rid].tobytes() == x.tobytes(), rid
+
+
+def test_a_half_closed_stream_ends_only_once_its_requests_are_answered(pool):
+    """The client half-closes a stream while the model still holds its request: the answer comes, then the
+    call's status."""
+    if os.path.exists(pool.gate):
+        os.unlink(pool.gate)
+    r = pb.ModelInferRequest(model_name="gate", id="held")
+    r.inputs.add(name="IN", datatype="FP32", shape=[4])
+    r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+
+    async def main() -> list:
+        async with _gateway(pool) as (listener, _, taken, gw):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}")
+            try:
+                call = channel.stream_stream(STREAM)()
+                await call.write(r.SerializeToString())
+                await call.done_writing()
+                for _ in range(3000):  # the request is with the front, and the stream's end has been read
+                    (conn,) = listener.connections
+                    if gw.client._inflight and all(s.remote_ended for s in conn.streams.values()):
+                        break
+                    await asyncio.sleep(0.01)
+                assert gw.client._inflight and conn.streams
+                open(pool.gate, "w").close()
+                out = [pb.ModelStreamInferResponse.FromString(a).infer_response.id async for a in call]
+                assert await call.code() == grpc.StatusCode.OK
+                return out
+            finally:
+                await channel.close()
+
+    try:
+        assert asyncio.run(main()) == ["held"]
+    finally:
+        open(pool.gate, "w").close()
+
+
+def test_a_stream_cancelled_while_its_requests_are_with_the_model_holds_nothing(pool, caplog):
+    """The client cancels a stream whose requests the model holds: the call ends at once, and the answers,
+    when they come, are dropped without an error."""
+    if os.path.exists(pool.gate):
+        os.unlink(pool.gate)
+    r = pb.ModelInferRequest(model_name="gate")
+    r.inputs.add(name="IN", datatype="FP32", shape=[4])
+    r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, _, taken, gw):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}")
+            try:
+                call = channel.stream_stream(STREAM)()
+                for _ in range(3):
+                    await call.write(r.SerializeToString())
+                for _ in range(3000):
+                    if len(gw.client._inflight) == 3:
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(gw.client._inflight) == 3
+                call.cancel()
+                (conn,) = listener.connections
+                for _ in range(3000):
+                    if not conn.streams and conn.running == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert (len(conn.streams), conn.running) == (0, 0)
+                open(pool.gate, "w").close()
+                for _ in range(3000):
+                    if not gw.client._inflight:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not gw.client._inflight
+                answer = await channel.unary_unary(INFER)(_request().SerializeToString())
+                assert pb.ModelInferResponse.FromString(answer).raw_output_contents
+            finally:
+                await channel.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        open(pool.gate, "w").close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 

@@ -141,7 +141,7 @@ def _read_head(fields: list[tuple[bytes, bytes]]) -> tuple:
 
 
 class Context:
-    """What the handlers use of grpc.aio's ServicerContext: peer(), abort(), write()."""
+    """What the handlers use of grpc.aio's ServicerContext: peer(), abort(), write(); and write_now()."""
 
     __slots__ = ("_stream",)
 
@@ -157,6 +157,17 @@ class Context:
     async def write(self, reply) -> None:
         s = self._stream
         await s.conn.send_message(s, s.serialize(reply))
+
+    def write_now(self, reply) -> bool:
+        """``write`` without waiting: True once the reply is queued (or dropped, the call being over); False,
+        with nothing done, while what the call has queued waits for the client's window (``write`` waits)."""
+        s = self._stream
+        if s.done or s.ending:
+            return True
+        if s.out_bytes > QUEUED_BYTES:
+            return False
+        s.conn._queue_message(s, s.serialize(reply))
+        return True
 
 
 class Messages:

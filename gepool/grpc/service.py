@@ -69,12 +69,30 @@ def _served(call: tensors.InferCall, outputs: dict) -> str:
     return str(served) if served is not None else (str(call.version) if call.version else "")
 
 
+def _streamed(request: pb.ModelInferRequest | None, reply: pb.ModelInferResponse | None,
+              exc: BaseException | None) -> pb.ModelStreamInferResponse:
+    """A stream's answer to ``request``: its reply, or what failed, naming the request where it parsed."""
+    if exc is None:
+        return pb.ModelStreamInferResponse(infer_response=reply)
+    if isinstance(exc, errors.GepoolError):
+        answer = pb.ModelStreamInferResponse(error_message=exc.message)
+    else:
+        log.error("internal error on a ModelStreamInfer request", exc_info=exc)
+        answer = pb.ModelStreamInferResponse(error_message=errors.INTERNAL_MESSAGE)
+    if request is not None:  # so the caller can tell which request failed
+        answer.infer_response.id, answer.infer_response.model_name = request.id, request.model_name
+        answer.infer_response.model_version = request.model_version
+    return answer
+
+
 def _no_regions(*args) -> None:
     raise AssertionError("infer_now serves no shared memory")
 
 
 class InferenceService:
     """The RPCs, by name, over one Gateway (its client of the front, regions and limits)."""
+
+    stream_now = True  # a stream's requests are sent without a task each, where the server can write now
 
     def __init__(self, gw, host: str, port: int) -> None:
         self.gw, self.host, self.port = gw, host, port
@@ -192,27 +210,36 @@ class InferenceService:
         ``done(reply, None)`` or ``done(None, exc)`` is called once, later, with what ``ModelInfer`` would
         answer or raise. False, with nothing done, for what only ``ModelInfer`` serves. A request once parsed
         is never handed back: what the fast path cannot send, or what did not parse, a task here answers."""
-        gw = self.gw
-        client = gw.client
-        if client is None or not gw.connected.is_set() or gw.regions.stale() or len(raw) > INLINE_PARSE_BYTES:
+        if not self._now(raw):
             return False
-        loop = asyncio.get_running_loop()
         try:
             request = parse_message(pb.ModelInferRequest, raw)
         except errors.GepoolError as exc:
-            loop.call_soon(done, None, exc)
+            asyncio.get_running_loop().call_soon(done, None, exc)
             return True
+        self._send_now(request, peer_text, done)
+        return True
+
+    def _now(self, raw: bytes) -> bool:
+        """Whether a request may go by the fast path: small enough to parse here, to a front connected."""
+        gw = self.gw
+        return gw.client is not None and gw.connected.is_set() and not gw.regions.stale() \
+            and len(raw) <= INLINE_PARSE_BYTES
+
+    def _send_now(self, request: pb.ModelInferRequest, peer_text: str,
+                  done: Callable[[pb.ModelInferResponse | None, BaseException | None], None]) -> None:
+        """infer_now's part once a request has parsed: sent now, or answered by a task."""
         if any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs)):
             self._answer_later(done, self._infer(request, peer_text))
-            return True
+            return
         try:
-            call = tensors.parse(request, _no_regions, gw.max_body)
+            call = tensors.parse(request, _no_regions, self.gw.max_body)
         except errors.GepoolError as exc:
             self._answer_later(done, self._unparsed(request, exc))
-            return True
+            return
         if not call.inputs:
             self._answer_later(done, self._no_inputs(call))
-            return True
+            return
 
         # what the answer needs, and no more: the callback lives until the front answers, even when the call's
         # connection has gone (the request and its inputs would stay with it)
@@ -230,15 +257,14 @@ class InferenceService:
                 done(None, exc)
 
         try:
-            if client.submit(call.model, call.inputs, _names(call), answered, version=call.version,
-                             timeout=call.timeout_s, priority=call.priority, origin=Origin.GRPC,
-                             wait=answer_wait(call.timeout_s)):
-                return True
+            if self.gw.client.submit(call.model, call.inputs, _names(call), answered, version=call.version,
+                                     timeout=call.timeout_s, priority=call.priority, origin=Origin.GRPC,
+                                     wait=answer_wait(call.timeout_s)):
+                return
         except errors.GepoolError as exc:
-            loop.call_soon(done, None, exc)
-            return True
+            asyncio.get_running_loop().call_soon(done, None, exc)
+            return
         self._answer_later(done, self._infer_parsed(request, call))  # longer than one lane record
-        return True
 
     def _answer_later(self, done: Callable, work: Coroutine) -> None:
         """A task calls ``done`` with what ``work`` returns or raises."""
@@ -283,37 +309,80 @@ class InferenceService:
 
     async def stream(self, raw_requests, context) -> None:
         """Many requests on one stream, answered as each finishes (matched by ``id``); a failed one is
-        answered in ``error_message`` and the stream goes on."""
+        answered in ``error_message`` and the stream goes on. On the native server (a context that can
+        ``write_now``), a request is sent from this loop as infer_now sends one, with no task of its own."""
+        loop = asyncio.get_running_loop()
         room = asyncio.Semaphore(MAX_STREAM_INFLIGHT)
         writing = asyncio.Lock()  # one write at a time on a call
         running: set[asyncio.Task] = set()
+        write_now = getattr(context, "write_now", None) if self.stream_now else None
+        peer_text = context.peer()
+        sent = 0  # requests sent from this loop, not yet answered
+        idle: asyncio.Future | None = None  # set once they all are, when the stream waits for them to be
 
-        async def one(raw: bytes) -> None:
-            request = None
+        async def write(answer: pb.ModelStreamInferResponse) -> None:
+            async with writing:
+                await context.write(answer)
+
+        def answered(answer: pb.ModelStreamInferResponse) -> None:
+            # written now unless an earlier answer waits for the client's window: then after it, by a task
+            try:
+                if not writing.locked() and write_now(answer):
+                    settled()
+                    return
+            except Exception:  # (as a task's failed write: that answer is lost, the stream goes on)
+                log.exception("internal error writing a ModelStreamInfer answer")
+                settled()
+                return
+            task = loop.create_task(write(answer))
+            running.add(task)
+            task.add_done_callback(running.discard)
+            task.add_done_callback(lambda _: settled())
+
+        def settled() -> None:
+            nonlocal sent
+            sent -= 1
+            room.release()
+            if not sent and idle is not None and not idle.done():
+                idle.set_result(None)
+
+        async def one(raw: bytes | pb.ModelInferRequest) -> None:
+            request = raw if isinstance(raw, pb.ModelInferRequest) else None
             try:
                 try:
-                    request = parse_message(pb.ModelInferRequest, raw)
-                    answer = pb.ModelStreamInferResponse(infer_response=await self.infer(request, context))
-                except errors.GepoolError as exc:
-                    answer = pb.ModelStreamInferResponse(error_message=exc.message)
-                except Exception:
-                    log.exception("internal error on a ModelStreamInfer request")
-                    answer = pb.ModelStreamInferResponse(error_message=errors.INTERNAL_MESSAGE)
-                if answer.error_message and request is not None:  # so the caller can tell which request failed
-                    answer.infer_response.id, answer.infer_response.model_name = request.id, request.model_name
-                    answer.infer_response.model_version = request.model_version
-                async with writing:
-                    await context.write(answer)
+                    if request is None:
+                        request = parse_message(pb.ModelInferRequest, raw)
+                    answer = _streamed(request, await self.infer(request, context), None)
+                except Exception as exc:
+                    answer = _streamed(request, None, exc)
+                await write(answer)
             finally:
                 room.release()
+
+        def start(raw: bytes | pb.ModelInferRequest) -> None:
+            task = loop.create_task(one(raw))
+            running.add(task)
+            task.add_done_callback(running.discard)
 
         try:
             async for raw in raw_requests:
                 await room.acquire()
-                task = asyncio.get_running_loop().create_task(one(raw))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            if running:
+                if write_now is None or not self._now(raw):
+                    start(raw)
+                    continue
+                try:
+                    request = parse_message(pb.ModelInferRequest, raw)
+                except errors.GepoolError as exc:
+                    sent += 1
+                    answered(_streamed(None, None, exc))
+                    continue
+                sent += 1
+                self._send_now(request, peer_text,
+                               lambda reply, exc, request=request: answered(_streamed(request, reply, exc)))
+            if sent:
+                idle = loop.create_future()
+                await idle
+            while running:
                 await asyncio.gather(*running, return_exceptions=True)
         finally:
             for task in running:
