@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from gepool import Pool
+from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import native, tensors
 from gepool.grpc import server as grpc_server
@@ -371,12 +372,16 @@ def test_calls_cancelled_or_cut_off_while_the_model_runs_hold_nothing(pool, capl
 
 STREAM = f"/{SERVICE}/ModelStreamInfer"
 STREAM_CASES = [name for name, (_, options) in CASES.items() if not options]  # (call options: not per message)
+# sent from the stream's loop: all but what does not parse, what is parsed off the loop, and shared memory (a task
+# of the stream's, so that it is cancelled with it)
+STREAM_SENT = [name for name in STREAM_CASES
+               if name not in ("not protobuf", "over the inline size") and "shared memory" not in name]
 
 
 def test_a_stream_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
     """Every case as a message on one ModelStreamInfer call, with the stream's fast path on and off: the same
-    answers, byte for byte (errors in error_message, naming the request); all sent from the stream's loop
-    but the one over the inline size."""
+    answers, byte for byte (errors in error_message, naming the request), STREAM_SENT's from the stream's
+    loop."""
     sent: list[object] = []
     send_now = InferenceService._send_now
 
@@ -405,7 +410,7 @@ def test_a_stream_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
                     monkeypatch.setattr(InferenceService, "stream_now", on)
                     sent.clear()
                     got[on] = await answers(channel)
-                    assert len(sent) == (len(STREAM_CASES) - 2 if on else 0)  # not: over the size; not protobuf
+                    assert len(sent) == (len(STREAM_SENT) if on else 0)
             finally:
                 await channel.close()
         assert len(got[True]) == len(STREAM_CASES)
@@ -415,6 +420,44 @@ def test_a_stream_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
         assert sum(not r.error_message for r in replies) == len([n for n in STREAM_CASES if n in SERVED])
 
     asyncio.run(main())
+
+
+def test_an_internal_failure_in_a_stream_is_that_requests_answer_on_either_path(pool, monkeypatch, caplog):
+    """A request whose handling fails inside the gateway (an internal error, not a bad request) is answered in
+    its error_message, named, and the stream goes on: alike with the stream's fast path and without."""
+    parse = tensors.parse
+
+    def failing(request, *args, **kwargs):
+        if request.id == "boom":
+            raise RuntimeError("a bug")
+        return parse(request, *args, **kwargs)
+
+    monkeypatch.setattr(tensors, "parse", failing)
+
+    async def answers(channel) -> list[tuple[str, str]]:
+        call = channel.stream_stream(STREAM)()
+        for rid in ("boom", "fine"):
+            await call.write(_request(id=rid).SerializeToString())
+        await call.done_writing()
+        out = sorted((r.infer_response.id, r.error_message)
+                     for r in [pb.ModelStreamInferResponse.FromString(a) async for a in call])
+        assert await call.code() == grpc.StatusCode.OK
+        return out
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, _, taken, gw):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}")
+            try:
+                got = {}
+                for on in (True, False):
+                    monkeypatch.setattr(InferenceService, "stream_now", on)
+                    got[on] = await answers(channel)
+            finally:
+                await channel.close()
+        assert got[True] == got[False] == [("boom", errors.INTERNAL_MESSAGE), ("fine", "")]
+
+    asyncio.run(main())
+    assert sum("a bug" in r.getMessage() or (r.exc_info and "a bug" in str(r.exc_info[1])) for r in caplog.records) == 2
 
 
 def test_a_stream_waits_for_its_answers_and_lets_large_ones_wait_for_the_client(pool, monkeypatch):
@@ -542,13 +585,16 @@ def test_a_stream_cancelled_while_its_requests_are_with_the_model_holds_nothing(
                         break
                     await asyncio.sleep(0.01)
                 assert len(gw.client._inflight) == 3
-                call.cancel()
                 (conn,) = listener.connections
+                call.cancel()
                 for _ in range(3000):
                     if not conn.streams and conn.running == 0:
                         break
                     await asyncio.sleep(0.01)
                 assert (len(conn.streams), conn.running) == (0, 0)
+                # what waits for the front's answers keeps neither the requests nor the stream's unread messages
+                held = [o for _, answer, _, _ in gw.client._inflight.values() for o in _closed_over(answer._done)]
+                assert not [o for o in held if isinstance(o, pb.ModelInferRequest)], held
                 open(pool.gate, "w").close()
                 for _ in range(3000):
                     if not gw.client._inflight:
@@ -565,6 +611,22 @@ def test_a_stream_cancelled_while_its_requests_are_with_the_model_holds_nothing(
     finally:
         open(pool.gate, "w").close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def _closed_over(fn, depth: int = 6) -> list:
+    """The objects a callback reaches through its closures and default arguments, and theirs in turn."""
+    out, todo = [], [(fn, depth)]
+    while todo:
+        f, d = todo.pop()
+        values = list(getattr(f, "__defaults__", None) or ())
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        out += values
+        todo += [(getattr(v, "__func__", v), d - 1) for v in values if d and callable(v)]
+    return out
 
 
 def test_a_request_that_does_not_parse_is_not_kept_in_a_cycle(pool):

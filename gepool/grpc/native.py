@@ -186,6 +186,11 @@ class Messages:
         self._ended = True
         self._wake()
 
+    def drop(self) -> None:
+        """The call is over: what its handler has not read goes (a callback may hold the call a while yet)."""
+        self._items.clear()
+        self.end()
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -1043,7 +1048,7 @@ class Connection(asyncio.Protocol):
         if cancel and s.task is not None:
             s.task.cancel()
         if s.inbox is not None:
-            s.inbox.end()
+            s.inbox.drop()
         self._close_if_done()
 
     # -- closing ------------------------------------------------------------------------------------

@@ -69,9 +69,14 @@ def _served(call: tensors.InferCall, outputs: dict) -> str:
     return str(served) if served is not None else (str(call.version) if call.version else "")
 
 
-def _streamed(request: pb.ModelInferRequest | None, reply: pb.ModelInferResponse | None,
+def _named(request: pb.ModelInferRequest) -> tuple[str, str, str]:
+    """What names a request in a stream's answer to it: its id, model and version."""
+    return request.id, request.model_name, request.model_version
+
+
+def _streamed(names: tuple[str, str, str] | None, reply: pb.ModelInferResponse | None,
               exc: BaseException | None) -> pb.ModelStreamInferResponse:
-    """A stream's answer to ``request``: its reply, or what failed, naming the request where it parsed."""
+    """A stream's answer to a request: its reply, or what failed, naming the request where it parsed."""
     if exc is None:
         return pb.ModelStreamInferResponse(infer_response=reply)
     if isinstance(exc, errors.GepoolError):
@@ -79,9 +84,9 @@ def _streamed(request: pb.ModelInferRequest | None, reply: pb.ModelInferResponse
     else:
         log.error("internal error on a ModelStreamInfer request", exc_info=exc)
         answer = pb.ModelStreamInferResponse(error_message=errors.INTERNAL_MESSAGE)
-    if request is not None:  # so the caller can tell which request failed
-        answer.infer_response.id, answer.infer_response.model_name = request.id, request.model_name
-        answer.infer_response.model_version = request.model_version
+    if names is not None:  # so the caller can tell which request failed
+        r = answer.infer_response
+        r.id, r.model_name, r.model_version = names
     return answer
 
 
@@ -337,7 +342,28 @@ class InferenceService:
             task = loop.create_task(write(answer))
             running.add(task)
             task.add_done_callback(running.discard)
-            task.add_done_callback(lambda _: settled())
+            task.add_done_callback(written)
+
+        def written(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("internal error writing a ModelStreamInfer answer", exc_info=task.exception())
+            settled()
+
+        def answering(names: tuple[str, str, str] | None) -> Callable:
+            """A request's callback: answers once, whatever fails on the way (the stream waits for every one)."""
+            called = False
+
+            def done(reply: pb.ModelInferResponse | None, exc: BaseException | None) -> None:
+                nonlocal called
+                if called:
+                    return
+                called = True
+                try:
+                    answer = _streamed(names, reply, exc)
+                except Exception as failed:
+                    answer = _streamed(names, None, failed)
+                answered(answer)
+            return done
 
         def settled() -> None:
             nonlocal sent
@@ -352,9 +378,9 @@ class InferenceService:
                 try:
                     if request is None:
                         request = parse_message(pb.ModelInferRequest, raw)
-                    answer = _streamed(request, await self.infer(request, context), None)
+                    answer = _streamed(None, await self.infer(request, context), None)
                 except Exception as exc:
-                    answer = _streamed(request, None, exc)
+                    answer = _streamed(_named(request) if request is not None else None, None, exc)
                 await write(answer)
             finally:
                 room.release()
@@ -376,9 +402,17 @@ class InferenceService:
                     sent += 1
                     answered(_streamed(None, None, exc))
                     continue
+                if any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs)):
+                    start(request)  # a task, cancelled with the stream: it holds regions while it runs
+                    continue
                 sent += 1
-                self._send_now(request, peer_text,
-                               lambda reply, exc, request=request: answered(_streamed(request, reply, exc)))
+                # the callback keeps what names the request, not the request: it lives until the front answers,
+                # even once the stream is over
+                done = answering(_named(request))
+                try:
+                    self._send_now(request, peer_text, done)
+                except Exception as exc:  # (as one task's failure: that request's answer, and the stream goes on)
+                    done(None, exc)
             if sent:
                 idle = loop.create_future()
                 await idle
