@@ -29,6 +29,8 @@ from hpack import Encoder
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from route_inplace import Front  # noqa: E402  (its stand-in front: one loop pass, then the fixed output)
+
 from gepool.grpc import grpc_service_pb2 as pb  # noqa: E402
 from gepool.grpc import native  # noqa: E402
 from gepool.grpc import server as grpc_server  # noqa: E402
@@ -38,25 +40,6 @@ from gepool.http import server  # noqa: E402
 SHAPES = {"tiny": (16, 16), "mlp": (1024, 1000)}  # floats in, floats out
 PATH = f"/{SERVICE}/ModelInfer"
 STREAM = f"/{SERVICE}/ModelStreamInfer"
-
-
-class Outputs(dict):
-    model_version = 1
-
-
-class Front:
-    """The stand-in for the pool client: one loop pass, then the fixed output."""
-
-    def __init__(self, output: np.ndarray) -> None:
-        self.output = output
-
-    async def infer(self, model, inputs, names, **kwargs) -> Outputs:
-        await asyncio.sleep(0)
-        return Outputs(OUTPUT=self.output)
-
-    def submit(self, model, inputs, names, done, **kwargs) -> bool:
-        asyncio.get_running_loop().call_soon(done, Outputs(OUTPUT=self.output), None)
-        return True
 
 
 class Transport:

@@ -69,6 +69,20 @@ def pool(tmp_path_factory):
         yield pool
 
 
+def _gated(rid: str = "") -> pb.ModelInferRequest:
+    """A request to the model that waits for the test to open its gate."""
+    r = pb.ModelInferRequest(model_name="gate", id=rid)
+    r.inputs.add(name="IN", datatype="FP32", shape=[4])
+    r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+    return r
+
+
+def _shut(pool: Pool) -> None:
+    """Shuts the gate (the tests leave it open, so that no model is left waiting)."""
+    if os.path.exists(pool.gate):
+        os.unlink(pool.gate)
+
+
 @contextlib.asynccontextmanager
 async def _gateway(pool: Pool):
     """This process's own gateway on ``pool`` (its client a real one, over a lane), its gRPC port on the native
@@ -311,10 +325,7 @@ def test_calls_cancelled_or_cut_off_while_the_model_runs_hold_nothing(pool, capl
     connection's buffers go, and when the model answers at last, the answers are dropped without an error."""
 
     def gated() -> bytes:
-        r = pb.ModelInferRequest(model_name="gate")
-        r.inputs.add(name="IN", datatype="FP32", shape=[4])
-        r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
-        return r.SerializeToString()
+        return _gated().SerializeToString()
 
     async def main() -> None:
         async with _gateway(pool) as (listener, call, taken, gw):
@@ -401,25 +412,37 @@ def test_a_stream_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
         assert await call.code() == grpc.StatusCode.OK
         return out
 
-    async def main() -> None:
+    def counted_out(on: bool) -> None:
+        assert len(sent) == (len(STREAM_SENT) if on else 0)
+        sent.clear()
+
+    got = _on_and_off(pool, monkeypatch, answers, counted_out)
+    assert len(got[True]) == len(STREAM_CASES)
+    by_text = {on: sorted(got[on]) for on in got}  # answered as each finishes: compared as sets
+    assert by_text[True] == by_text[False]
+    replies = [pb.ModelStreamInferResponse.FromString(a) for a in got[True]]
+    assert sum(not r.error_message for r in replies) == len([n for n in STREAM_CASES if n in SERVED])
+
+
+def _on_and_off(pool: Pool, monkeypatch, answers, after=None) -> dict[bool, list]:
+    """What ``answers(channel)`` returns with the stream's fast path on, then off, on this process's gateway;
+    ``after(on)`` runs after each."""
+
+    async def main() -> dict[bool, list]:
         async with _gateway(pool) as (listener, _, taken, gw):
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}")
             try:
                 got = {}
                 for on in (True, False):
                     monkeypatch.setattr(InferenceService, "stream_now", on)
-                    sent.clear()
                     got[on] = await answers(channel)
-                    assert len(sent) == (len(STREAM_SENT) if on else 0)
+                    if after is not None:
+                        after(on)
+                return got
             finally:
                 await channel.close()
-        assert len(got[True]) == len(STREAM_CASES)
-        by_text = {on: sorted(got[on]) for on in got}  # answered as each finishes: compared as sets
-        assert by_text[True] == by_text[False]
-        replies = [pb.ModelStreamInferResponse.FromString(a) for a in got[True]]
-        assert sum(not r.error_message for r in replies) == len([n for n in STREAM_CASES if n in SERVED])
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
 
 def test_an_internal_failure_in_a_stream_is_that_requests_answer_on_either_path(pool, monkeypatch, caplog):
@@ -444,19 +467,8 @@ def test_an_internal_failure_in_a_stream_is_that_requests_answer_on_either_path(
         assert await call.code() == grpc.StatusCode.OK
         return out
 
-    async def main() -> None:
-        async with _gateway(pool) as (listener, _, taken, gw):
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}")
-            try:
-                got = {}
-                for on in (True, False):
-                    monkeypatch.setattr(InferenceService, "stream_now", on)
-                    got[on] = await answers(channel)
-            finally:
-                await channel.close()
-        assert got[True] == got[False] == [("boom", errors.INTERNAL_MESSAGE), ("fine", "")]
-
-    asyncio.run(main())
+    got = _on_and_off(pool, monkeypatch, answers)
+    assert got[True] == got[False] == [("boom", errors.INTERNAL_MESSAGE), ("fine", "")]
     assert sum("a bug" in r.getMessage() or (r.exc_info and "a bug" in str(r.exc_info[1])) for r in caplog.records) == 2
 
 
@@ -473,8 +485,7 @@ def test_a_stream_waits_for_its_answers_and_lets_large_ones_wait_for_the_client(
 
     monkeypatch.setattr(native.Context, "write_now", counted)
     xs = {str(i): np.full(16000, i, np.float32) for i in range(40)}  # 64 KB answers, 2.5 MB in all
-    if os.path.exists(pool.gate):
-        os.unlink(pool.gate)
+    _shut(pool)
 
     async def main() -> None:
         async with _gateway(pool) as (listener, _, taken, gw):
@@ -532,11 +543,8 @@ def test_a_stream_waits_for_its_answers_and_lets_large_ones_wait_for_the_client(
 def test_a_half_closed_stream_ends_only_once_its_requests_are_answered(pool):
     """The client half-closes a stream while the model still holds its request: the answer comes, then the
     call's status."""
-    if os.path.exists(pool.gate):
-        os.unlink(pool.gate)
-    r = pb.ModelInferRequest(model_name="gate", id="held")
-    r.inputs.add(name="IN", datatype="FP32", shape=[4])
-    r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+    _shut(pool)
+    r = _gated("held")
 
     async def main() -> list:
         async with _gateway(pool) as (listener, _, taken, gw):
@@ -567,11 +575,8 @@ def test_a_half_closed_stream_ends_only_once_its_requests_are_answered(pool):
 def test_a_stream_cancelled_while_its_requests_are_with_the_model_holds_nothing(pool, caplog):
     """The client cancels a stream whose requests the model holds: the call ends at once, and the answers,
     when they come, are dropped without an error."""
-    if os.path.exists(pool.gate):
-        os.unlink(pool.gate)
-    r = pb.ModelInferRequest(model_name="gate")
-    r.inputs.add(name="IN", datatype="FP32", shape=[4])
-    r.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+    _shut(pool)
+    r = _gated()
 
     async def main() -> None:
         async with _gateway(pool) as (listener, _, taken, gw):
@@ -665,6 +670,18 @@ def _fast(served, path: str, now) -> None:
     served.call(put())
 
 
+def _holding(served) -> list:
+    """A fast path on /t.S/Echo that takes every call and holds its ``done``, in the list returned."""
+    held: list = []
+
+    def now(raw: bytes, peer: str, done) -> bool:
+        held.append(done)
+        return True
+
+    _fast(served, "/t.S/Echo", now)
+    return held
+
+
 def _running(served) -> list[int]:
     return [r for (r,) in served.connections("running")]
 
@@ -702,13 +719,7 @@ def test_an_answer_given_at_once_twice_or_as_an_abort(served):
 def test_an_answer_after_its_call_was_reset_is_dropped(served):
     """A call reset by its client while the fast path holds it: the later answer writes nothing, the call
     stops counting as running, and the connection goes on serving."""
-    held: list = []
-
-    def now(raw: bytes, peer: str, done) -> bool:
-        held.append(done)
-        return True
-
-    _fast(served, "/t.S/Echo", now)
+    held = _holding(served)
     raw = Raw(served.port)
     raw.send(raw.headers(1), raw.data(1, b"first"), raw.headers(3), raw.data(3, b"second"))
     assert wait_until(lambda: len(held) == 2, 10)
@@ -758,13 +769,7 @@ def test_reset_calls_the_fast_path_still_holds_do_not_refuse_new_ones(served):
 def test_a_lost_connection_keeps_nothing_big_while_its_answers_are_awaited(served):
     """The connection's buffers go when it is lost, although the callbacks of the calls the fast path holds
     reach it until the answers come; once they came, nothing holds it."""
-    held: list = []
-
-    def now(raw: bytes, peer: str, done) -> bool:
-        held.append(done)
-        return True
-
-    _fast(served, "/t.S/Echo", now)
+    held = _holding(served)
     raw = Raw(served.port)
     raw.send(raw.headers(1), raw.data(1, b"held"), raw.headers(3))
     assert wait_until(lambda: len(held) == 1, 10)
