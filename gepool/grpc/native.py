@@ -18,6 +18,7 @@ client that does not read what it is sent stops being read, then is cut off afte
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import re
@@ -789,14 +790,7 @@ class Connection(asyncio.Protocol):
         forgotten (reset, its connection lost), as a task does until it ends or is cancelled."""
         if len(s.messages) != 1 or isinstance(s.messages[0], tuple):  # none, or compressed: the task says why
             return False
-        called = False
-
-        def done(reply, exc: BaseException | None) -> None:
-            nonlocal called
-            if not called:
-                called = True
-                self._fast_done(s, reply, exc)
-
+        done = functools.partial(self._fast_done, s)  # (answers once: the first call clears held_fast)
         s.held_fast = True
         self.running += 1
         try:
@@ -804,7 +798,7 @@ class Connection(asyncio.Protocol):
         except Exception as exc:  # the fast path's own failure, answered as a handler's is
             taken = True
             done(None, exc)
-        if not taken and not called:
+        if not taken and s.held_fast:
             s.held_fast = False
             self.running -= 1
             return False

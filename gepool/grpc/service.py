@@ -90,6 +90,11 @@ def _streamed(names: tuple[str, str, str] | None, reply: pb.ModelInferResponse |
     return answer
 
 
+def _in_regions(request: pb.ModelInferRequest) -> bool:
+    """Whether an input or output of the request is in shared memory."""
+    return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
+
+
 def _no_regions(*args) -> None:
     raise AssertionError("infer_now serves no shared memory")
 
@@ -222,7 +227,10 @@ class InferenceService:
         except errors.GepoolError as exc:
             asyncio.get_running_loop().call_soon(done, None, exc)
             return True
-        self._send_now(request, peer_text, done)
+        if _in_regions(request):
+            self._answer_later(done, self._infer(request, peer_text))
+        else:
+            self._send_now(request, done)
         return True
 
     def _now(self, raw: bytes) -> bool:
@@ -231,12 +239,9 @@ class InferenceService:
         return gw.client is not None and gw.connected.is_set() and not gw.regions.stale() \
             and len(raw) <= INLINE_PARSE_BYTES
 
-    def _send_now(self, request: pb.ModelInferRequest, peer_text: str,
+    def _send_now(self, request: pb.ModelInferRequest,
                   done: Callable[[pb.ModelInferResponse | None, BaseException | None], None]) -> None:
-        """infer_now's part once a request has parsed: sent now, or answered by a task."""
-        if any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs)):
-            self._answer_later(done, self._infer(request, peer_text))
-            return
+        """infer_now's part once a request with no shared memory has parsed: sent now, or answered by a task."""
         try:
             call = tensors.parse(request, _no_regions, self.gw.max_body)
         except errors.GepoolError as exc:
@@ -321,7 +326,6 @@ class InferenceService:
         writing = asyncio.Lock()  # one write at a time on a call
         running: set[asyncio.Task] = set()
         write_now = getattr(context, "write_now", None) if self.stream_now else None
-        peer_text = context.peer()
         sent = 0  # requests sent from this loop, not yet answered
         idle: asyncio.Future | None = None  # set once they all are, when the stream waits for them to be
 
@@ -402,7 +406,7 @@ class InferenceService:
                     sent += 1
                     answered(_streamed(None, None, exc))
                     continue
-                if any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs)):
+                if _in_regions(request):
                     start(request)  # a task, cancelled with the stream: it holds regions while it runs
                     continue
                 sent += 1
@@ -410,7 +414,7 @@ class InferenceService:
                 # even once the stream is over
                 done = answering(_named(request))
                 try:
-                    self._send_now(request, peer_text, done)
+                    self._send_now(request, done)
                 except Exception as exc:  # (as one task's failure: that request's answer, and the stream goes on)
                     done(None, exc)
             if sent:
