@@ -32,6 +32,7 @@ import grpc
 from hpack import Decoder, HPACKError
 from hpack.hpack import encode_integer
 
+from gepool.grpc.access import GrpcRestrictions
 from gepool.http import listen
 from gepool.http.limits import BODY_TIMEOUT_S, INLINE_PARSE_BYTES
 
@@ -125,8 +126,11 @@ def _echo(value: bytes | None) -> str:
     return f"'{text}...'" if len(value) > MAX_ECHO else f"'{text}'"
 
 
-def _read_head(fields: list[tuple[bytes, bytes]]) -> tuple:
+def _read_head(fields: list[tuple[bytes, bytes]], wanted: frozenset[bytes]) -> tuple:
+    """(method, path, content-type, grpc-timeout, grpc-encoding, metadata): the metadata is the first value of
+    each key in ``wanted`` (the restricted APIs' keys) that the call carries."""
     method = path = ctype = timeout = encoding = None
+    metadata = {}
     for name, value in fields:
         if name == b":path":
             path = value
@@ -138,7 +142,9 @@ def _read_head(fields: list[tuple[bytes, bytes]]) -> tuple:
             timeout = value
         elif name == b"grpc-encoding":
             encoding = value
-    return method, path, ctype, timeout, encoding
+        elif wanted and name in wanted and name not in metadata:
+            metadata[name] = value
+    return method, path, ctype, timeout, encoding, metadata
 
 
 class Context:
@@ -538,7 +544,7 @@ class Connection(asyncio.Protocol):
             self.block_started = self.loop.time()
 
     def _head(self, block: bytes) -> tuple:
-        """What a call's headers say: (method, path, content-type, grpc-timeout, grpc-encoding). A block of
+        """What a call's headers say (``_read_head``). A block of
         indexed fields only (a client's repeated call) changes no table, so what it says is kept until a
         block that may change the table is decoded."""
         head = self._indexed.get(block)
@@ -550,12 +556,12 @@ class Connection(asyncio.Protocol):
                 fields = [table.get_by_index(c & 0x7F) for c in block]
             except HPACKError:
                 raise ConnectionError_(COMPRESSION_ERROR, "a header index out of the table") from None
-            head = _read_head(fields)
+            head = _read_head(fields, self.listener.restrictions.keys)
             if len(self._indexed) < 64:
                 self._indexed[block] = head
             return head
         self._indexed.clear()
-        return _read_head(self.decoder.decode(block, raw=True))
+        return _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
 
     def _headers(self, sid: int, flags: int, block: bytes) -> None:
         head = self._head(block)  # always decoded, so that the decoder's table stays the client's
@@ -594,7 +600,7 @@ class Connection(asyncio.Protocol):
             self._remote_end(s)
 
     def _open(self, s: Stream, head: tuple) -> None:
-        method, path, ctype, timeout, encoding = head
+        method, path, ctype, timeout, encoding, metadata = head
         if method != b"POST":
             s.error = (grpc.StatusCode.UNIMPLEMENTED, f"gRPC calls are POST requests, not {_echo(method)}")
             return
@@ -606,6 +612,10 @@ class Connection(asyncio.Protocol):
         if handler is None:
             shown = _echo(path)[1:-1] if path is not None else ""
             s.error = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {shown}")
+            return
+        refusal = self.listener.restrictions.refusal(path, metadata)
+        if refusal is not None:
+            s.error = (grpc.StatusCode.UNAVAILABLE, refusal)
             return
         if encoding is not None and encoding != b"identity":
             if encoding not in _ENCODINGS:
@@ -1113,9 +1123,10 @@ class Listener(listen.Listening):
     sweep_s = SWEEP_S
 
     def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int,
-                 socks: list[socket.socket] | None = None) -> None:
+                 socks: list[socket.socket] | None = None, restrictions: GrpcRestrictions | None = None) -> None:
         super().__init__(host, port, socks)
         self.methods = {path.encode(): h for path, h in methods.items()}
+        self.restrictions = restrictions or GrpcRestrictions()  # refused at the call's headers, before its request
         # a method's path -> its fast path for unary calls without a deadline (Connection._start_fast)
         self.fast: dict[bytes, Callable[[bytes, str, Callable], bool]] = {}
         self.max_body = max_body

@@ -13,6 +13,7 @@ import grpc
 from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import health_pb2, health_pb2_grpc
+from gepool.grpc.access import GrpcRestrictions, Interceptor
 from gepool.grpc.reflection import SERVICE_NAMES as REFLECTION_SERVICES
 from gepool.grpc.reflection import Reflection
 from gepool.grpc.service import SERVICE, InferenceService, parse_message, status_of
@@ -186,16 +187,20 @@ def methods(service: InferenceService) -> dict[str, dict[str, grpc.RpcMethodHand
     return table
 
 
-async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks: list | None = None):
+async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks: list | None = None,
+                restrictions: GrpcRestrictions | None = None):
     """Listens on host:port (refusing a port another process holds), or for the native server on the
-    listening sockets ``socks`` where given, and serves until ``stop``."""
-    service = InferenceService(gw, host, port)
+    listening sockets ``socks`` where given, and serves until ``stop``. ``restrictions``: Triton's
+    ``--grpc-restricted-api`` groups."""
+    restrictions = restrictions or GrpcRestrictions()
+    service = InferenceService(gw, host, port, restrictions)
     table = methods(service)
     if kind == "native":
         from gepool.grpc import native
 
         listener = native.Listener({f"/{name}/{method}": h for name, handlers in table.items()
-                                    for method, h in handlers.items()}, host, port, gw.max_body, socks)
+                                    for method, h in handlers.items()}, host, port, gw.max_body, socks,
+                                   restrictions)
         listener.fast[f"/{SERVICE}/ModelInfer".encode()] = _fast(service.infer_now, "ModelInfer")
         try:
             await listener.start()
@@ -204,7 +209,7 @@ async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks
         return listener
     if socks:
         raise errors.Unavailable("grpc.aio cannot serve a listening socket it did not bind; start it with a port")
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[Interceptor(restrictions)] if restrictions.by_path else None, options=[
         ("grpc.max_receive_message_length", gw.max_body),
         ("grpc.max_send_message_length", -1),  # outputs are bounded by the pool's slots
         ("grpc.so_reuseport", 0),  # else a second server binds the same port and steals half the calls

@@ -19,6 +19,7 @@ import gepool
 from gepool.common import errors, request_parameters
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
+from gepool.grpc.access import GrpcRestrictions
 from gepool.http import peer
 from gepool.http.limits import INLINE_PARSE_BYTES
 from gepool.http.server import answer_wait
@@ -104,8 +105,9 @@ class InferenceService:
 
     stream_now = True  # a stream's requests are sent without a task each, where the server can write now
 
-    def __init__(self, gw, host: str, port: int) -> None:
+    def __init__(self, gw, host: str, port: int, restrictions: GrpcRestrictions | None = None) -> None:
         self.gw, self.host, self.port = gw, host, port
+        self.restrictions = restrictions or GrpcRestrictions()
         self._answering: set[asyncio.Task] = set()  # infer_now's tasks
 
     # -- helpers ---------------------------------------------------------------------------
@@ -443,10 +445,14 @@ class InferenceService:
         if params:
             raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
                                          "repository and load again")
+        if self.restrictions.restricts("model-repository"):  # the call carried its metadata: the server checked
+            return
         uid = self.caller(context, "loading and unloading models")
         if uid not in (self.gw.owner_uid, 0):
             raise errors.PermissionDenied(f"loading and unloading models is allowed only to the pool's own user "
-                                          f"(uid {self.gw.owner_uid}) and root, not to uid {uid}")
+                                          f"(uid {self.gw.owner_uid}) and root, not to uid {uid}; a pool started "
+                                          f"with --grpc-restricted-api model-repository:KEY=VALUE lets calls "
+                                          f"carrying that metadata do it")
 
     async def RepositoryModelLoad(self, request, context) -> pb.RepositoryModelLoadResponse:
         self.may_control(request, context)

@@ -45,14 +45,14 @@ class Restrictions:
     by_api: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, groups: list[str] | tuple[str, ...]) -> "Restrictions":
+    def parse(cls, groups: list[str] | tuple[str, ...], flag: str = FLAG) -> "Restrictions":
         """Each group as Triton takes it: ``API[,API...]:KEY=VALUE``; ValueError with Triton's words."""
         out = cls()
         for arg in groups:
             apis, colon, setting = arg.partition(":")
             key, eq, value = setting.partition("=")
             if not colon or not eq or not apis or not key or not value:
-                raise ValueError(f"{FLAG} option format is '<config name>:<setting>=<value>'. Got {arg}")
+                raise ValueError(f"{flag} option format is '<config name>:<setting>=<value>'. Got {arg}")
             for api in apis.split(","):
                 if api not in API_NAMES:
                     raise ValueError(f"unknown restricted api '{api}' (known: {', '.join(API_NAMES)})")

@@ -7,6 +7,7 @@ are written against aiohttp's request and response; /metrics is always aiohttp's
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
         [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
+        [--grpc-restricted-api API[,API]:KEY=VALUE ...]
         [--http-server httptools|aiohttp|granian] [--grpc-server native|grpcio]
 
 What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
@@ -583,7 +584,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 http_server: str = servers.DEFAULT_HTTP_SERVER,
                 grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER,
                 inherited: dict[str, list[socket.socket]] | None = None,
-                regions: tuple[str, mmap.mmap] | None = None) -> None:
+                regions: tuple[str, mmap.mmap] | None = None, grpc_restrictions=None) -> None:
     """Serves until SIGTERM or SIGINT, or until the pool that started it is gone. ``inherited``: listening
     sockets by port ("http", "metrics", "grpc"), bound by the pool and shared with its other sidecars;
     a port without them is bound here. ``regions``: see Gateway."""
@@ -623,7 +624,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     if grpc_port:
         from gepool.grpc import server as grpc_server
 
-        grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind, inherited.get("grpc"))
+        grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind, inherited.get("grpc"),
+                                                grpc_restrictions)
     gw.regions.watch()
     gc_policy.settle()
     if ready_fd is not None:
@@ -673,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(on both servers): a connection idle, or sending its headers, this long is closed")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
+    p.add_argument("--grpc-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+                   help="calls to these APIs' gRPC methods must carry metadata triton-grpc-protocol-KEY with VALUE "
+                        "(Triton's flag; repeatable)")
     p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
                    help="false: /v2/health/ready is ready while the pool answers, whatever its models' states")
     p.add_argument("--http-server", choices=servers.HTTP_SERVERS, default=servers.DEFAULT_HTTP_SERVER,
@@ -690,8 +695,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
     args = p.parse_args(argv)
+    from gepool.grpc.access import GrpcRestrictions  # (imports nothing of grpc's server)
+
     try:
         restrictions = Restrictions.parse(args.http_restricted_api)
+        grpc_restrictions = GrpcRestrictions.parse(args.grpc_restricted_api)
     except ValueError as exc:
         p.error(str(exc))
     if args.http_max_body_bytes <= 0:
@@ -728,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
                       args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server,
-                      args.grpc_server, inherited, regions))
+                      args.grpc_server, inherited, regions, grpc_restrictions))
     return 0
 
 
