@@ -41,7 +41,7 @@ class PoolOptions:
     metrics_port: int = 0  # Prometheus /metrics; 0: none
     grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar on http_host; 0: none
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
-    grpc_restricted_api: tuple[str, ...] = ()  # the same for gRPC (metadata triton-grpc-protocol-KEY)
+    grpc_restricted_protocol: tuple[str, ...] = ()  # the same for gRPC (metadata triton-grpc-protocol-KEY)
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
     http_server: str = DEFAULT_HTTP_SERVER  # what serves http_port (gepool/http/servers.py)
     grpc_server: str = DEFAULT_GRPC_SERVER  # what serves grpc_port (gepool/http/servers.py)
@@ -54,7 +54,7 @@ class PoolOptions:
     def __post_init__(self) -> None:
         self.load_models = tuple(self.load_models)  # lists from JSON and argparse
         self.http_restricted_api = tuple(self.http_restricted_api)
-        self.grpc_restricted_api = tuple(self.grpc_restricted_api)
+        self.grpc_restricted_protocol = tuple(self.grpc_restricted_protocol)
 
     def check(self) -> None:
         """Refuses, naming it, an option no pool can start with (before any process is started)."""
@@ -81,7 +81,7 @@ class PoolOptions:
         from gepool.http.access import Restrictions
 
         Restrictions.parse(self.http_restricted_api)  # ValueError in Triton's words
-        GrpcRestrictions.parse(self.grpc_restricted_api)
+        GrpcRestrictions.parse(self.grpc_restricted_protocol)
         refusal = servers.refusal(self.http_server) if self.http_port else None
         if refusal:
             raise ValueError(f"http_server: {refusal}")

@@ -141,7 +141,7 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
             "--http-max-body-bytes", str(max_body), "--http-server", options.http_server,
             "--grpc-server", options.grpc_server, "--front-ready",
             *(f"--http-restricted-api={group}" for group in options.http_restricted_api),
-            *(f"--grpc-restricted-api={group}" for group in options.grpc_restricted_api)]
+            *(f"--grpc-restricted-protocol={group}" for group in options.grpc_restricted_protocol)]
 
 
 class _Sidecar:

@@ -1,4 +1,4 @@
-"""Triton's --grpc-restricted-api on both gRPC servers: a restricted API's calls need the metadata
+"""Triton's --grpc-restricted-protocol on both gRPC servers: a restricted protocol's calls need the metadata
 triton-grpc-protocol-KEY with its VALUE, else UNAVAILABLE before their request reaches the pool."""
 
 import subprocess
@@ -23,6 +23,7 @@ INFER_KEY = "triton-grpc-protocol-infer-key"  # the flag's key is Infer-Key: met
 ADMIN_KEY = "triton-grpc-protocol-admin"
 GROUPS = ("inference,health:Infer-Key=v 1", "model-repository:admin=yes")
 REFUSED = f"This protocol is restricted, expecting header '{INFER_KEY}'"
+MAX_BODY = 1 << 20
 
 
 @pytest.fixture(scope="module", params=GRPC_SERVERS)
@@ -30,7 +31,8 @@ def rpool(tmp_path_factory, request):
     repo = str(tmp_path_factory.mktemp("restricted-models"))
     test_repo.make_models.make_tiny(repo)
     with Pool(repo, grpc_port=free_port(), http_port=0, metrics_port=0, grpc_server=request.param,
-              grpc_restricted_api=GROUPS, model_control_mode="explicit", load_models=["tiny"]) as pool:
+              http_max_body_bytes=MAX_BODY,
+              grpc_restricted_protocol=GROUPS, model_control_mode="explicit", load_models=["tiny"]) as pool:
         with grpcclient.InferenceServerClient(f"127.0.0.1:{pool.grpc_port}") as client:
             pool.client = client
             yield pool
@@ -118,6 +120,14 @@ def test_raw_calls_the_first_copy_of_a_key_decides_and_grpc_health_is_health(rpo
             check(request, timeout=30, metadata=[(INFER_KEY, "no"), (INFER_KEY, "v 1")])
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         check(request, timeout=30, metadata=[(INFER_KEY, "v 1"), (INFER_KEY, "no")])
+        # repeated on one connection, each call's header block is all indexed (the native server's cached heads)
+        for _ in range(3):
+            for metadata, passes in (([(INFER_KEY, "v 1")], True), ([], False), ([(INFER_KEY, "v 2")], False)):
+                try:
+                    check(request, timeout=30, metadata=metadata)
+                    assert passes, metadata
+                except grpc.RpcError as exc:
+                    assert not passes and exc.code() == grpc.StatusCode.UNAVAILABLE, (metadata, exc)
         # a request that is not even a message: refused for its metadata first, as Triton checks before reading
         infer = channel.unary_unary(f"/{SERVICE}/ModelInfer")
         with pytest.raises(grpc.RpcError) as info:
@@ -137,17 +147,36 @@ def test_every_method_of_the_service_belongs_to_an_api():
 
 
 @pytest.mark.parametrize("group, words", [
-    ("inference", "--grpc-restricted-api option format is '<config name>:<setting>=<value>'. Got inference"),
-    ("inferense:k=v", "unknown restricted api 'inferense'"),
-    ("health:k=v --grpc-restricted-api=health,statistics:k2=v2",
-     "restricted api 'health' can not be specified in multiple config groups"),
+    ("inference", "--grpc-restricted-protocol option format is '<config name>:<setting>=<value>'. Got inference"),
+    ("inferense:k=v", "unknown restricted protocol 'inferense'"),
+    ("health:k=v --grpc-restricted-protocol=health,statistics:k2=v2",
+     "restricted protocol 'health' can not be specified in multiple config groups"),
     ("inference:a/b=v", "'a/b' cannot be a gRPC metadata key"),
     ("inference:key-bin=v", "'key-bin' cannot be a gRPC metadata key"),
+    ("inference:BIN=v", "'BIN' cannot be a gRPC metadata key"),  # triton-grpc-protocol-bin: a binary key
     ("inference:k=caf\u00e9", "the value of 'k' must be printable ASCII"),
 ])
 def test_bad_groups_are_refused_naming_them(group, words):
-    args = [f"--grpc-restricted-api={g}" for g in group.split(" --grpc-restricted-api=")]
+    args = [f"--grpc-restricted-protocol={g}" for g in group.split(" --grpc-restricted-protocol=")]
     proc = subprocess.run([sys.executable, "-m", "gepool.http.server", "--endpoint", "ipc:///nowhere",
                            "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def test_a_refused_call_is_answered_without_waiting_for_its_request(rpool):
+    """A call that never sends its message, or one past the size limit: refused for its metadata at once,
+    where grpc.aio would wait for the message (the deadline) or refuse its size first."""
+    with grpc.insecure_channel(f"127.0.0.1:{rpool.grpc_port}") as channel:
+        for path in (f"/{SERVICE}/ModelInfer", f"/{SERVICE}/ModelStreamInfer"):
+            never = channel.stream_unary(path)  # the same bytes on the wire as a unary call with no message
+            with pytest.raises(grpc.RpcError) as info:
+                never(iter(()), timeout=60)
+            assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, REFUSED), path
+        infer = channel.unary_unary(f"/{SERVICE}/ModelInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            infer(b"\0" * (2 * MAX_BODY), timeout=60)
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, REFUSED)
+        with pytest.raises(grpc.RpcError) as info:
+            infer(b"\0" * (2 * MAX_BODY), timeout=60, metadata=[(INFER_KEY, "v 1")])
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -30,7 +30,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--load-model", "b", "--repository-poll-secs", "4", "--busy-poll-us", "-1", "--disable-auto-complete-config",
         "--http-port", "9000", "--http-host", "0.0.0.0", "--allow-metrics", "false", "--strict-readiness", "false",
         "--http-restricted-api", "inference:K=V", "--http-restricted-api", "logging,trace:A=B",
-        "--http-max-input-size", "123456", "--grpc-port", "9001", "--grpc-restricted-api", "inference:k=v",
+        "--http-max-input-size", "123456", "--grpc-port", "9001", "--grpc-restricted-protocol", "inference:k=v",
         "--max-queued-bytes", "1000000",
         "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3"])
     options = pool_options(args)
@@ -39,7 +39,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         exit_grace_s=2.5, model_control_mode="explicit", load_models=("a", "b"), poll_secs=4.0, busy_poll_us=-1,
         auto_complete_config=False, http_port=9000, http_host="0.0.0.0", metrics_port=0, strict_readiness=False,
         http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
-        grpc_restricted_api=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
+        grpc_restricted_protocol=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
         cache_size=4096, sidecars=3)
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
@@ -56,8 +56,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
 @pytest.mark.parametrize("given, error, words", [
     ({"model_control_mode": "sometimes"}, ValueError, "model_control_mode must be one of none, explicit, poll"),
     ({"http_restricted_api": ["inference"]}, ValueError, "option format is '<config name>:<setting>=<value>'"),
-    ({"grpc_restricted_api": ["inference"]}, ValueError, "--grpc-restricted-api option format is"),
-    ({"grpc_restricted_api": ["inference:a key=v"]}, ValueError, "'a key' cannot be a gRPC metadata key"),
+    ({"grpc_restricted_protocol": ["inference"]}, ValueError, "--grpc-restricted-protocol option format is"),
+    ({"grpc_restricted_protocol": ["inference:a key=v"]}, ValueError, "'a key' cannot be a gRPC metadata key"),
     ({"http_port": 70000}, ValueError, "http_port must be a port number"),
     ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
     ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),

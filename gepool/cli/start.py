@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=8001,
                    help="KServe v2 gRPC port (default 8001; 0: off); binds --http-host")
     p.add_argument("--grpc-server", choices=GRPC_SERVERS, default=DEFAULT_GRPC_SERVER, help=GRPC_HELP)
-    p.add_argument("--grpc-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+    p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="as tritonserver's (repeatable): calls to these gRPC APIs must carry metadata "
                         "triton-grpc-protocol-KEY with VALUE, else UNAVAILABLE; the same APIs as "
                         "--http-restricted-api")

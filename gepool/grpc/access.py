@@ -1,20 +1,18 @@
-"""Who may call which gRPC method: Triton's ``--grpc-restricted-api`` groups.
+"""Who may call which gRPC method: Triton's ``--grpc-restricted-protocol`` groups.
 
-``--grpc-restricted-api=API[,API...]:KEY=VALUE`` (repeatable) makes every call to those APIs' methods carry
+``--grpc-restricted-protocol=API[,API...]:KEY=VALUE`` (repeatable) makes every call to those protocols' methods carry
 the metadata ``triton-grpc-protocol-KEY`` with exactly VALUE, else it is answered UNAVAILABLE "This protocol
 is restricted, expecting header 'triton-grpc-protocol-KEY'" before its request is read, as Triton does (its
-``kRestrictedProtocolHeaderTemplate`` and ``ExecutePrecondition`` in ``src/grpc/``). The API names are those
-of ``--http-restricted-api``; the methods in each are Triton's (``src/grpc/grpc_server.cc``, one
+``kRestrictedProtocolHeaderTemplate`` and ``ExecutePrecondition`` in ``src/grpc/``). The protocols are named
+as ``--http-restricted-api``'s APIs; the methods in each are Triton's (``src/grpc/grpc_server.cc``, one
 ``restricted_keys_.Get`` per method). The first copy of a repeated key decides, as Triton's metadata lookup.
 """
 
 import re
 
-import grpc
-
 from gepool.http.access import Restrictions
 
-FLAG = "--grpc-restricted-api"
+FLAG = "--grpc-restricted-protocol"
 PREFIX = "triton-grpc-protocol-"
 _INFERENCE = "/inference.GRPCInferenceService/"
 _HEALTH = "/grpc.health.v1.Health/"
@@ -54,9 +52,9 @@ class GrpcRestrictions:
     def parse(cls, groups: list[str] | tuple[str, ...]) -> "GrpcRestrictions":
         """Each group as Triton takes it; ValueError with Triton's words, or naming a key or value no gRPC
         client can send."""
-        restrictions = Restrictions.parse(groups, FLAG)
+        restrictions = Restrictions.parse(groups, FLAG, "protocol")
         for key, value in restrictions.by_api.values():
-            if not _KEY.fullmatch(key.lower()) or key.lower().endswith("-bin"):
+            if not _KEY.fullmatch(key.lower()) or (PREFIX + key.lower()).endswith("-bin"):
                 raise ValueError(f"{FLAG}: '{key}' cannot be a gRPC metadata key (letters, digits, '_', '.' and '-', "
                                  f"not ending in '-bin')")
             if not _VALUE.fullmatch(value):
@@ -73,34 +71,3 @@ class GrpcRestrictions:
 
     def restricts(self, api: str) -> bool:
         return self.api.restricts(api)
-
-
-class Interceptor(grpc.aio.ServerInterceptor):
-    """The restrictions on grpc.aio: a refused call gets a handler that answers it UNAVAILABLE unread."""
-
-    def __init__(self, restrictions: GrpcRestrictions) -> None:
-        self.restrictions = restrictions
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        path = details.method.encode() if isinstance(details.method, str) else details.method
-        if handler is None or path not in self.restrictions.by_path:
-            return handler
-        metadata: dict[bytes, bytes] = {}
-        for key, value in details.invocation_metadata or ():
-            if isinstance(value, str):
-                metadata.setdefault(key.encode(), value.encode())
-        text = self.restrictions.refusal(path, metadata)
-        if text is None:
-            return handler
-
-        async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, text)
-
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(refuse)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(refuse)
-        return grpc.unary_unary_rpc_method_handler(refuse)

@@ -130,7 +130,6 @@ def _read_head(fields: list[tuple[bytes, bytes]], wanted: frozenset[bytes]) -> t
     """(method, path, content-type, grpc-timeout, grpc-encoding, metadata): the metadata is the first value of
     each key in ``wanted`` (the restricted APIs' keys) that the call carries."""
     method = path = ctype = timeout = encoding = None
-    metadata = {}
     for name, value in fields:
         if name == b":path":
             path = value
@@ -142,8 +141,11 @@ def _read_head(fields: list[tuple[bytes, bytes]], wanted: frozenset[bytes]) -> t
             timeout = value
         elif name == b"grpc-encoding":
             encoding = value
-        elif wanted and name in wanted and name not in metadata:
-            metadata[name] = value
+    metadata = {}
+    if wanted:
+        for name, value in fields:
+            if name in wanted and name not in metadata:
+                metadata[name] = value
     return method, path, ctype, timeout, encoding, metadata
 
 
@@ -613,10 +615,6 @@ class Connection(asyncio.Protocol):
             shown = _echo(path)[1:-1] if path is not None else ""
             s.error = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {shown}")
             return
-        refusal = self.listener.restrictions.refusal(path, metadata)
-        if refusal is not None:
-            s.error = (grpc.StatusCode.UNAVAILABLE, refusal)
-            return
         if encoding is not None and encoding != b"identity":
             if encoding not in _ENCODINGS:
                 s.error = (grpc.StatusCode.UNIMPLEMENTED, f"the grpc-encoding {_echo(encoding)} is not supported "
@@ -629,6 +627,11 @@ class Connection(asyncio.Protocol):
                 s.error = (grpc.StatusCode.INVALID_ARGUMENT, f"the grpc-timeout {_echo(timeout)} is malformed")
                 return
             s.deadline = s.opened + int(m[1]) * _UNITS[m[2]]
+        if self.listener.restrictions.by_path:
+            refusal = self.listener.restrictions.refusal(path, metadata)
+            if refusal is not None:  # before the request: it is neither read nor run
+                s.error = (grpc.StatusCode.UNAVAILABLE, refusal)
+                return
         s.handler, s.serialize = handler, handler.response_serializer or bytes
         if handler.request_streaming:
             s.inbox = Messages(s)

@@ -13,7 +13,7 @@ import grpc
 from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import health_pb2, health_pb2_grpc
-from gepool.grpc.access import GrpcRestrictions, Interceptor
+from gepool.grpc.access import GrpcRestrictions
 from gepool.grpc.reflection import SERVICE_NAMES as REFLECTION_SERVICES
 from gepool.grpc.reflection import Reflection
 from gepool.grpc.service import SERVICE, InferenceService, parse_message, status_of
@@ -178,6 +178,34 @@ def _fast(now, what: str):
     return fast
 
 
+class Restricted(grpc.aio.ServerInterceptor):
+    """``--grpc-restricted-protocol`` on grpc.aio: a refused call gets a handler that answers it UNAVAILABLE,
+    one that takes its requests as a stream, so that grpc.aio waits for none of them."""
+
+    def __init__(self, restrictions: GrpcRestrictions) -> None:
+        self.restrictions = restrictions
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        path = details.method.encode()
+        if handler is None or path not in self.restrictions.by_path:
+            return handler
+        metadata: dict[bytes, bytes] = {}
+        for key, value in details.invocation_metadata or ():
+            if isinstance(value, str):  # (a "-bin" key's value is bytes: never a restriction's)
+                metadata.setdefault(key.encode(), value.encode())
+        text = self.restrictions.refusal(path, metadata)
+        if text is None:
+            return handler
+
+        async def refuse(requests, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, text)
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+
 def methods(service: InferenceService) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
     """Every RPC the port serves, by service and method name."""
     table = {SERVICE: inference_methods(service), HEALTH_SERVICE: health_methods(Health(service))}
@@ -191,7 +219,7 @@ async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks
                 restrictions: GrpcRestrictions | None = None):
     """Listens on host:port (refusing a port another process holds), or for the native server on the
     listening sockets ``socks`` where given, and serves until ``stop``. ``restrictions``: Triton's
-    ``--grpc-restricted-api`` groups."""
+    ``--grpc-restricted-protocol`` groups."""
     restrictions = restrictions or GrpcRestrictions()
     service = InferenceService(gw, host, port, restrictions)
     table = methods(service)
@@ -209,7 +237,7 @@ async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks
         return listener
     if socks:
         raise errors.Unavailable("grpc.aio cannot serve a listening socket it did not bind; start it with a port")
-    server = grpc.aio.server(interceptors=[Interceptor(restrictions)] if restrictions.by_path else None, options=[
+    server = grpc.aio.server(interceptors=[Restricted(restrictions)] if restrictions.by_path else None, options=[
         ("grpc.max_receive_message_length", gw.max_body),
         ("grpc.max_send_message_length", -1),  # outputs are bounded by the pool's slots
         ("grpc.so_reuseport", 0),  # else a second server binds the same port and steals half the calls

@@ -451,7 +451,7 @@ class InferenceService:
         if uid not in (self.gw.owner_uid, 0):
             raise errors.PermissionDenied(f"loading and unloading models is allowed only to the pool's own user "
                                           f"(uid {self.gw.owner_uid}) and root, not to uid {uid}; a pool started "
-                                          f"with --grpc-restricted-api model-repository:KEY=VALUE lets calls "
+                                          f"with --grpc-restricted-protocol model-repository:KEY=VALUE lets calls "
                                           f"carrying that metadata do it")
 
     async def RepositoryModelLoad(self, request, context) -> pb.RepositoryModelLoadResponse:

@@ -45,8 +45,9 @@ class Restrictions:
     by_api: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, groups: list[str] | tuple[str, ...], flag: str = FLAG) -> "Restrictions":
-        """Each group as Triton takes it: ``API[,API...]:KEY=VALUE``; ValueError with Triton's words."""
+    def parse(cls, groups: list[str] | tuple[str, ...], flag: str = FLAG, noun: str = "api") -> "Restrictions":
+        """Each group as Triton takes it: ``API[,API...]:KEY=VALUE``; ValueError with Triton's words (which
+        call the groups of ``--grpc-restricted-protocol`` protocols: ``noun``)."""
         out = cls()
         for arg in groups:
             apis, colon, setting = arg.partition(":")
@@ -55,9 +56,9 @@ class Restrictions:
                 raise ValueError(f"{flag} option format is '<config name>:<setting>=<value>'. Got {arg}")
             for api in apis.split(","):
                 if api not in API_NAMES:
-                    raise ValueError(f"unknown restricted api '{api}' (known: {', '.join(API_NAMES)})")
+                    raise ValueError(f"unknown restricted {noun} '{api}' (known: {', '.join(API_NAMES)})")
                 if api in out.by_api:
-                    raise ValueError(f"restricted api '{api}' can not be specified in multiple config groups")
+                    raise ValueError(f"restricted {noun} '{api}' can not be specified in multiple config groups")
                 out.by_api[api] = (key, value)
         return out
 

@@ -7,7 +7,7 @@ are written against aiohttp's request and response; /metrics is always aiohttp's
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
         [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
-        [--grpc-restricted-api API[,API]:KEY=VALUE ...]
+        [--grpc-restricted-protocol API[,API]:KEY=VALUE ...]
         [--http-server httptools|aiohttp|granian] [--grpc-server native|grpcio]
 
 What one request may cost is bounded in ``limits.py``; who may call what, in ``access.py`` and ``peer.py``.
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(on both servers): a connection idle, or sending its headers, this long is closed")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="requests to these APIs must carry header KEY with VALUE (Triton's flag; repeatable)")
-    p.add_argument("--grpc-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+    p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="calls to these APIs' gRPC methods must carry metadata triton-grpc-protocol-KEY with VALUE "
                         "(Triton's flag; repeatable)")
     p.add_argument("--strict-readiness", choices=["true", "false"], default="true",
@@ -695,11 +695,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
     args = p.parse_args(argv)
-    from gepool.grpc.access import GrpcRestrictions  # (imports nothing of grpc's server)
+    from gepool.grpc.access import GrpcRestrictions  # (which does not import grpc)
 
     try:
         restrictions = Restrictions.parse(args.http_restricted_api)
-        grpc_restrictions = GrpcRestrictions.parse(args.grpc_restricted_api)
+        grpc_restrictions = GrpcRestrictions.parse(args.grpc_restricted_protocol)
     except ValueError as exc:
         p.error(str(exc))
     if args.http_max_body_bytes <= 0:
