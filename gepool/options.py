@@ -37,9 +37,11 @@ class PoolOptions:
     busy_poll_us: int = 0  # 0: adaptive polling; N > 0: poll N us before any sleep; -1: never poll
     auto_complete_config: bool = True  # False: Triton's --disable-auto-complete-config
     http_port: int = 0  # the KServe v2 HTTP sidecar's port; 0: no HTTP
-    http_host: str = "127.0.0.1"  # the address the HTTP and metrics ports bind
+    http_host: str = "127.0.0.1"  # the address the HTTP port binds (Triton's --http-address), and the others'
+    grpc_host: str = ""  # the gRPC port's address (Triton's --grpc-address); "": http_host
+    metrics_host: str = ""  # the metrics port's address (Triton's --metrics-address); "": http_host
     metrics_port: int = 0  # Prometheus /metrics; 0: none
-    grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar on http_host; 0: none
+    grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar; 0: none
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
     grpc_restricted_protocol: tuple[str, ...] = ()  # the same for gRPC (metadata triton-grpc-protocol-KEY)
     http_max_body_bytes: int = 0  # the largest HTTP request body; 0: the largest slot plus room for JSON
@@ -63,6 +65,8 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
+        if not self.http_host:
+            raise ValueError("http_host must be an address, not empty")
         for name in ("http_port", "metrics_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number (0: off), not {getattr(self, name)}")
@@ -96,6 +100,10 @@ class PoolOptions:
             for why in self.self_bound().values():
                 raise ValueError(f"sidecars={self.sidecars}: {why}, which binds its port itself and cannot share "
                                  f"it with other sidecars; use sidecars=1 or another server")
+
+    def host_of(self, port: str) -> str:
+        """The address the sidecar's port "http", "grpc" or "metrics" binds."""
+        return {"grpc": self.grpc_host, "metrics": self.metrics_host}.get(port) or self.http_host
 
     def self_bound(self) -> dict[str, str]:
         """The sidecar's ports ("http", "grpc") whose server binds them itself, so that only one sidecar can

@@ -78,10 +78,11 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
             shared = (*(s.fileno() for s in listening), page_fd)
             gateway.extend(_start_sidecars(options.sidecar_count(), [*args, *fds, f"--regions-fd={page_fd}"],
                                            shared, env))
-            host = options.http_host
-            status["http"] = f"http://{host}:{options.http_port}" if options.http_port else None
-            status["metrics"] = f"http://{host}:{options.metrics_port}/metrics" if options.metrics_port else None
-            status["grpc"] = f"{host}:{options.grpc_port}" if options.grpc_port else None
+            host = options.host_of
+            status["http"] = f"http://{host('http')}:{options.http_port}" if options.http_port else None
+            status["metrics"] = (f"http://{host('metrics')}:{options.metrics_port}/metrics" if options.metrics_port
+                                 else None)
+            status["grpc"] = f"{host('grpc')}:{options.grpc_port}" if options.grpc_port else None
             status["sidecars"] = len(gateway)
         if on_ready is not None:
             on_ready(status)
@@ -113,7 +114,7 @@ def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]
         if not port or name in own:
             continue
         try:
-            socks = listen.bind(options.http_host, port, listen.PORTS[name])
+            socks = listen.bind(options.host_of(name), port, listen.PORTS[name])
         except OSError as exc:
             raise errors.Unavailable(f"the HTTP sidecar did not start ({_where(args)}): {exc}") from None
         listening.extend(socks)
@@ -134,6 +135,7 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
     """The sidecar's command line (``gepool.http.server.main``) for a pool with these options."""
     max_body = options.http_max_body_bytes or _default_max_body(repository)
     return ["--endpoint", endpoint, "--http-host", options.http_host, "--http-port", str(options.http_port),
+            "--grpc-host", options.host_of("grpc"), "--metrics-host", options.host_of("metrics"),
             "--metrics-port", str(options.metrics_port), "--grpc-port", str(options.grpc_port),
             "--log-level", logging.getLevelName(options.log_level),
             "--strict-readiness", "true" if options.strict_readiness else "false",

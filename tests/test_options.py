@@ -28,7 +28,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "start", "--model-repository", str(tmp_path), "--endpoint", "tcp://127.0.0.1:*", "--cpu-threads", "3",
         "--log-info", "false", "--exit-timeout-secs", "2.5", "--model-control-mode", "explicit", "--load-model", "a",
         "--load-model", "b", "--repository-poll-secs", "4", "--busy-poll-us", "-1", "--disable-auto-complete-config",
-        "--http-port", "9000", "--http-host", "0.0.0.0", "--allow-metrics", "false", "--strict-readiness", "false",
+        "--http-port", "9000", "--http-address", "0.0.0.0", "--grpc-address", "::1", "--metrics-address", "127.0.0.2",
+        "--allow-metrics", "false", "--strict-readiness", "false",
         "--http-restricted-api", "inference:K=V", "--http-restricted-api", "logging,trace:A=B",
         "--http-max-input-size", "123456", "--grpc-port", "9001", "--grpc-restricted-protocol", "inference:k=v",
         "--max-queued-bytes", "1000000",
@@ -37,7 +38,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
         exit_grace_s=2.5, model_control_mode="explicit", load_models=("a", "b"), poll_secs=4.0, busy_poll_us=-1,
-        auto_complete_config=False, http_port=9000, http_host="0.0.0.0", metrics_port=0, strict_readiness=False,
+        auto_complete_config=False, http_port=9000, http_host="0.0.0.0", grpc_host="::1", metrics_host="127.0.0.2",
+        metrics_port=0, strict_readiness=False,
         http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
         grpc_restricted_protocol=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
         cache_size=4096, sidecars=3)
@@ -51,6 +53,10 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     assert (defaults.http_port, defaults.metrics_port, defaults.log_level) == (8000, 8002, logging.INFO)
     assert (defaults.grpc_port, defaults.cache_size, defaults.max_queued_bytes) == (8001, 0, 0)
     assert defaults.poll_secs == DEFAULT.poll_secs and defaults.auto_complete_config and defaults.strict_readiness
+    assert [defaults.host_of(port) for port in ("http", "grpc", "metrics")] == ["127.0.0.1"] * 3
+    assert [options.host_of(port) for port in ("http", "grpc", "metrics")] == ["0.0.0.0", "::1", "127.0.0.2"]
+    old_flag = build_parser().parse_args(["start", "--model-repository", str(tmp_path), "--http-host", "0.0.0.0"])
+    assert pool_options(old_flag).http_host == "0.0.0.0"  # gepool's own spelling stays
 
 
 @pytest.mark.parametrize("given, error, words", [
@@ -58,6 +64,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     ({"http_restricted_api": ["inference"]}, ValueError, "option format is '<config name>:<setting>=<value>'"),
     ({"grpc_restricted_protocol": ["inference"]}, ValueError, "--grpc-restricted-protocol option format is"),
     ({"grpc_restricted_protocol": ["inference:a key=v"]}, ValueError, "'a key' cannot be a gRPC metadata key"),
+    ({"http_host": ""}, ValueError, "http_host must be an address"),
     ({"http_port": 70000}, ValueError, "http_port must be a port number"),
     ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
     ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),

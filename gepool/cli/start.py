@@ -37,8 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-http", type=boolean, default=True, metavar="BOOL",
                    help="serve the KServe v2 HTTP protocol (default true)")
     p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default 8000; 0: off)")
-    p.add_argument("--http-host", default=DEFAULT.http_host,
-                   help=f"address the HTTP, gRPC and metrics ports bind (default {DEFAULT.http_host})")
+    p.add_argument("--http-address", "--http-host", dest="http_host", default=DEFAULT.http_host, metavar="ADDRESS",
+                   help=f"address the HTTP port binds, and the gRPC and metrics ports unless given theirs (default "
+                        f"{DEFAULT.http_host}: tritonserver's is 0.0.0.0)")
+    p.add_argument("--grpc-address", dest="grpc_host", default="", metavar="ADDRESS",
+                   help="address the gRPC port binds (default: --http-address)")
+    p.add_argument("--metrics-address", dest="metrics_host", default="", metavar="ADDRESS",
+                   help="address the metrics port binds (default: --http-address, as tritonserver's)")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="as tritonserver's (repeatable): requests to these HTTP APIs must carry header KEY with "
                         f"VALUE, else 403; APIs: {', '.join(API_NAMES)}")

@@ -6,6 +6,7 @@ asyncio protocol, the default), by aiohttp, or by granian through ``rsgi.py``: t
 are written against aiohttp's request and response; /metrics is always aiohttp's.
 
     python -m gepool.http.server --endpoint E [--http-host H] [--http-port P] [--metrics-port M] [--ready-fd FD]
+        [--grpc-host H] [--metrics-host H]
         [--http-max-body-bytes N] [--http-restricted-api API[,API]:KEY=VALUE ...]
         [--grpc-restricted-protocol API[,API]:KEY=VALUE ...]
         [--http-server httptools|aiohttp|granian] [--grpc-server native|grpcio]
@@ -584,11 +585,13 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 http_server: str = servers.DEFAULT_HTTP_SERVER,
                 grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER,
                 inherited: dict[str, list[socket.socket]] | None = None,
-                regions: tuple[str, mmap.mmap] | None = None, grpc_restrictions=None) -> None:
+                regions: tuple[str, mmap.mmap] | None = None, grpc_restrictions=None,
+                hosts: dict[str, str] | None = None) -> None:
     """Serves until SIGTERM or SIGINT, or until the pool that started it is gone. ``inherited``: listening
     sockets by port ("http", "metrics", "grpc"), bound by the pool and shared with its other sidecars;
-    a port without them is bound here. ``regions``: see Gateway."""
+    a port without them is bound here, on ``host`` or its own in ``hosts``. ``regions``: see Gateway."""
     inherited = inherited or {}
+    hosts = {"http": host, **(hosts or {})}
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready, regions)
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None
@@ -619,12 +622,14 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
             for sock in inherited[name]:
                 await web.SockSite(runner, sock, backlog=listen.BACKLOG).start()
         else:
-            await web.TCPSite(runner, host, port, reuse_address=True, backlog=listen.BACKLOG).start()
+            await web.TCPSite(runner, hosts.get(name, host), port, reuse_address=True,
+                              backlog=listen.BACKLOG).start()
         runners.append(runner)
     if grpc_port:
         from gepool.grpc import server as grpc_server
 
-        grpc_listener = await grpc_server.start(gw, host, grpc_port, grpc_server_kind, inherited.get("grpc"),
+        grpc_listener = await grpc_server.start(gw, hosts.get("grpc", host), grpc_port, grpc_server_kind,
+                                                inherited.get("grpc"),
                                                 grpc_restrictions)
     gw.regions.watch()
     gc_policy.settle()
@@ -660,7 +665,9 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gepool-http")
     p.add_argument("--endpoint", required=True)
-    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-host", default="127.0.0.1", help="the address the HTTP port binds, and the others'")
+    p.add_argument("--grpc-host", help="the address the gRPC port binds (default: --http-host)")
+    p.add_argument("--metrics-host", help="the address the metrics port binds (default: --http-host)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--grpc-port", type=int, default=0, help="Triton's KServe v2 gRPC service here (0: off)")
@@ -736,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(serve(args.endpoint, args.http_host, args.http_port, args.metrics_port, args.ready_fd,
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
                       args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server,
-                      args.grpc_server, inherited, regions, grpc_restrictions))
+                      args.grpc_server, inherited, regions, grpc_restrictions,
+                      {"grpc": args.grpc_host or args.http_host, "metrics": args.metrics_host or args.http_host}))
     return 0
 
 
