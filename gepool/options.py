@@ -5,6 +5,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
+from gepool.common.logsettings import FORMATS
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_SERVERS
 from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint
@@ -28,6 +29,8 @@ class PoolOptions:
     owner_id: str | None = None  # the id in the names of the pool's segments and files; None: a new one
     cpu_threads: int = 0  # onnxruntime threads per CPU model, split among its instances; 0: every core
     log_level: int = logging.WARNING  # the least severe level logged, in the front, its workers and the sidecar
+    log_format: str = "default"  # Triton's --log-format: "ISO8601" stamps log lines in UTC, in every process
+    server_id: str = "gepool"  # the server's name in its metadata (Triton's --id)
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
     model_control_mode: str = "none"  # Triton's none | explicit | poll
     load_models: tuple[str, ...] = ()  # explicit mode: what to load at start
@@ -65,6 +68,10 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
+        if self.log_format not in FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(FORMATS)}, not '{self.log_format}'")
+        if not self.server_id:
+            raise ValueError("server_id must be a name, not empty")
         if not self.http_host:
             raise ValueError("http_host must be an address, not empty")
         for name in ("http_port", "metrics_port", "grpc_port"):

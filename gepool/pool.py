@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from gepool.common import errors
+from gepool.common.logsettings import LogSettings
 from gepool.ipc import naming
 from gepool.ipc.sockets import runtime_dir
 from gepool.options import OPTION_NAMES, PoolOptions
@@ -136,6 +137,7 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
     max_body = options.http_max_body_bytes or _default_max_body(repository)
     return ["--endpoint", endpoint, "--http-host", options.http_host, "--http-port", str(options.http_port),
             "--grpc-host", options.host_of("grpc"), "--metrics-host", options.host_of("metrics"),
+            "--id", options.server_id,
             "--metrics-port", str(options.metrics_port), "--grpc-port", str(options.grpc_port),
             "--log-level", logging.getLevelName(options.log_level),
             "--strict-readiness", "true" if options.strict_readiness else "false",
@@ -269,6 +271,7 @@ def _front_process(argv: list[str]) -> int:
     READY_FD, and that stops (as on SIGTERM) once DEATH_FD reads end of file: its Pool's process is gone."""
     options, fd = PoolOptions.decode(argv[0]), int(argv[1])
     logging.basicConfig(level=options.log_level, format="%(asctime)s front %(name)s %(levelname)s %(message)s")
+    LogSettings.of_level(options.log_level, options.log_format).apply()  # (the sidecars read it from the front)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the Pool's owner stops us with SIGTERM
     if len(argv) > 2:
         _watch_owner(int(argv[2]))

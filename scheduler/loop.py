@@ -55,6 +55,7 @@ class Loop:
         self.core: Core | None = None
         self.auth = None
         self.waiter = Waiter()
+        self.supervisor.log_format = options.log_format
         self.log_changed: LogSettings | None = None  # log settings changed at run time (None: as started)
         self.reply: Callable[..., None]  # the outbox's reply: the channels' own, bound once they are open
 
@@ -267,7 +268,7 @@ class Loop:
 
     def log_settings(self, settings: LogSettings) -> None:
         settings.apply()
-        self.supervisor.log_level = settings.level
+        self.supervisor.log_level, self.supervisor.log_format = settings.level, settings.format
         self.log_changed = settings
         for w in self.core.workers.values():
             if w.process is not None:  # one still loading reads it once it serves; one not yet connected, on ready

@@ -24,6 +24,7 @@ class Supervisor:
     def __init__(self, owner_id: str, endpoint: str, start_worker: StartWorker, log_level: int,
                  bell_dir: str) -> None:
         self.owner_id, self.endpoint, self.start_worker, self.log_level = owner_id, endpoint, start_worker, log_level
+        self.log_format = "default"  # what a worker stamps its log lines with, from its start
         self.bell_dir = bell_dir
         self._linked: set[int] = set()  # workers whose ring and bell names are not unlinked yet
 
@@ -37,7 +38,8 @@ class Supervisor:
         w.bell = doorbell.FrontBell(paths)
         w.process = self.start_worker(
             worker_id=w.id, config=model.config, version_dir=model.source.version_dir, device=w.device,
-            threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level, bell=paths,
+            threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level,
+            log_format=self.log_format, bell=paths,
             bls_key=w.key)
         # the key goes through the spawn's pipe, which a process of the pool's own user can still open through
         # /proc/<pid>/fd: with the client endpoint owner-only, the key keeps out other users, remote CURVE clients

@@ -247,3 +247,35 @@ def test_log_settings_change_the_logging_of_the_front_its_workers_and_the_sideca
             assert info.value.status() == "400" and words in info.value.message(), info.value.message()
         assert triton.get_log_settings() == dict(verbose, log_format="ISO8601")  # the refusals changed nothing
         assert pool.stop() == 0
+
+
+def test_tritonserver_flags_for_log_format_server_id_and_strict_model_config(tmp_path):
+    """--log-format ISO8601 from the start (front, workers and sidecar), --id as the server's name over HTTP
+    and gRPC, and the deprecated --strict-model-config with tritonserver's warnings."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    repo = str(tmp_path / "models")
+    chatty(repo, "first")
+    grpc_port = free_port()
+    with Started(tmp_path, "--model-repository", repo, "--log-format", "ISO8601", "--log-verbose", "1",
+                 "--id", "my-triton", "--strict-model-config", "false", "--grpc-port", str(grpc_port)) as pool:
+        triton = pool.triton
+        assert triton.get_log_settings()["log_format"] == "ISO8601"
+        assert triton.get_server_metadata()["name"] == "my-triton"
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+            assert client.get_server_metadata().name == "my-triton"
+        inp = httpclient.InferInput("X", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.full((1, 1), 5.0, np.float32))
+        assert triton.infer("first", [inp]).as_numpy("Y")[0, 0] == 5.0
+        stamp = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ "
+        for process in (r"gepool\.front INFO", r"worker\d+ INFO CHATTY-INIT first", r"http DEBUG HTTP request"):
+            assert wait_until(lambda p=process: re.search(stamp + p, pool.log(), re.M), 60), (process, pool.log())
+        assert "'--strict-model-config' has been deprecated" in pool.log()
+    with Started(tmp_path, "--model-repository", repo, "--strict-model-config", "false",
+                 "--disable-auto-complete-config") as pool:
+        assert "Overriding deprecated '--strict-model-config' from False to True" in pool.log()
+        assert triton_default_stamps(pool.log())
+
+
+def triton_default_stamps(log: str) -> bool:
+    """The front's lines carry the default (local, with a comma before the milliseconds) time stamps."""
+    return bool(re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} gepool\.front ", log, re.M))

@@ -33,7 +33,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--http-restricted-api", "inference:K=V", "--http-restricted-api", "logging,trace:A=B",
         "--http-max-input-size", "123456", "--grpc-port", "9001", "--grpc-restricted-protocol", "inference:k=v",
         "--max-queued-bytes", "1000000",
-        "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3"])
+        "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3",
+        "--log-format", "ISO8601", "--id", "my-triton"])
     options = pool_options(args)
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
@@ -42,7 +43,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         metrics_port=0, strict_readiness=False,
         http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
         grpc_restricted_protocol=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
-        cache_size=4096, sidecars=3)
+        cache_size=4096, sidecars=3, log_format="ISO8601", server_id="my-triton")
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
     assert front.repository == str(tmp_path) and front.owner_id
@@ -65,6 +66,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     ({"grpc_restricted_protocol": ["inference"]}, ValueError, "--grpc-restricted-protocol option format is"),
     ({"grpc_restricted_protocol": ["inference:a key=v"]}, ValueError, "'a key' cannot be a gRPC metadata key"),
     ({"http_host": ""}, ValueError, "http_host must be an address"),
+    ({"log_format": "iso"}, ValueError, "log_format must be one of default, ISO8601"),
+    ({"server_id": ""}, ValueError, "server_id must be a name"),
     ({"http_port": 70000}, ValueError, "http_port must be a port number"),
     ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
     ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),
@@ -75,3 +78,13 @@ def test_a_bad_option_is_refused_at_once_naming_it(tmp_path, given, error, words
 
     with pytest.raises(error, match=words):
         Pool(str(tmp_path), **given)
+
+
+@pytest.mark.parametrize("flags, auto_complete", [
+    ([], True), (["--disable-auto-complete-config"], False), (["--strict-model-config", "true"], False),
+    (["--strict-model-config", "false"], True),
+    (["--strict-model-config", "false", "--disable-auto-complete-config"], False),  # tritonserver's: disable wins
+])
+def test_tritonservers_deprecated_strict_model_config(tmp_path, flags, auto_complete):
+    args = build_parser().parse_args(["start", "--model-repository", str(tmp_path), *flags])
+    assert pool_options(args).auto_complete_config is auto_complete

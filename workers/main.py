@@ -44,6 +44,7 @@ class WorkerSpec:
     endpoint: str
     parent_pid: int
     log_level: int = logging.INFO
+    log_format: str = "default"  # Triton's log_format
     bell: BellPaths | None = None
     pool_endpoint: str = ""  # the pool's client endpoint, for a python model's BLS calls
     pool_curve_key: str | None = None  # the pool's CURVE certificate, when its endpoint needs one
@@ -55,6 +56,7 @@ def run_worker(spec: WorkerSpec) -> None:
     """Entry point of a spawned worker process; exits with 0, or LOAD_FAILED_EXIT after telling the front
     (WorkerFailed) that its model cannot load: the message, not the code, is what the front believes."""
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s worker{spec.worker_id} %(levelname)s %(message)s")
+    LogSettings.of_level(spec.log_level, spec.log_format).apply()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front stops us
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
     ctx = zmq.Context()

@@ -6,6 +6,7 @@ import os
 import sys
 
 from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, verbosity
+from gepool.common.logsettings import FORMATS, LogSettings
 from gepool.http.access import API_NAMES
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_HELP, GRPC_SERVERS, HTTP_SERVERS
 from gepool.http.servers import HELP as HTTP_SERVER_HELP
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict-readiness", type=boolean, default=DEFAULT.strict_readiness, metavar="BOOL",
                    help="true (default): /v2/health/ready is ready only when every model is; "
                         "false: whenever the pool answers")
+    p.add_argument("--strict-model-config", type=boolean, metavar="BOOL",
+                   help="tritonserver's deprecated spelling: true is --disable-auto-complete-config, which wins")
     p.add_argument("--disable-auto-complete-config", dest="auto_complete_config", action="store_false",
                    help="as tritonserver's: no config is completed from its model file, so every model needs "
                         "a complete config.pbtxt (an ONNX model's is still checked against its file)")
@@ -72,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], type=str.upper,
                    help="the least severe messages logged (default INFO); or tritonserver's --log-* flags")
     p.add_argument("--log-verbose", type=verbosity, metavar="N", help="1 or more: log verbose (debug) messages too")
+    p.add_argument("--log-format", choices=FORMATS, default=DEFAULT.log_format,
+                   help="as tritonserver's: ISO8601 stamps every process's log lines in UTC (default: default)")
+    p.add_argument("--id", dest="server_id", default=DEFAULT.server_id, metavar="NAME",
+                   help=f"the server's name in its metadata (HTTP GET /v2, gRPC ServerMetadata; default "
+                        f"{DEFAULT.server_id}; tritonserver's is triton)")
     for level in ("info", "warning", "error"):
         p.add_argument(f"--log-{level}", type=boolean, metavar="BOOL", help=f"log {level} messages (default true)")
     p.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=DEFAULT.model_control_mode,
@@ -119,8 +127,21 @@ def pool_options(args: argparse.Namespace) -> PoolOptions:
     given.update(repository=args.model_repository[0], endpoint=args.endpoint or default_endpoint(),
                  log_level=log_threshold(args), http_port=args.http_port if args.allow_http else 0,
                  metrics_port=args.metrics_port if args.allow_metrics else 0,
-                 grpc_port=args.grpc_port if args.allow_grpc else 0)
+                 grpc_port=args.grpc_port if args.allow_grpc else 0,
+                 auto_complete_config=_auto_complete(args))
     return PoolOptions(**given)
+
+
+def _auto_complete(args: argparse.Namespace) -> bool:
+    """--disable-auto-complete-config, or tritonserver's deprecated --strict-model-config (with its warnings)."""
+    if args.strict_model_config is None:
+        return args.auto_complete_config
+    print("Warning: '--strict-model-config' has been deprecated! Please use '--disable-auto-complete-config' "
+          "instead.", file=sys.stderr)
+    if not args.auto_complete_config and not args.strict_model_config:
+        print("Warning: Overriding deprecated '--strict-model-config' from False to True in favor of "
+              "'--disable-auto-complete-config'!", file=sys.stderr)
+    return args.auto_complete_config and not args.strict_model_config
 
 
 class _LoadFailed(Exception):
@@ -166,6 +187,7 @@ def run(args) -> int:
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    LogSettings.of_level(options.log_level, options.log_format).apply()  # (this process is the front)
     log.debug("serving %s on %s: http port %s, metrics port %s, strict readiness %s, exit on error %s",
               repository, options.endpoint, options.http_port or "off", options.metrics_port or "off",
               options.strict_readiness, args.exit_on_error)

@@ -24,8 +24,8 @@ class LogSettings:
     format: str = "default"
 
     @classmethod
-    def of_level(cls, level: int) -> "LogSettings":
-        return cls(level, 1 if level <= logging.DEBUG else 0)
+    def of_level(cls, level: int, fmt: str = "default") -> "LogSettings":
+        return cls(level, 1 if level <= logging.DEBUG else 0, fmt)
 
     @classmethod
     def from_wire(cls, body: object) -> "LogSettings":

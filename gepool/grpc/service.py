@@ -145,7 +145,7 @@ class InferenceService:
         return pb.ServerReadyResponse(ready=await self.gw.ready())
 
     async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="gepool", version=gepool.__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self.gw.server_name, version=gepool.__version__, extensions=EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         try:
