@@ -68,6 +68,9 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
+        for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, not {getattr(self, name)!r:.100}")
         if self.log_format not in FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(FORMATS)}, not '{self.log_format}'")
         if not self.server_id:

@@ -79,11 +79,13 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
             shared = (*(s.fileno() for s in listening), page_fd)
             gateway.extend(_start_sidecars(options.sidecar_count(), [*args, *fds, f"--regions-fd={page_fd}"],
                                            shared, env))
+            from gepool.http.listen import show
+
             host = options.host_of
-            status["http"] = f"http://{host('http')}:{options.http_port}" if options.http_port else None
-            status["metrics"] = (f"http://{host('metrics')}:{options.metrics_port}/metrics" if options.metrics_port
-                                 else None)
-            status["grpc"] = f"{host('grpc')}:{options.grpc_port}" if options.grpc_port else None
+            status["http"] = f"http://{show(host('http'), options.http_port)}" if options.http_port else None
+            status["metrics"] = (f"http://{show(host('metrics'), options.metrics_port)}/metrics"
+                                 if options.metrics_port else None)
+            status["grpc"] = show(host("grpc"), options.grpc_port) if options.grpc_port else None
             status["sidecars"] = len(gateway)
         if on_ready is not None:
             on_ready(status)
@@ -114,10 +116,11 @@ def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]
     for name, port in ports.items():
         if not port or name in own:
             continue
+        host = options.host_of(name)
         try:
-            socks = listen.bind(options.host_of(name), port, listen.PORTS[name])
+            socks = listen.bind(host, port, listen.PORTS[name])
         except OSError as exc:
-            raise errors.Unavailable(f"the HTTP sidecar did not start ({_where(args)}): {exc}") from None
+            raise errors.Unavailable(f"{exc.strerror or exc} (--{name}-address, --{name}-port)") from None
         listening.extend(socks)
         fds += [f"--{name}-fd={sock.fileno()}" for sock in socks]
     return fds
@@ -136,10 +139,10 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
     """The sidecar's command line (``gepool.http.server.main``) for a pool with these options."""
     max_body = options.http_max_body_bytes or _default_max_body(repository)
     return ["--endpoint", endpoint, "--http-host", options.http_host, "--http-port", str(options.http_port),
-            "--grpc-host", options.host_of("grpc"), "--metrics-host", options.host_of("metrics"),
-            "--id", options.server_id,
+            f"--grpc-host={options.host_of('grpc')}", f"--metrics-host={options.host_of('metrics')}",
             "--metrics-port", str(options.metrics_port), "--grpc-port", str(options.grpc_port),
-            "--log-level", logging.getLevelName(options.log_level),
+            "--log-level", logging.getLevelName(options.log_level), f"--log-format={options.log_format}",
+            f"--id={options.server_id}",
             "--strict-readiness", "true" if options.strict_readiness else "false",
             *(["--curve-key", options.curve_secret_key] if options.curve_secret_key else []),
             "--http-max-body-bytes", str(max_body), "--http-server", options.http_server,

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from gepool import Client
 from tests import repo as test_repo
 from tests.conftest import free_port, wait_until
 
@@ -257,12 +258,12 @@ def test_tritonserver_flags_for_log_format_server_id_and_strict_model_config(tmp
     chatty(repo, "first")
     grpc_port = free_port()
     with Started(tmp_path, "--model-repository", repo, "--log-format", "ISO8601", "--log-verbose", "1",
-                 "--id", "my-triton", "--strict-model-config", "false", "--grpc-port", str(grpc_port)) as pool:
+                 "--id=-my-triton", "--strict-model-config", "false", "--grpc-port", str(grpc_port)) as pool:
         triton = pool.triton
         assert triton.get_log_settings()["log_format"] == "ISO8601"
-        assert triton.get_server_metadata()["name"] == "my-triton"
+        assert triton.get_server_metadata()["name"] == "-my-triton"  # (a name may start with '-', as Triton's)
         with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
-            assert client.get_server_metadata().name == "my-triton"
+            assert client.get_server_metadata().name == "-my-triton"
         inp = httpclient.InferInput("X", [1, 1], "FP32")
         inp.set_data_from_numpy(np.full((1, 1), 5.0, np.float32))
         assert triton.infer("first", [inp]).as_numpy("Y")[0, 0] == 5.0
@@ -270,12 +271,26 @@ def test_tritonserver_flags_for_log_format_server_id_and_strict_model_config(tmp
         for process in (r"gepool\.front INFO", r"worker\d+ INFO CHATTY-INIT first", r"http DEBUG HTTP request"):
             assert wait_until(lambda p=process: re.search(stamp + p, pool.log(), re.M), 60), (process, pool.log())
         assert "'--strict-model-config' has been deprecated" in pool.log()
+        assert not DEFAULT_STAMP.search(pool.log()), pool.log()  # no process logged a line before it knew
+        # a change the front takes from a library client reaches the sidecar too (it asks every second)
+        with Client(f"ipc://{tmp_path}/gw.sock") as client:
+            assert client.query("logging", {"update": {"log_format": "default"}})["format"] == "default"
+
+        def sidecar_follows() -> bool:
+            request(pool.http, "GET", "/v2/health/live")
+            return bool(re.search(DEFAULT_STAMP.pattern + "http DEBUG HTTP request: GET /v2/health/live", pool.log(),
+                                  re.M))
+
+        assert wait_until(sidecar_follows, 60), pool.log()[-2000:]
     with Started(tmp_path, "--model-repository", repo, "--strict-model-config", "false",
                  "--disable-auto-complete-config") as pool:
         assert "Overriding deprecated '--strict-model-config' from False to True" in pool.log()
         assert triton_default_stamps(pool.log())
 
 
+DEFAULT_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", re.M)  # local time, a comma before the ms
+
+
 def triton_default_stamps(log: str) -> bool:
-    """The front's lines carry the default (local, with a comma before the milliseconds) time stamps."""
-    return bool(re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} gepool\.front ", log, re.M))
+    """The front's lines carry the default time stamps."""
+    return bool(re.search(DEFAULT_STAMP.pattern + r"gepool\.front ", log, re.M))

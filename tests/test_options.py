@@ -68,6 +68,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     ({"http_host": ""}, ValueError, "http_host must be an address"),
     ({"log_format": "iso"}, ValueError, "log_format must be one of default, ISO8601"),
     ({"server_id": ""}, ValueError, "server_id must be a name"),
+    ({"grpc_host": 5}, ValueError, "grpc_host must be a string, not 5"),
     ({"http_port": 70000}, ValueError, "http_port must be a port number"),
     ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
     ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),

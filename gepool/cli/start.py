@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"address the HTTP port binds, and the gRPC and metrics ports unless given theirs (default "
                         f"{DEFAULT.http_host}: tritonserver's is 0.0.0.0)")
     p.add_argument("--grpc-address", dest="grpc_host", default="", metavar="ADDRESS",
-                   help="address the gRPC port binds (default: --http-address)")
+                   help="address the gRPC port binds (default: --http-address; tritonserver's is 0.0.0.0 whatever "
+                        "its --http-address)")
     p.add_argument("--metrics-address", dest="metrics_host", default="", metavar="ADDRESS",
                    help="address the metrics port binds (default: --http-address, as tritonserver's)")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-grpc", type=boolean, default=True, metavar="BOOL",
                    help="serve Triton's KServe v2 gRPC protocol (default true)")
     p.add_argument("--grpc-port", type=int, default=8001,
-                   help="KServe v2 gRPC port (default 8001; 0: off); binds --http-host")
+                   help="KServe v2 gRPC port (default 8001; 0: off); binds --grpc-address")
     p.add_argument("--grpc-server", choices=GRPC_SERVERS, default=DEFAULT_GRPC_SERVER, help=GRPC_HELP)
     p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="as tritonserver's (repeatable): calls to these gRPC APIs must carry metadata "

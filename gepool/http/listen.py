@@ -12,7 +12,10 @@ def bind(host: str, port: int, what: str = "HTTP") -> list[socket.socket]:
     """Listening sockets on every address ``host`` resolves to (as asyncio's create_server binds), with
     SO_REUSEADDR and never SO_REUSEPORT: a port another process holds is refused (OSError), not shared.
     Each sidecar inherits them (``pass_fds``) and accepts on the same ones."""
-    infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    try:
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(exc.errno, f"cannot listen for {what} on {show(host, port)}: {exc.strerror.lower()}") from None
     bound: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):  # getaddrinfo may repeat an address
@@ -117,5 +120,9 @@ class Listening:
 
 
 def _show(address: tuple) -> str:
-    host, port = address[0], address[1]
+    return show(address[0], address[1])
+
+
+def show(host: str, port: int) -> str:
+    """host:port, an IPv6 address in brackets (as URLs and gRPC targets write it)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

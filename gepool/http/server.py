@@ -30,7 +30,7 @@ import gepool
 from gepool.aio import AsyncClient
 from gepool.clientcore import ANSWER_GRACE_S
 from gepool.common import errors, gc_policy
-from gepool.common.logsettings import LogSettings
+from gepool.common.logsettings import FORMATS, LogSettings
 from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
 from gepool.http import host, kserve, limits, listen, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
@@ -131,6 +131,7 @@ class Gateway:
             self.regions = Regions(book, page)
         self.restrictions = restrictions or Restrictions()
         self.server_name = "gepool"  # its name in the server metadata (Triton's --id)
+        self.log_settings: LogSettings | None = None  # the front's, as last read
         self.max_body, self.body_timeout = max_body, body_timeout
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
@@ -154,11 +155,16 @@ class Gateway:
             return
 
     async def _adopt_log_settings(self) -> None:
-        """Logs as the front does: its settings may have changed since this sidecar was started."""
+        """Logs as the front does: its settings may have changed since this sidecar was started, or since
+        it last asked (through another sidecar: ``serve`` asks again every PARENT_CHECK_S)."""
         try:
-            LogSettings.from_wire(await self.client.query("logging", {})).apply()
+            settings = LogSettings.from_wire(await self.client.query("logging", {}))
         except errors.GepoolError as exc:
             log.warning("could not read the pool's log settings: %s", exc)
+            return
+        if settings != self.log_settings:
+            settings.apply()
+            self.log_settings = settings
 
     async def front(self) -> AsyncClient:
         await self.connected.wait()
@@ -513,8 +519,9 @@ class Gateway:
             self._owner_only(request, "logging", "changing the log settings")
             args = {"update": body}
         settings = LogSettings.from_wire(await (await self.front()).query("logging", args))
-        if request.method == "POST":
+        if settings != self.log_settings:
             settings.apply()
+            self.log_settings = settings
         return web.json_response(settings.as_triton())
 
     @route
@@ -651,6 +658,8 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
             if os.getppid() != parent:
                 log.warning("the pool that started this gateway is gone; exiting")
                 break
+            if gw.connected.is_set():  # a change made through another sidecar, or by a library client
+                await gw._adopt_log_settings()
     if grpc_port:
         await grpc_server.stop(grpc_listener)
     if listener is not None:
@@ -676,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-port", type=int, default=0, help="Triton's KServe v2 gRPC service here (0: off)")
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-format", choices=FORMATS, default="default",
+                   help="the log lines' time stamps until the front's settings are read (Triton's --log-format)")
     p.add_argument("--curve-key", help="the pool's CURVE certificate, when its endpoint uses CURVE")
     p.add_argument("--http-max-body-bytes", "--http-max-input-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="the largest request body accepted (413 above it)")
@@ -737,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             p.error(f"--regions-fd {args.regions_fd}: {exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
+    LogSettings.of_level(logging.getLogger().level, args.log_format).apply()
     try:
         import uvloop
 
