@@ -53,6 +53,7 @@ log = logging.getLogger("gepool.http")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "system_shared_memory",
               "model_repository", "parameters", "logging", "trace"]
 PARENT_CHECK_S = 1.0
+LOG_FOLLOW_S = 1.0  # how often a sidecar reads the front's log settings again
 CONNECT_RETRY_S = 0.5  # a client fails at once where no pool listens: wait before trying again
 REQUEST_TIMEOUT_S = 300.0
 FRONT_READY_WAIT_S = 30.0  # a pool's own sidecar starts after its front is ready: the first connect is near
@@ -154,13 +155,13 @@ class Gateway:
             self.connected.set()
             return
 
-    async def _adopt_log_settings(self) -> None:
+    async def _adopt_log_settings(self, quiet: bool = False) -> None:
         """Logs as the front does: its settings may have changed since this sidecar was started, or since
-        it last asked (through another sidecar: ``serve`` asks again every PARENT_CHECK_S)."""
+        it last asked (through another sidecar: ``_follow_log_settings`` asks again every LOG_FOLLOW_S)."""
         try:
             settings = LogSettings.from_wire(await self.client.query("logging", {}))
         except errors.GepoolError as exc:
-            log.warning("could not read the pool's log settings: %s", exc)
+            (log.debug if quiet else log.warning)("could not read the pool's log settings: %s", exc)
             return
         if settings != self.log_settings:
             settings.apply()
@@ -645,6 +646,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")  # left open: a later failure written there finds no reader, not a reused fd
     parent = os.getppid()
+    following = asyncio.get_running_loop().create_task(_follow_log_settings(gw))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     import signal
@@ -658,8 +660,6 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
             if os.getppid() != parent:
                 log.warning("the pool that started this gateway is gone; exiting")
                 break
-            if gw.connected.is_set():  # a change made through another sidecar, or by a library client
-                await gw._adopt_log_settings()
     if grpc_port:
         await grpc_server.stop(grpc_listener)
     if listener is not None:
@@ -667,10 +667,20 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
     for runner in runners:
         await runner.cleanup()
     connecting.cancel()
+    following.cancel()
     if gw.client is not None:
         await gw.client.close()
     gw.regions.close()
     gw.offload.close()
+
+
+async def _follow_log_settings(gw: Gateway) -> None:
+    """Reads the front's log settings every LOG_FOLLOW_S: a change another sidecar or a library client made
+    reaches this one too (the front tells no sidecar of it)."""
+    while True:
+        await asyncio.sleep(LOG_FOLLOW_S)
+        if gw.connected.is_set():
+            await gw._adopt_log_settings(quiet=True)  # (a front that cannot answer now may next time)
 
 
 def main(argv: list[str] | None = None) -> int:
