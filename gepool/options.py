@@ -44,6 +44,7 @@ class PoolOptions:
     grpc_host: str = ""  # the gRPC port's address (Triton's --grpc-address); "": http_host
     metrics_host: str = ""  # the metrics port's address (Triton's --metrics-address); "": http_host
     metrics_port: int = 0  # Prometheus /metrics; 0: none
+    cpu_metrics: bool = True  # Triton's nv_cpu_* gauges in /metrics (Triton's --allow-cpu-metrics)
     grpc_port: int = 0  # Triton's KServe v2 gRPC service, served by the sidecar; 0: none
     http_restricted_api: tuple[str, ...] = ()  # Triton's API[,API...]:KEY=VALUE groups
     grpc_restricted_protocol: tuple[str, ...] = ()  # the same for gRPC (metadata triton-grpc-protocol-KEY)
@@ -71,6 +72,8 @@ class PoolOptions:
         for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, not {getattr(self, name)!r:.100}")
+        if not isinstance(self.cpu_metrics, bool):
+            raise ValueError(f"cpu_metrics must be true or false, not {self.cpu_metrics!r:.100}")
         if self.log_format not in FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(FORMATS)}, not '{self.log_format}'")
         if not self.server_id:

@@ -142,7 +142,7 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
             f"--grpc-host={options.host_of('grpc')}", f"--metrics-host={options.host_of('metrics')}",
             "--metrics-port", str(options.metrics_port), "--grpc-port", str(options.grpc_port),
             "--log-level", logging.getLevelName(options.log_level), f"--log-format={options.log_format}",
-            f"--id={options.server_id}",
+            f"--id={options.server_id}", f"--allow-cpu-metrics={'true' if options.cpu_metrics else 'false'}",
             "--strict-readiness", "true" if options.strict_readiness else "false",
             *(["--curve-key", options.curve_secret_key] if options.curve_secret_key else []),
             "--http-max-body-bytes", str(max_body), "--http-server", options.http_server,

@@ -34,7 +34,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--http-max-input-size", "123456", "--grpc-port", "9001", "--grpc-restricted-protocol", "inference:k=v",
         "--max-queued-bytes", "1000000",
         "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3",
-        "--log-format", "ISO8601", "--id", "my-triton"])
+        "--log-format", "ISO8601", "--id", "my-triton", "--allow-cpu-metrics", "false", "--allow-gpu-metrics", "0"])
     options = pool_options(args)
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
@@ -43,7 +43,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         metrics_port=0, strict_readiness=False,
         http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
         grpc_restricted_protocol=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
-        cache_size=4096, sidecars=3, log_format="ISO8601", server_id="my-triton")
+        cache_size=4096, sidecars=3, log_format="ISO8601", server_id="my-triton", cpu_metrics=False)
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
     assert front.repository == str(tmp_path) and front.owner_id
@@ -89,3 +89,11 @@ def test_a_bad_option_is_refused_at_once_naming_it(tmp_path, given, error, words
 def test_tritonservers_deprecated_strict_model_config(tmp_path, flags, auto_complete):
     args = build_parser().parse_args(["start", "--model-repository", str(tmp_path), *flags])
     assert pool_options(args).auto_complete_config is auto_complete
+
+
+def test_gpu_metrics_can_only_be_turned_off(tmp_path):
+    from gepool.cli import UsageError
+
+    args = build_parser().parse_args(["start", "--model-repository", str(tmp_path), "--allow-gpu-metrics", "true"])
+    with pytest.raises(UsageError, match="--allow-gpu-metrics true: gepool has no GPU metrics"):
+        pool_options(args)

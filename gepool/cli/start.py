@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL",
                    help="serve Prometheus metrics (default true)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002; 0: off)")
+    p.add_argument("--allow-cpu-metrics", dest="cpu_metrics", type=boolean, default=DEFAULT.cpu_metrics,
+                   metavar="BOOL", help="Triton's nv_cpu_* gauges in /metrics (default true)")
+    p.add_argument("--allow-gpu-metrics", type=boolean, metavar="BOOL",
+                   help="as tritonserver's, false only: gepool has no GPU metrics (no GPU backend)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], type=str.upper,
                    help="the least severe messages logged (default INFO); or tritonserver's --log-* flags")
     p.add_argument("--log-verbose", type=verbosity, metavar="N", help="1 or more: log verbose (debug) messages too")
@@ -124,6 +128,9 @@ def pool_options(args: argparse.Namespace) -> PoolOptions:
     what several flags decide together."""
     from gepool.ipc.sockets import default_endpoint
 
+    if args.allow_gpu_metrics:
+        raise UsageError("--allow-gpu-metrics true: gepool has no GPU metrics (it has no GPU backend); leave the "
+                         "flag out or set it false")
     given = {name: value for name, value in vars(args).items() if name in OPTION_NAMES}
     given.update(repository=args.model_repository[0], endpoint=args.endpoint or default_endpoint(),
                  log_level=log_threshold(args), http_port=args.http_port if args.allow_http else 0,

@@ -133,6 +133,7 @@ class Gateway:
         self.restrictions = restrictions or Restrictions()
         self.server_name = "gepool"  # its name in the server metadata (Triton's --id)
         self.log_settings: LogSettings | None = None  # the front's, as last read
+        self.cpu_metrics = True  # Triton's nv_cpu_* gauges in /metrics
         self.max_body, self.body_timeout = max_body, body_timeout
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
@@ -542,7 +543,7 @@ class Gateway:
     async def metrics(self, request):
         client = await self.front()
         status, stats = await client.status(), await client.stats()
-        text = metrics.render(status, stats, (self.cpu.read(), *host.memory()))
+        text = metrics.render(status, stats, (self.cpu.read(), *host.memory()) if self.cpu_metrics else None)
         return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -595,14 +596,14 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER,
                 inherited: dict[str, list[socket.socket]] | None = None,
                 regions: tuple[str, mmap.mmap] | None = None, grpc_restrictions=None,
-                hosts: dict[str, str] | None = None, server_id: str = "gepool") -> None:
+                hosts: dict[str, str] | None = None, server_id: str = "gepool", cpu_metrics: bool = True) -> None:
     """Serves until SIGTERM or SIGINT, or until the pool that started it is gone. ``inherited``: listening
     sockets by port ("http", "metrics", "grpc"), bound by the pool and shared with its other sidecars;
     a port without them is bound here, on ``host`` or its own in ``hosts``. ``regions``: see Gateway."""
     inherited = inherited or {}
     hosts = {"http": host, **(hosts or {})}
     gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready, regions)
-    gw.server_name = server_id
+    gw.server_name, gw.cpu_metrics = server_id, cpu_metrics
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None
     if http_port and http_server != "aiohttp":  # the KServe port on granian or httptools, routed by rsgi.Router
@@ -689,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-host", default="127.0.0.1", help="the address the HTTP port binds, and the others'")
     p.add_argument("--grpc-host", help="the address the gRPC port binds (default: --http-host)")
     p.add_argument("--id", default="gepool", help="the server's name in its metadata (Triton's --id)")
+    p.add_argument("--allow-cpu-metrics", choices=["true", "false"], default="true",
+                   help="Triton's nv_cpu_* gauges in /metrics")
     p.add_argument("--metrics-host", help="the address the metrics port binds (default: --http-host)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -770,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server,
                       args.grpc_server, inherited, regions, grpc_restrictions,
                       {"grpc": args.grpc_host or args.http_host, "metrics": args.metrics_host or args.http_host},
-                      args.id))
+                      args.id, args.allow_cpu_metrics == "true"))
     return 0
 
 
