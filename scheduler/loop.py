@@ -44,8 +44,8 @@ class Loop:
         self.opts, self.on_ready, self.place = options, on_ready, place
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{runtime_dir()}/gepool-{options.owner_id}.workers"
-        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_level,
-                                     runtime_dir())
+        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker,
+                                     LogSettings.of_level(options.log_level, options.log_format), runtime_dir())
         self.by_sentinel: dict[int, Worker] = {}
         self.by_bell: dict[int, Worker] = {}
         # opened by run(), closed by _shutdown() (None: not opened)
@@ -55,7 +55,6 @@ class Loop:
         self.core: Core | None = None
         self.auth = None
         self.waiter = Waiter()
-        self.supervisor.log_format = options.log_format
         self.log_changed: LogSettings | None = None  # log settings changed at run time (None: as started)
         self.reply: Callable[..., None]  # the outbox's reply: the channels' own, bound once they are open
 
@@ -268,7 +267,7 @@ class Loop:
 
     def log_settings(self, settings: LogSettings) -> None:
         settings.apply()
-        self.supervisor.log_level, self.supervisor.log_format = settings.level, settings.format
+        self.supervisor.log = settings
         self.log_changed = settings
         for w in self.core.workers.values():
             if w.process is not None:  # one still loading reads it once it serves; one not yet connected, on ready

@@ -5,6 +5,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gepool.common.logsettings import LogSettings
 from gepool.ipc import doorbell, naming
 from gepool.ipc.ring import Ring
 from gepool.scheduler.books import Worker
@@ -21,10 +22,10 @@ StartWorker = Callable[..., Any]
 
 
 class Supervisor:
-    def __init__(self, owner_id: str, endpoint: str, start_worker: StartWorker, log_level: int,
+    def __init__(self, owner_id: str, endpoint: str, start_worker: StartWorker, log: LogSettings,
                  bell_dir: str) -> None:
-        self.owner_id, self.endpoint, self.start_worker, self.log_level = owner_id, endpoint, start_worker, log_level
-        self.log_format = "default"  # what a worker stamps its log lines with, from its start
+        self.owner_id, self.endpoint, self.start_worker = owner_id, endpoint, start_worker
+        self.log = log  # what a worker logs, and how it stamps its lines, from its start
         self.bell_dir = bell_dir
         self._linked: set[int] = set()  # workers whose ring and bell names are not unlinked yet
 
@@ -38,8 +39,8 @@ class Supervisor:
         w.bell = doorbell.FrontBell(paths)
         w.process = self.start_worker(
             worker_id=w.id, config=model.config, version_dir=model.source.version_dir, device=w.device,
-            threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log_level,
-            log_format=self.log_format, bell=paths,
+            threads=w.threads, ring=w.ring.handle(), endpoint=self.endpoint, log_level=self.log.level,
+            log_format=self.log.format, bell=paths,
             bls_key=w.key)
         # the key goes through the spawn's pipe, which a process of the pool's own user can still open through
         # /proc/<pid>/fd: with the client endpoint owner-only, the key keeps out other users, remote CURVE clients

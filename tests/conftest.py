@@ -126,6 +126,20 @@ def free_port() -> int:
         return port
 
 
+def sidecar_refuses(flag: str, groups: str) -> str:
+    """What a sidecar started with ``flag=GROUP`` for each of ``groups`` (split on " FLAG=") says on stderr as
+    it refuses them: it must exit 2, its usage error, before serving anything."""
+    import subprocess
+    import sys
+
+    args = [f"{flag}={g}" for g in groups.split(f" {flag}=")]
+    proc = subprocess.run([sys.executable, "-m", "gepool.http.server", "--endpoint", "ipc:///nowhere",
+                           "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    return proc.stderr
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
     """Polls with a generous deadline; returns the predicate's last value."""
     deadline = time.monotonic() + timeout

@@ -1,8 +1,6 @@
 """Triton's --grpc-restricted-protocol on both gRPC servers: a restricted protocol's calls need the metadata
 triton-grpc-protocol-KEY with its VALUE, else UNAVAILABLE before their request reaches the pool."""
 
-import subprocess
-import sys
 
 import grpc
 import numpy as np
@@ -14,7 +12,7 @@ from gepool.grpc.access import METHODS
 from gepool.grpc.service import SERVICE
 from gepool.http.servers import GRPC_SERVERS
 from tests import repo as test_repo
-from tests.conftest import free_port
+from tests.conftest import free_port, sidecar_refuses
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -157,11 +155,8 @@ def test_every_method_of_the_service_belongs_to_an_api():
     ("inference:k=caf\u00e9", "the value of 'k' must be printable ASCII"),
 ])
 def test_bad_groups_are_refused_naming_them(group, words):
-    args = [f"--grpc-restricted-protocol={g}" for g in group.split(" --grpc-restricted-protocol=")]
-    proc = subprocess.run([sys.executable, "-m", "gepool.http.server", "--endpoint", "ipc:///nowhere",
-                           "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    stderr = sidecar_refuses("--grpc-restricted-protocol", group)
+    assert words in stderr, stderr
 
 
 def test_a_refused_call_is_answered_without_waiting_for_its_request(rpool):

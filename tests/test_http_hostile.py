@@ -17,7 +17,7 @@ import pytest
 from gepool import Pool
 from gepool.http import peer
 from tests import repo as test_repo
-from tests.conftest import SIDECAR_SERVERS, _descendants, free_port, rss_kb, sidecar_pid, wait_until
+from tests.conftest import SIDECAR_SERVERS, _descendants, free_port, rss_kb, sidecar_pid, sidecar_refuses, wait_until
 
 NOBODY = 65534
 GOOD = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": list(range(16))}]}
@@ -644,11 +644,8 @@ def test_a_repeated_header_counts_by_its_first_copy(restricted):
      "restricted api 'health' can not be specified in multiple config groups"),
 ])
 def test_bad_restricted_api_groups_are_refused(group, words):
-    args = [f"--http-restricted-api={g}" for g in group.split(" --http-restricted-api=")]
-    proc = subprocess.run([sys.executable, "-m", "gepool.http.server", "--endpoint", "ipc:///nowhere",
-                           "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    stderr = sidecar_refuses("--http-restricted-api", group)
+    assert words in stderr, stderr
 
 
 def test_a_body_that_never_arrives_is_answered_and_others_are_not_stalled(restricted):

@@ -164,6 +164,10 @@ class Gateway:
         except errors.GepoolError as exc:
             (log.debug if quiet else log.warning)("could not read the pool's log settings: %s", exc)
             return
+        self._use(settings)
+
+    def _use(self, settings: LogSettings) -> None:
+        """Logs as ``settings`` say (the front's), unless this sidecar already does."""
         if settings != self.log_settings:
             settings.apply()
             self.log_settings = settings
@@ -521,9 +525,7 @@ class Gateway:
             self._owner_only(request, "logging", "changing the log settings")
             args = {"update": body}
         settings = LogSettings.from_wire(await (await self.front()).query("logging", args))
-        if settings != self.log_settings:
-            settings.apply()
-            self.log_settings = settings
+        self._use(settings)
         return web.json_response(settings.as_triton())
 
     @route
@@ -689,10 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint", required=True)
     p.add_argument("--http-host", default="127.0.0.1", help="the address the HTTP port binds, and the others'")
     p.add_argument("--grpc-host", help="the address the gRPC port binds (default: --http-host)")
+    p.add_argument("--metrics-host", help="the address the metrics port binds (default: --http-host)")
     p.add_argument("--id", default="gepool", help="the server's name in its metadata (Triton's --id)")
     p.add_argument("--allow-cpu-metrics", choices=["true", "false"], default="true",
                    help="Triton's nv_cpu_* gauges in /metrics")
-    p.add_argument("--metrics-host", help="the address the metrics port binds (default: --http-host)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--grpc-port", type=int, default=0, help="Triton's KServe v2 gRPC service here (0: off)")
