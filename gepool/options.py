@@ -30,6 +30,7 @@ class PoolOptions:
     cpu_threads: int = 0  # onnxruntime threads per CPU model, split among its instances; 0: every core
     log_level: int = logging.WARNING  # the least severe level logged, in the front, its workers and the sidecar
     log_format: str = "default"  # Triton's --log-format: "ISO8601" stamps log lines in UTC, in every process
+    log_file: str = ""  # Triton's --log-file: every process's log (its standard error) appended to it; "": none
     server_id: str = "gepool"  # the server's name in its metadata (Triton's --id)
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
     model_control_mode: str = "none"  # Triton's none | explicit | poll
@@ -69,13 +70,15 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
-        for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format"):
+        for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format", "log_file"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, not {getattr(self, name)!r:.100}")
         if not isinstance(self.cpu_metrics, bool):
             raise ValueError(f"cpu_metrics must be true or false, not {self.cpu_metrics!r:.100}")
         if self.log_format not in FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(FORMATS)}, not '{self.log_format}'")
+        if "\0" in self.log_file:
+            raise ValueError("log_file must be a path, not one holding a NUL byte")
         if not self.server_id:
             raise ValueError("server_id must be a name, not empty")
         if not self.http_host:

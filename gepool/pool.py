@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from gepool.common import errors
-from gepool.common.logsettings import LogSettings
+from gepool.common.logsettings import LogSettings, log_to_file
 from gepool.ipc import naming
 from gepool.ipc.sockets import runtime_dir
 from gepool.options import OPTION_NAMES, PoolOptions
@@ -62,6 +62,12 @@ def serve(options: PoolOptions, on_ready: Callable[[dict], None] | None = None) 
     from gepool.scheduler.front import Front
 
     options.check()  # a bad option fails the start, not a sidecar restart loop
+    if options.log_file:  # before the first worker or sidecar starts: each inherits it as its standard error
+        try:
+            log_to_file(options.log_file)
+        except OSError as exc:
+            raise errors.InvalidArgument(f"log_file '{options.log_file}' cannot be written: "
+                                         f"{exc.strerror or exc}") from None
     front = options.front_options()
     gateway: list[_Sidecar] = []
     listening: list = []

@@ -64,7 +64,7 @@ class Core:
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
         self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock,
                                    self._prepare_worker, self.dispatch.schedule, self.calls, self._may_prewake)
-        self.logging = LogSettings.of_level(opts.log_level, opts.log_format)
+        self.logging = LogSettings.of_level(opts.log_level, opts.log_format, opts.log_file)
 
     def start(self) -> None:
         self.control.start()

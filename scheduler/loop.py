@@ -45,7 +45,8 @@ class Loop:
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{runtime_dir()}/gepool-{options.owner_id}.workers"
         self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker,
-                                     LogSettings.of_level(options.log_level, options.log_format), runtime_dir())
+                                     LogSettings.of_level(options.log_level, options.log_format, options.log_file),
+                                     runtime_dir())
         self.by_sentinel: dict[int, Worker] = {}
         self.by_bell: dict[int, Worker] = {}
         # opened by run(), closed by _shutdown() (None: not opened)

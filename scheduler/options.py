@@ -18,6 +18,7 @@ class FrontOptions:
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     log_level: int = logging.INFO
     log_format: str = "default"  # Triton's log_format: "ISO8601" stamps log lines in UTC
+    log_file: str = ""  # where every process's standard error goes (Triton's log_file, reported); "": unchanged
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
     model_control_mode: str = "none"  # none | explicit | poll (Triton's names)
     load_models: tuple[str, ...] = ()  # explicit mode: what to load at start

@@ -288,6 +288,47 @@ def test_tritonserver_flags_for_log_format_server_id_and_strict_model_config(tmp
         assert triton_default_stamps(pool.log())
 
 
+def test_log_file_takes_every_process_log_and_the_console_gets_none(tmp_path):
+    """--log-file as tritonserver's: the front's, a worker's and the sidecar's lines appended to the file (a
+    restarted sidecar's too), the console spared; GET /v2/logging reports the file and no POST moves it."""
+    from tritonclient.utils import InferenceServerException
+
+    repo = str(tmp_path / "models")
+    chatty(repo, "first")
+    path = tmp_path / "triton.log"
+    path.write_text("an earlier run\n")
+    with Started(tmp_path, "--model-repository", repo, "--log-verbose", "1", "--log-file", str(path)) as pool:
+        triton = pool.triton
+        assert triton.get_log_settings()["log_file"] == str(path)
+        inp = httpclient.InferInput("X", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.full((1, 1), 6.0, np.float32))
+        assert triton.infer("first", [inp]).as_numpy("Y")[0, 0] == 6.0
+        for process in (r"gepool\.front INFO", r"worker\d+ INFO CHATTY-INIT first", r"http DEBUG HTTP request"):
+            assert wait_until(lambda p=process: re.search(p, path.read_text()), 60), (process, path.read_text())
+        assert path.read_text().startswith("an earlier run\n")
+        with pytest.raises(InferenceServerException) as info:
+            triton.update_log_settings({"log_file": str(tmp_path / "elsewhere.log")})
+        assert "log file location can not be updated" in info.value.message()
+        assert triton.get_log_settings()["log_file"] == str(path)
+
+        (sidecar,) = sidecars(pool.proc.pid)
+        os.kill(sidecar, signal.SIGKILL)
+        assert wait_until(lambda: sidecars(pool.proc.pid) not in ([], [sidecar]), 60)
+        seen = len(path.read_text())
+
+        def logged_by_the_new_sidecar() -> bool:
+            try:
+                request(pool.http, "GET", "/v2/health/live")
+            except OSError:  # started, not yet listening
+                return False
+            return " http DEBUG HTTP request: GET /v2/health/live" in path.read_text()[seen:]
+
+        assert wait_until(logged_by_the_new_sidecar, 60), path.read_text()[seen:]
+        assert pool.stop() == 0
+    assert "stopping" in path.read_text()[seen:]  # the front's last lines too
+    assert pool.log() == "", pool.log()  # nothing reached the console's standard error
+
+
 DEFAULT_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", re.M)  # local time, a comma before the ms
 
 

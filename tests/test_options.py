@@ -34,7 +34,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--http-max-input-size", "123456", "--grpc-port", "9001", "--grpc-restricted-protocol", "inference:k=v",
         "--max-queued-bytes", "1000000",
         "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3",
-        "--log-format", "ISO8601", "--id", "my-triton", "--allow-cpu-metrics", "false", "--allow-gpu-metrics", "0"])
+        "--log-format", "ISO8601", "--id", "my-triton", "--allow-cpu-metrics", "false", "--allow-gpu-metrics", "0",
+        "--log-file", "/var/log/triton.log"])
     options = pool_options(args)
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
@@ -43,7 +44,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         metrics_port=0, strict_readiness=False,
         http_restricted_api=("inference:K=V", "logging,trace:A=B"), http_max_body_bytes=123456, grpc_port=9001,
         grpc_restricted_protocol=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
-        cache_size=4096, sidecars=3, log_format="ISO8601", server_id="my-triton", cpu_metrics=False)
+        cache_size=4096, sidecars=3, log_format="ISO8601", server_id="my-triton", cpu_metrics=False,
+        log_file="/var/log/triton.log")
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
     assert front.repository == str(tmp_path) and front.owner_id
@@ -69,6 +71,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     ({"log_format": "iso"}, ValueError, "log_format must be one of default, ISO8601"),
     ({"server_id": ""}, ValueError, "server_id must be a name"),
     ({"grpc_host": 5}, ValueError, "grpc_host must be a string, not 5"),
+    ({"log_file": 1}, ValueError, "log_file must be a string, not 1"),
+    ({"log_file": "a\0b"}, ValueError, "log_file must be a path, not one holding a NUL byte"),
     ({"http_port": 70000}, ValueError, "http_port must be a port number"),
     ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
     ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),

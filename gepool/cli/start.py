@@ -6,7 +6,7 @@ import os
 import sys
 
 from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, verbosity
-from gepool.common.logsettings import FORMATS, LogSettings
+from gepool.common.logsettings import FORMATS, LogSettings, log_to_file
 from gepool.http.access import API_NAMES
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_HELP, GRPC_SERVERS, HTTP_SERVERS
 from gepool.http.servers import HELP as HTTP_SERVER_HELP
@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-verbose", type=verbosity, metavar="N", help="1 or more: log verbose (debug) messages too")
     p.add_argument("--log-format", choices=FORMATS, default=DEFAULT.log_format,
                    help="as tritonserver's: ISO8601 stamps every process's log lines in UTC (default: default)")
+    p.add_argument("--log-file", default=DEFAULT.log_file, metavar="PATH",
+                   help="as tritonserver's: every process's log appended to PATH (created readable by this user "
+                        "only) instead of the console")
     p.add_argument("--id", dest="server_id", default=DEFAULT.server_id, metavar="NAME",
                    help=f"the server's name in its metadata (HTTP GET /v2, gRPC ServerMetadata; default "
                         f"{DEFAULT.server_id}; tritonserver's is triton)")
@@ -194,6 +197,11 @@ def run(args) -> int:
         options.check()
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    if options.log_file:  # this process is the front: serve() finds it done
+        try:
+            log_to_file(options.log_file)
+        except OSError as exc:
+            raise UsageError(f"--log-file '{options.log_file}' cannot be written: {exc.strerror or exc}") from None
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     LogSettings.of_level(options.log_level, options.log_format).apply()  # (this process is the front)
     log.debug("serving %s on %s: http port %s, metrics port %s, strict readiness %s, exit on error %s",

@@ -1,6 +1,8 @@
 """Log settings in the terms of Triton's logging extension, and their effect on this process's logging."""
 
 import logging
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -17,30 +19,34 @@ SETTINGS = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_lev
 
 @dataclass(frozen=True)
 class LogSettings:
-    """The least severe level logged, Triton's verbose level (1 or more: DEBUG is logged) and format."""
+    """The least severe level logged, Triton's verbose level (1 or more: DEBUG is logged), format and log file
+    (every process's standard error, where its log goes; "": the console's)."""
 
     level: int = logging.INFO
     verbose: int = 0
     format: str = "default"
+    file: str = ""
 
     @classmethod
-    def of_level(cls, level: int, fmt: str = "default") -> "LogSettings":
-        return cls(level, 1 if level <= logging.DEBUG else 0, fmt)
+    def of_level(cls, level: int, fmt: str = "default", file: str = "") -> "LogSettings":
+        return cls(level, 1 if level <= logging.DEBUG else 0, fmt, file)
 
     @classmethod
     def from_wire(cls, body: object) -> "LogSettings":
         if not isinstance(body, dict) or not all(type(body.get(k)) is t for k, t in
-                                                 (("level", int), ("verbose", int), ("format", str))):
-            raise InvalidArgument(f"log settings must be {{level, verbose, format}}, got {body!r:.200}")
-        return cls(body["level"], body["verbose"], body["format"])
+                                                 (("level", int), ("verbose", int), ("format", str),
+                                                  ("file", str))):
+            raise InvalidArgument(f"log settings must be {{level, verbose, format, file}}, got {body!r:.200}")
+        return cls(body["level"], body["verbose"], body["format"], body["file"])
 
     def as_wire(self) -> dict:
         return asdict(self)
 
     def as_triton(self) -> dict:
         """The $log_setting_response of Triton's logging extension."""
-        return {"log_file": "", "log_info": self.level <= logging.INFO, "log_warning": self.level <= logging.WARNING,
-                "log_error": self.level <= logging.ERROR, "log_verbose_level": self.verbose,
+        return {"log_file": self.file, "log_info": self.level <= logging.INFO,
+                "log_warning": self.level <= logging.WARNING, "log_error": self.level <= logging.ERROR,
+                "log_verbose_level": self.verbose,
                 "log_format": self.format}
 
     def updated(self, request: object) -> "LogSettings":
@@ -76,7 +82,7 @@ class LogSettings:
                 raise InvalidArgument(f"{higher} false with {lower} on: gepool logs every level from the least "
                                       f"severe one logged on, so {higher} false needs {lower} off too")
         level = next((lv for key, lv in _SWITCHES if on[key]), logging.CRITICAL)
-        return LogSettings(level, verbose, fmt)
+        return LogSettings(level, verbose, fmt, self.file)
 
     def apply(self) -> None:
         """Sets this process's root logger to these settings (its handlers' date format too)."""
@@ -89,3 +95,24 @@ class LogSettings:
             iso = self.format == "ISO8601"
             formatter.datefmt = ISO8601_DATE if iso else None
             formatter.converter = time.gmtime if iso else time.localtime
+
+
+_stderr_file = ""  # the file this process's standard error was pointed at by log_to_file ("": as it started)
+
+
+def log_to_file(path: str) -> None:
+    """Points this process's standard error (its log, and every child's it starts from now on) at the end of
+    the file ``path``, as Triton's --log-file: appended to, created readable by this user only. OSError
+    where the file cannot be opened for writing."""
+    global _stderr_file
+    if path == _stderr_file:
+        return
+    # non-blocking: a fifo no one reads fails here (ENXIO) instead of hanging the start
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    try:
+        os.set_blocking(fd, True)
+        sys.stderr.flush()  # what was written before goes where it was meant to
+        os.dup2(fd, 2)  # (dup2 leaves the new descriptor 2 inheritable, as a standard error is)
+    finally:
+        os.close(fd)
+    _stderr_file = path
