@@ -40,6 +40,7 @@ class PoolOptions:
     curve_authorized_keys: str | None = None  # a folder of client public keys; None: any key may connect
     busy_poll_us: int = 0  # 0: adaptive polling; N > 0: poll N us before any sleep; -1: never poll
     auto_complete_config: bool = True  # False: Triton's --disable-auto-complete-config
+    backend_config: tuple[str, ...] = ()  # Triton's [BACKEND,]SETTING=VALUE groups (default-max-batch-size only)
     http_port: int = 0  # the KServe v2 HTTP sidecar's port; 0: no HTTP
     http_host: str = "127.0.0.1"  # the address the HTTP port binds (Triton's --http-address), and the others'
     grpc_host: str = ""  # the gRPC port's address (Triton's --grpc-address); "": http_host
@@ -62,6 +63,7 @@ class PoolOptions:
         self.load_models = tuple(self.load_models)  # lists from JSON and argparse
         self.http_restricted_api = tuple(self.http_restricted_api)
         self.grpc_restricted_protocol = tuple(self.grpc_restricted_protocol)
+        self.backend_config = tuple(self.backend_config)
 
     def check(self) -> None:
         """Refuses, naming it, an option no pool can start with (before any process is started)."""
@@ -101,6 +103,7 @@ class PoolOptions:
         from gepool.http.access import Restrictions
 
         Restrictions.parse(self.http_restricted_api)  # ValueError in Triton's words
+        self.default_max_batch_size()
         GrpcRestrictions.parse(self.grpc_restricted_protocol)
         refusal = servers.refusal(self.http_server) if self.http_port else None
         if refusal:
@@ -116,6 +119,14 @@ class PoolOptions:
             for why in self.self_bound().values():
                 raise ValueError(f"sidecars={self.sidecars}: {why}, which binds its port itself and cannot share "
                                  f"it with other sidecars; use sidecars=1 or another server")
+
+    def default_max_batch_size(self) -> int:
+        """What auto-complete gives an ONNX model that can batch (``backend_config``'s default-max-batch-size)."""
+        from gepool.common.backend_config import default_max_batch_size
+
+        if not all(isinstance(group, str) for group in self.backend_config):
+            raise ValueError(f"backend_config must be strings, not {self.backend_config!r:.100}")
+        return default_max_batch_size(self.backend_config)
 
     def host_of(self, port: str) -> str:
         """The address the sidecar's port "http", "grpc" or "metrics" binds."""

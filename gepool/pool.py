@@ -132,18 +132,20 @@ def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]
     return fds
 
 
-def _default_max_body(repository: str) -> int:
+def _default_max_body(repository: str, options: PoolOptions) -> int:
     """The largest slot of any model in the repository, plus room for a JSON header."""
     from gepool.common.repository import scan
     from gepool.scheduler.models import DEFAULT_VARIABLE_SLOT_BYTES, slot_bytes_for
 
-    slots = [slot_bytes_for(src.config) for src in scan(repository) if src.config is not None]
+    slots = [slot_bytes_for(src.config) for src in scan(repository, auto_complete=options.auto_complete_config,
+                                                         default_max_batch=options.default_max_batch_size())
+             if src.config is not None]
     return max(slots, default=DEFAULT_VARIABLE_SLOT_BYTES) + BODY_HEADROOM_BYTES
 
 
 def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[str]:
     """The sidecar's command line (``gepool.http.server.main``) for a pool with these options."""
-    max_body = options.http_max_body_bytes or _default_max_body(repository)
+    max_body = options.http_max_body_bytes or _default_max_body(repository, options)
     return ["--endpoint", endpoint, "--http-host", options.http_host, "--http-port", str(options.http_port),
             f"--grpc-host={options.host_of('grpc')}", f"--metrics-host={options.host_of('metrics')}",
             "--metrics-port", str(options.metrics_port), "--grpc-port", str(options.grpc_port),

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from gepool.common import errors
+from gepool.common.backend_config import default_max_batch_size
 from gepool.common.errors import ConfigError
 from gepool.common.repository import load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
@@ -103,7 +104,8 @@ class ModelControl:
         if group.loading:
             return  # a load is under way; this request is answered when it settles
         group.signature = signature(self.opts.repository, name)
-        for src in load_sources(self.opts.repository, name, auto_complete=self.opts.auto_complete_config):
+        for src in load_sources(self.opts.repository, name, auto_complete=self.opts.auto_complete_config,
+                                default_max_batch=default_max_batch_size(self.opts.backend_config)):
             self.generation += 1
             model = Model(src, group.version_stats(src.version), self.generation, self.clock,
                           self.budget)

@@ -254,3 +254,72 @@ def test_a_pool_with_auto_complete_disabled_refuses_the_config_less_model(tmp_pa
         models = pool.status["models"]
         assert models["full"]["state"] == "READY"
         assert models["auto"]["state"] != "READY" and "auto-complete is disabled" in models["auto"]["reason"]
+
+
+# -- Triton's --backend-config default-max-batch-size ---------------------------------------------------
+
+def test_default_max_batch_size_is_what_a_batchable_model_gets_and_0_serves_it_unbatched(tmp_path):
+    path = batching_model(tmp_path)
+    eight = render(model_config(str(tmp_path / "m"), "m", default_max_batch=8))
+    assert eight["max_batch_size"] == 8 and eight["dynamic_batching"]["preferred_batch_size"] == [8]
+    assert io(eight) == what_onnx_says(path, batch=True)
+    none = render(model_config(str(tmp_path / "m"), "m", default_max_batch=0))  # Triton's L0_backend_config
+    assert none["max_batch_size"] == 0 and "dynamic_batching" not in none
+    assert io(none) == what_onnx_says(path, batch=False)  # the batch dim stays in dims, as -1
+    fixed_model(tmp_path)
+    assert render(model_config(str(tmp_path / "f"), "f", default_max_batch=8))["max_batch_size"] == 0
+    config(tmp_path, "m", "max_batch_size: 16\n")  # a config that says it keeps it
+    assert model_config(str(tmp_path / "m"), "m", default_max_batch=8).max_batch_size == 16
+
+
+@pytest.mark.parametrize("groups, expected", [
+    ((), 4),
+    (("default-max-batch-size=6",), 6),
+    (("onnxruntime,default-max-batch-size=5",), 5),
+    (("default-max-batch-size=7", "onnxruntime,default-max-batch-size=8"), 8),  # the backend's own group wins
+    (("onnxruntime,default-max-batch-size=8", "default-max-batch-size=7"), 8),  # in either order
+    (("default-max-batch-size=7", "default-max-batch-size=3"), 3),  # the last of a repeated group
+    (("onnxruntime,default-max-batch-size=0",), 0),
+])
+def test_backend_config_groups_decide_the_default_max_batch_size(tmp_path, groups, expected):
+    assert Pool(str(tmp_path), backend_config=groups).options.default_max_batch_size() == expected
+
+
+@pytest.mark.parametrize("group, words", [
+    (",default-max-batch-size=3", "No backend specified. --backend-config option format is"),  # tritonserver's
+    ("default-max-batch-size=", "--backend-config option format is '<backend name>,<setting>=<value>'. Got "),
+    ("default-max-batch-size", "--backend-config option format is"),
+    ("onnxruntime,default-max-batch-size=", "--backend-config option format is"),
+    ("onnxruntime,default-max-batch-size", "--backend-config option format is"),
+    ("python,shm-default-byte-size=16777216", "gepool has no setting 'shm-default-byte-size' for backend 'python'"),
+    ("tensorflow,default-max-batch-size=5", "no setting 'default-max-batch-size' for backend 'tensorflow'"),
+    ("version=2", "no setting 'version' for every backend"),
+    ("default-max-batch-size=-1", "default-max-batch-size must be an integer >= 0, not '-1'"),
+    ("default-max-batch-size=4x", "must be an integer >= 0, not '4x'"),
+    ("default-max-batch-size=\u0664", "must be an integer >= 0"),  # an Arabic-Indic four: a digit, not ASCII
+])
+def test_a_backend_config_group_gepool_cannot_honour_is_refused_naming_it(tmp_path, group, words):
+    with pytest.raises(ValueError, match=None) as raised:
+        Pool(str(tmp_path), backend_config=[group])
+    assert words in str(raised.value), str(raised.value)
+
+
+def test_a_pool_serves_the_default_max_batch_size_it_was_given(tmp_path):
+    httpclient = pytest.importorskip("tritonclient.http")
+    batching_model(tmp_path, "auto")
+    with Pool(str(tmp_path), http_port=free_port(),
+              backend_config=("default-max-batch-size=2", "onnxruntime,default-max-batch-size=64")) as pool:
+        triton = httpclient.InferenceServerClient(f"127.0.0.1:{pool.http_port}")
+        try:
+            cfg = triton.get_model_config("auto")
+            assert cfg["max_batch_size"] == 64 and cfg["dynamic_batching"]["preferred_batch_size"] == [64]
+            x = np.ones((64, 4), np.float32)  # a batch of 64 rows is in bounds (4 would be the default)
+            ids = np.arange(64 * 3, dtype=np.int64).reshape(64, 3)
+            inputs = [httpclient.InferInput("x", [64, 4], "FP32"), httpclient.InferInput("ids", [64, 3], "INT64")]
+            inputs[0].set_data_from_numpy(x)
+            inputs[1].set_data_from_numpy(ids)
+            result = triton.infer("auto", inputs)
+            np.testing.assert_array_equal(result.as_numpy("y"), np.full((64, 3), 4.0, np.float32))
+            np.testing.assert_array_equal(result.as_numpy("ids_out"), ids)
+        finally:
+            triton.close()

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "false: whenever the pool answers")
     p.add_argument("--strict-model-config", type=boolean, metavar="BOOL",
                    help="tritonserver's deprecated spelling: true is --disable-auto-complete-config, which wins")
+    p.add_argument("--backend-config", dest="backend_config", action="append", default=[],
+                   metavar="[BACKEND,]SETTING=VALUE",
+                   help="as tritonserver's; gepool has default-max-batch-size (global or onnxruntime): the "
+                        "max_batch_size auto-complete gives a model that can batch (default 4; 0: none); repeatable")
     p.add_argument("--disable-auto-complete-config", dest="auto_complete_config", action="store_false",
                    help="as tritonserver's: no config is completed from its model file, so every model needs "
                         "a complete config.pbtxt (an ONNX model's is still checked against its file)")

@@ -10,6 +10,7 @@ An Ascend .om is completed the same way from its pyACL description, its batch ge
 import os
 
 from gepool.common import model_config_pb2 as pb
+from gepool.common.backend_config import DEFAULT_MAX_BATCH_SIZE
 from gepool.common.config import BACKEND_GE, BACKEND_ONNX, BACKEND_PYTHON, DEFAULT_FILENAMES, ModelConfig
 from gepool.common.errors import ConfigError
 from gepool.common.om_probe import OmSignature
@@ -17,7 +18,6 @@ from gepool.common.onnx_io import OnnxSignature, OnnxTensor
 from gepool.ipc import dtypes
 
 PLATFORM_ONNX = "onnxruntime_onnx"
-DEFAULT_MAX_BATCH_SIZE = 4  # tritonserver's --backend-config default-max-batch-size
 
 
 def complete_backend_fields(msg: pb.ModelConfig, model_name: str, first_version_files: set[str] | None) -> None:
@@ -40,13 +40,15 @@ def complete_backend_fields(msg: pb.ModelConfig, model_name: str, first_version_
             return
 
 
-def complete_onnx(msg: pb.ModelConfig, signature: OnnxSignature, source: str) -> None:
-    """Fills max_batch_size, dynamic_batching, inputs and outputs from the model file, unless the config
+def complete_onnx(msg: pb.ModelConfig, signature: OnnxSignature, source: str,
+                  default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> None:
+    """Fills max_batch_size (``default_max_batch`` for a model that can batch: --backend-config's
+    default-max-batch-size), dynamic_batching, inputs and outputs from the model file, unless the config
     already lists both inputs and outputs (then it is only checked, by check_onnx)."""
     if msg.input and msg.output:
         return
     batchable = all(t.dims and t.dims[0] == -1 for t in signature.inputs + signature.outputs)
-    _complete(msg, signature, source, batchable, DEFAULT_MAX_BATCH_SIZE)
+    _complete(msg, signature, source, batchable, default_max_batch)
 
 
 def complete_om(msg: pb.ModelConfig, om: OmSignature, source: str) -> None:

@@ -11,6 +11,7 @@ from gepool.common.autocomplete import (
     complete_onnx,
     first_version_files,
 )
+from gepool.common.backend_config import DEFAULT_MAX_BATCH_SIZE
 from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, check_message, read_message, version_policy
 from gepool.common.errors import ConfigError
 from gepool.common.om_probe import OmProbeError, read_om_signature
@@ -38,9 +39,11 @@ def model_names(repository: str) -> list[str]:
                   if not n.startswith(".") and os.path.isdir(os.path.join(repository, n)))
 
 
-def scan(repository: str, *, auto_complete: bool = True) -> list[ModelSource]:
+def scan(repository: str, *, auto_complete: bool = True,
+         default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> list[ModelSource]:
     """Every model directory in the repository (its highest selected version), loadable or with its error."""
-    return [load_source(repository, name, auto_complete=auto_complete) for name in model_names(repository)]
+    return [load_source(repository, name, auto_complete=auto_complete, default_max_batch=default_max_batch)
+            for name in model_names(repository)]
 
 
 def signature(repository: str, name: str) -> tuple:
@@ -61,10 +64,11 @@ def signature(repository: str, name: str) -> tuple:
     return tuple(out)
 
 
-def load_sources(repository: str, name: str, *, auto_complete: bool = True) -> list[ModelSource]:
+def load_sources(repository: str, name: str, *, auto_complete: bool = True,
+                 default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> list[ModelSource]:
     """One source per version the version_policy selects (highest first), or a single one with the error.
     Each version's model file is checked against the one config (completed from the highest version)."""
-    first = load_source(repository, name, auto_complete=auto_complete)
+    first = load_source(repository, name, auto_complete=auto_complete, default_max_batch=default_max_batch)
     if first.error or first.config is None:
         return [first]
     path = os.path.dirname(first.version_dir)
@@ -99,7 +103,8 @@ def model_dir(repository: str, name: object) -> str:
     return path
 
 
-def load_source(repository: str, name: str, *, auto_complete: bool = True) -> ModelSource:
+def load_source(repository: str, name: str, *, auto_complete: bool = True,
+                default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> ModelSource:
     """The model's highest selected version with its config (auto-completed unless told not to), or why
     it cannot be served."""
     try:
@@ -107,7 +112,7 @@ def load_source(repository: str, name: str, *, auto_complete: bool = True) -> Mo
     except ValueError as exc:
         return ModelSource(str(name), None, error=str(exc))
     try:
-        config = model_config(path, name, auto_complete=auto_complete)
+        config = model_config(path, name, auto_complete=auto_complete, default_max_batch=default_max_batch)
     except ConfigError as exc:
         return ModelSource(name, None, error=str(exc))
     versions = _versions(path)
@@ -124,10 +129,12 @@ def load_source(repository: str, name: str, *, auto_complete: bool = True) -> Mo
     return ModelSource(name, config, version, version_dir)
 
 
-def model_config(path: str, name: str, *, auto_complete: bool = True) -> ModelConfig:
+def model_config(path: str, name: str, *, auto_complete: bool = True,
+                 default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> ModelConfig:
     """The typed config of the model in folder ``path``: its config.pbtxt (optional with auto-complete),
     the backend fields Triton's server fills in, and for an ONNX model what Triton's onnxruntime backend
-    completes from the served version's file and checks against it. Raises ConfigError."""
+    completes from the served version's file (a model that can batch gets ``default_max_batch``) and checks
+    against it. Raises ConfigError."""
     cfg_path = os.path.join(path, CONFIG_NAME)
     if os.path.exists(cfg_path) or not auto_complete:
         if not os.path.isfile(cfg_path):
@@ -147,7 +154,7 @@ def model_config(path: str, name: str, *, auto_complete: bool = True) -> ModelCo
         if model_file and os.path.isfile(model_file):
             signature = _signature(model_file, name)
             if auto_complete:
-                complete_onnx(msg, signature, source)
+                complete_onnx(msg, signature, source, default_max_batch)
     elif msg.backend == BACKEND_GE and auto_complete and not (msg.input and msg.output) and served:
         _complete_om(msg, os.path.join(path, str(served[0]), msg.default_model_filename or "model.om"), name, source)
     config = check_message(msg, source, text, name, model_path=path)
