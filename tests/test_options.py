@@ -97,6 +97,24 @@ def test_tritonservers_deprecated_strict_model_config(tmp_path, flags, auto_comp
     assert pool_options(args).auto_complete_config is auto_complete
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--pinned-memory-pool-byte-size", "268435456"], "--pinned-memory-pool-byte-size 268435456: gepool has no pinned"),
+    (["--cuda-memory-pool-byte-size", "0:67108864"], "--cuda-memory-pool-byte-size 0:67108864: gepool has no CUDA"),
+    (["--cuda-memory-pool-byte-size", "0:0", "--cuda-memory-pool-byte-size", "1:1"], "1:1: gepool has no CUDA"),
+    (["--cuda-memory-pool-byte-size", "67108864"], "option format is '<GPU device ID>:<pool byte size>'. Got 67108864"),
+    (["--cuda-memory-pool-byte-size", "0:-1"], "option format is '<GPU device ID>:<pool byte size>'. Got 0:-1"),
+])
+def test_gpu_memory_pools_can_only_be_sized_0(tmp_path, flags, words):
+    from gepool.cli import UsageError
+
+    args = build_parser().parse_args(["start", "--model-repository", str(tmp_path), *flags])
+    with pytest.raises(UsageError) as raised:
+        pool_options(args)
+    assert words in str(raised.value), str(raised.value)
+    zeros = ["--pinned-memory-pool-byte-size", "0", "--cuda-memory-pool-byte-size", "0:0"]  # no pool: as gepool is
+    assert pool_options(build_parser().parse_args(["start", "--model-repository", str(tmp_path), *zeros]))
+
+
 def test_gpu_metrics_can_only_be_turned_off(tmp_path):
     from gepool.cli import UsageError
 

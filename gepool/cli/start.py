@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="BOOL", help="Triton's nv_cpu_* gauges in /metrics (default true)")
     p.add_argument("--allow-gpu-metrics", type=boolean, metavar="BOOL",
                    help="as tritonserver's, false only: gepool has no GPU metrics (no GPU backend)")
+    p.add_argument("--pinned-memory-pool-byte-size", type=int, metavar="BYTES",
+                   help="as tritonserver's, 0 only: gepool has no pinned memory pool (Triton's needs GPU support)")
+    p.add_argument("--cuda-memory-pool-byte-size", action="append", default=[], metavar="GPU:BYTES",
+                   help="as tritonserver's, BYTES 0 only: gepool has no CUDA memory pool (no GPU backend)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], type=str.upper,
                    help="the least severe messages logged (default INFO); or tritonserver's --log-* flags")
     p.add_argument("--log-verbose", type=verbosity, metavar="N", help="1 or more: log verbose (debug) messages too")
@@ -138,6 +142,18 @@ def pool_options(args: argparse.Namespace) -> PoolOptions:
     if args.allow_gpu_metrics:
         raise UsageError("--allow-gpu-metrics true: gepool has no GPU metrics (it has no GPU backend); leave the "
                          "flag out or set it false")
+    if args.pinned_memory_pool_byte_size:
+        raise UsageError(f"--pinned-memory-pool-byte-size {args.pinned_memory_pool_byte_size}: gepool has no pinned "
+                         "memory pool (tritonserver allocates one only with GPU support, which gepool does not have); "
+                         "leave the flag out or set it 0")
+    for pool in args.cuda_memory_pool_byte_size:
+        device, sep, size = pool.partition(":")
+        if not (sep and device.isdecimal() and size.isdecimal() and pool.isascii()):
+            raise UsageError(f"--cuda-memory-pool-byte-size option format is '<GPU device ID>:<pool byte size>'. "
+                             f"Got {pool}")
+        if int(size):
+            raise UsageError(f"--cuda-memory-pool-byte-size {pool}: gepool has no CUDA memory pool (it has no GPU "
+                             "backend); leave the flag out or set the size 0")
     given = {name: value for name, value in vars(args).items() if name in OPTION_NAMES}
     given.update(repository=args.model_repository[0], endpoint=args.endpoint or default_endpoint(),
                  log_level=log_threshold(args), http_port=args.http_port if args.allow_http else 0,
