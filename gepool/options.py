@@ -4,12 +4,16 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 from gepool.common.logsettings import FORMATS
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_SERVERS
 from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint
 from gepool.scheduler.options import MODEL_LOAD_TIMEOUT_S, FrontOptions
+
+if TYPE_CHECKING:
+    from gepool.common.repository import Reading
 
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 # sidecars=0: one sidecar per this many cores, at most this many (see docs/design.md, "Sidecars")
@@ -41,6 +45,7 @@ class PoolOptions:
     busy_poll_us: int = 0  # 0: adaptive polling; N > 0: poll N us before any sleep; -1: never poll
     auto_complete_config: bool = True  # False: Triton's --disable-auto-complete-config
     backend_config: tuple[str, ...] = ()  # Triton's [BACKEND,]SETTING=VALUE groups (default-max-batch-size only)
+    model_config_name: str = ""  # Triton's --model-config-name: a model's configs/<name>.pbtxt, where it has one
     http_port: int = 0  # the KServe v2 HTTP sidecar's port; 0: no HTTP
     http_host: str = "127.0.0.1"  # the address the HTTP port binds (Triton's --http-address), and the others'
     grpc_host: str = ""  # the gRPC port's address (Triton's --grpc-address); "": http_host
@@ -72,7 +77,8 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
-        for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format", "log_file"):
+        for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format", "log_file",
+                     "model_config_name"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, not {getattr(self, name)!r:.100}")
         if not isinstance(self.cpu_metrics, bool):
@@ -81,6 +87,10 @@ class PoolOptions:
             raise ValueError(f"log_format must be one of {', '.join(FORMATS)}, not '{self.log_format}'")
         if "\0" in self.log_file:
             raise ValueError("log_file must be a path, not one holding a NUL byte")
+        name = self.model_config_name
+        if name and (any(c.isspace() for c in name) or "/" in name or "\0" in name or name.startswith(".")):
+            raise ValueError(f"model_config_name must be a file name without spaces (configs/NAME.pbtxt), not "
+                             f"{name!r:.100}")
         if not self.server_id:
             raise ValueError("server_id must be a name, not empty")
         if not self.http_host:
@@ -119,6 +129,12 @@ class PoolOptions:
             for why in self.self_bound().values():
                 raise ValueError(f"sidecars={self.sidecars}: {why}, which binds its port itself and cannot share "
                                  f"it with other sidecars; use sidecars=1 or another server")
+
+    def reading(self) -> "Reading":
+        """How the front reads its models' configs."""
+        from gepool.common.repository import Reading
+
+        return Reading(self.auto_complete_config, self.default_max_batch_size(), self.model_config_name)
 
     def default_max_batch_size(self) -> int:
         """What auto-complete gives an ONNX model that can batch (``backend_config``'s default-max-batch-size)."""

@@ -137,9 +137,7 @@ def _default_max_body(repository: str, options: PoolOptions) -> int:
     from gepool.common.repository import scan
     from gepool.scheduler.models import DEFAULT_VARIABLE_SLOT_BYTES, slot_bytes_for
 
-    slots = [slot_bytes_for(src.config) for src in scan(repository, auto_complete=options.auto_complete_config,
-                                                         default_max_batch=options.default_max_batch_size())
-             if src.config is not None]
+    slots = [slot_bytes_for(src.config) for src in scan(repository, options.reading()) if src.config is not None]
     return max(slots, default=DEFAULT_VARIABLE_SLOT_BYTES) + BODY_HEADROOM_BYTES
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from gepool.common import errors
 from gepool.common.backend_config import default_max_batch_size
 from gepool.common.errors import ConfigError
-from gepool.common.repository import load_sources, model_dir, model_names, signature
+from gepool.common.repository import Reading, load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
 from gepool.scheduler.batcher import QueueBudget
 from gepool.scheduler.books import Workers
@@ -47,6 +47,8 @@ class ModelControl:
         self.generation = 0
         self.poll_at: float | None = None
         self.budget = QueueBudget(queued_bytes_limit(opts.max_queued_bytes))  # every model's queues share it
+        self.reading = Reading(opts.auto_complete_config, default_max_batch_size(opts.backend_config),
+                               opts.model_config_name)
 
     @property
     def mode(self) -> str:
@@ -104,8 +106,7 @@ class ModelControl:
         if group.loading:
             return  # a load is under way; this request is answered when it settles
         group.signature = signature(self.opts.repository, name)
-        for src in load_sources(self.opts.repository, name, auto_complete=self.opts.auto_complete_config,
-                                default_max_batch=default_max_batch_size(self.opts.backend_config)):
+        for src in load_sources(self.opts.repository, name, self.reading):
             self.generation += 1
             model = Model(src, group.version_stats(src.version), self.generation, self.clock,
                           self.budget)

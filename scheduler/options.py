@@ -27,6 +27,7 @@ class FrontOptions:
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect
     busy_poll_us: int = 0  # 0: poll only for what is due within microseconds; N > 0: also N us when idle; -1: never
     backend_config: tuple[str, ...] = ()  # Triton's --backend-config groups (default-max-batch-size)
+    model_config_name: str = ""  # Triton's --model-config-name: configs/<name>.pbtxt over config.pbtxt
     auto_complete_config: bool = True  # Triton's config auto-complete (off: --disable-auto-complete-config)
     max_queued_bytes: int = 0  # bytes of requests all queues may hold together (UNAVAILABLE past it); 0: default
     model_load_timeout_s: float = MODEL_LOAD_TIMEOUT_S  # a worker still loading after this is killed

@@ -10,7 +10,7 @@ from gepool import Pool
 from gepool.common.autocomplete import DEFAULT_MAX_BATCH_SIZE
 from gepool.common.errors import ConfigError
 from gepool.common.render import render
-from gepool.common.repository import load_source, load_sources, model_config
+from gepool.common.repository import Reading, load_source, load_sources, model_config
 from tests.conftest import free_port
 
 onnx = pytest.importorskip("onnx")
@@ -148,7 +148,7 @@ def test_a_config_the_model_file_contradicts_is_refused_naming_the_tensor(tmp_pa
     source = load_source(str(tmp_path), "m")
     assert source.config is None and words in source.error.replace(str(tmp_path) + "/", ""), source.error
     # the check does not depend on auto-complete: a complete config is checked all the same
-    assert words in load_source(str(tmp_path), "m", auto_complete=False).error.replace(str(tmp_path) + "/", "")
+    assert words in load_source(str(tmp_path), "m", Reading(auto_complete=False)).error.replace(str(tmp_path) + "/", "")
 
 
 def test_the_matching_full_config_loads_unchanged(tmp_path):
@@ -185,9 +185,9 @@ def test_a_batch_only_tensor_needs_reshape_and_is_refused_clearly(tmp_path):
 
 def test_with_auto_complete_disabled_a_missing_or_partial_config_is_an_error(tmp_path):
     batching_model(tmp_path)
-    assert "auto-complete is disabled" in load_source(str(tmp_path), "m", auto_complete=False).error
+    assert "auto-complete is disabled" in load_source(str(tmp_path), "m", Reading(auto_complete=False)).error
     config(tmp_path, "m", 'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n')
-    assert "at least one input" in load_source(str(tmp_path), "m", auto_complete=False).error
+    assert "at least one input" in load_source(str(tmp_path), "m", Reading(auto_complete=False)).error
     assert load_source(str(tmp_path), "m").error is None
 
 
@@ -260,16 +260,16 @@ def test_a_pool_with_auto_complete_disabled_refuses_the_config_less_model(tmp_pa
 
 def test_default_max_batch_size_is_what_a_batchable_model_gets_and_0_serves_it_unbatched(tmp_path):
     path = batching_model(tmp_path)
-    eight = render(model_config(str(tmp_path / "m"), "m", default_max_batch=8))
+    eight = render(model_config(str(tmp_path / "m"), "m", Reading(default_max_batch=8)))
     assert eight["max_batch_size"] == 8 and eight["dynamic_batching"]["preferred_batch_size"] == [8]
     assert io(eight) == what_onnx_says(path, batch=True)
-    none = render(model_config(str(tmp_path / "m"), "m", default_max_batch=0))  # Triton's L0_backend_config
+    none = render(model_config(str(tmp_path / "m"), "m", Reading(default_max_batch=0)))  # Triton's L0_backend_config
     assert none["max_batch_size"] == 0 and "dynamic_batching" not in none
     assert io(none) == what_onnx_says(path, batch=False)  # the batch dim stays in dims, as -1
     fixed_model(tmp_path)
-    assert render(model_config(str(tmp_path / "f"), "f", default_max_batch=8))["max_batch_size"] == 0
+    assert render(model_config(str(tmp_path / "f"), "f", Reading(default_max_batch=8)))["max_batch_size"] == 0
     config(tmp_path, "m", "max_batch_size: 16\n")  # a config that says it keeps it
-    assert model_config(str(tmp_path / "m"), "m", default_max_batch=8).max_batch_size == 16
+    assert model_config(str(tmp_path / "m"), "m", Reading(default_max_batch=8)).max_batch_size == 16
 
 
 @pytest.mark.parametrize("groups, expected", [

@@ -36,7 +36,7 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         "--model-load-timeout-secs", "7.5", "--cache-config", "local,size=4096", "--sidecars", "3",
         "--log-format", "ISO8601", "--id", "my-triton", "--allow-cpu-metrics", "false", "--allow-gpu-metrics", "0",
         "--log-file", "/var/log/triton.log", "--backend-config", "default-max-batch-size=8",
-        "--backend-config=onnxruntime,default-max-batch-size=16"])
+        "--backend-config=onnxruntime,default-max-batch-size=16", "--model-config-name", "ascend910"])
     options = pool_options(args)
     assert options == PoolOptions(
         repository=str(tmp_path), endpoint="tcp://127.0.0.1:*", cpu_threads=3, log_level=logging.WARNING,
@@ -47,7 +47,8 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
         grpc_restricted_protocol=("inference:k=v",), max_queued_bytes=1_000_000, model_load_timeout_s=7.5,
         cache_size=4096, sidecars=3, log_format="ISO8601", server_id="my-triton", cpu_metrics=False,
         log_file="/var/log/triton.log",
-        backend_config=("default-max-batch-size=8", "onnxruntime,default-max-batch-size=16"))
+        backend_config=("default-max-batch-size=8", "onnxruntime,default-max-batch-size=16"),
+        model_config_name="ascend910")
     assert PoolOptions.decode(options.encode()) == options
     front = options.front_options()
     assert front.repository == str(tmp_path) and front.owner_id

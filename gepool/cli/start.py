@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="[BACKEND,]SETTING=VALUE",
                    help="as tritonserver's; gepool has default-max-batch-size (global or onnxruntime): the "
                         "max_batch_size auto-complete gives a model that can batch (default 4; 0: none); repeatable")
+    p.add_argument("--model-config-name", default=DEFAULT.model_config_name, metavar="NAME",
+                   help="as tritonserver's: each model's configs/NAME.pbtxt where it has one, else its config.pbtxt")
     p.add_argument("--disable-auto-complete-config", dest="auto_complete_config", action="store_false",
                    help="as tritonserver's: no config is completed from its model file, so every model needs "
                         "a complete config.pbtxt (an ONNX model's is still checked against its file)")

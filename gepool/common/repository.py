@@ -18,6 +18,26 @@ from gepool.common.om_probe import OmProbeError, read_om_signature
 from gepool.common.onnx_io import OnnxFormatError, OnnxSignature, read_signature
 
 CONFIG_NAME = "config.pbtxt"
+CUSTOM_CONFIGS = "configs"  # the folder of a model's custom configs, <name>.pbtxt (Triton's --model-config-name)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a model's config is read: completed from the model file (off: --disable-auto-complete-config), with
+    the max_batch_size completion gives a model that can batch (--backend-config default-max-batch-size),
+    from ``configs/<config_name>.pbtxt`` where the model has it (--model-config-name), else config.pbtxt."""
+
+    auto_complete: bool = True
+    default_max_batch: int = DEFAULT_MAX_BATCH_SIZE
+    config_name: str = ""
+
+    def config_path(self, path: str) -> str:
+        """The config file the model in folder ``path`` is read from (it may not exist)."""
+        if self.config_name:
+            custom = os.path.join(path, CUSTOM_CONFIGS, self.config_name + ".pbtxt")
+            if os.path.isfile(custom):
+                return custom
+        return os.path.join(path, CONFIG_NAME)
 
 
 @dataclass(frozen=True)
@@ -39,11 +59,9 @@ def model_names(repository: str) -> list[str]:
                   if not n.startswith(".") and os.path.isdir(os.path.join(repository, n)))
 
 
-def scan(repository: str, *, auto_complete: bool = True,
-         default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> list[ModelSource]:
+def scan(repository: str, reading: Reading = Reading()) -> list[ModelSource]:
     """Every model directory in the repository (its highest selected version), loadable or with its error."""
-    return [load_source(repository, name, auto_complete=auto_complete, default_max_batch=default_max_batch)
-            for name in model_names(repository)]
+    return [load_source(repository, name, reading) for name in model_names(repository)]
 
 
 def signature(repository: str, name: str) -> tuple:
@@ -64,11 +82,10 @@ def signature(repository: str, name: str) -> tuple:
     return tuple(out)
 
 
-def load_sources(repository: str, name: str, *, auto_complete: bool = True,
-                 default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> list[ModelSource]:
+def load_sources(repository: str, name: str, reading: Reading = Reading()) -> list[ModelSource]:
     """One source per version the version_policy selects (highest first), or a single one with the error.
     Each version's model file is checked against the one config (completed from the highest version)."""
-    first = load_source(repository, name, auto_complete=auto_complete, default_max_batch=default_max_batch)
+    first = load_source(repository, name, reading)
     if first.error or first.config is None:
         return [first]
     path = os.path.dirname(first.version_dir)
@@ -103,8 +120,7 @@ def model_dir(repository: str, name: object) -> str:
     return path
 
 
-def load_source(repository: str, name: str, *, auto_complete: bool = True,
-                default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> ModelSource:
+def load_source(repository: str, name: str, reading: Reading = Reading()) -> ModelSource:
     """The model's highest selected version with its config (auto-completed unless told not to), or why
     it cannot be served."""
     try:
@@ -112,7 +128,7 @@ def load_source(repository: str, name: str, *, auto_complete: bool = True,
     except ValueError as exc:
         return ModelSource(str(name), None, error=str(exc))
     try:
-        config = model_config(path, name, auto_complete=auto_complete, default_max_batch=default_max_batch)
+        config = model_config(path, name, reading)
     except ConfigError as exc:
         return ModelSource(name, None, error=str(exc))
     versions = _versions(path)
@@ -129,13 +145,13 @@ def load_source(repository: str, name: str, *, auto_complete: bool = True,
     return ModelSource(name, config, version, version_dir)
 
 
-def model_config(path: str, name: str, *, auto_complete: bool = True,
-                 default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> ModelConfig:
+def model_config(path: str, name: str, reading: Reading = Reading()) -> ModelConfig:
     """The typed config of the model in folder ``path``: its config.pbtxt (optional with auto-complete),
     the backend fields Triton's server fills in, and for an ONNX model what Triton's onnxruntime backend
-    completes from the served version's file (a model that can batch gets ``default_max_batch``) and checks
-    against it. Raises ConfigError."""
-    cfg_path = os.path.join(path, CONFIG_NAME)
+    completes from the served version's file and checks against it, read as ``reading`` says. Raises
+    ConfigError."""
+    auto_complete = reading.auto_complete
+    cfg_path = reading.config_path(path)
     if os.path.exists(cfg_path) or not auto_complete:
         if not os.path.isfile(cfg_path):
             raise ConfigError(cfg_path, None, None, "missing (auto-complete is disabled, so every model needs one)")
@@ -154,7 +170,7 @@ def model_config(path: str, name: str, *, auto_complete: bool = True,
         if model_file and os.path.isfile(model_file):
             signature = _signature(model_file, name)
             if auto_complete:
-                complete_onnx(msg, signature, source, default_max_batch)
+                complete_onnx(msg, signature, source, reading.default_max_batch)
     elif msg.backend == BACKEND_GE and auto_complete and not (msg.input and msg.output) and served:
         _complete_om(msg, os.path.join(path, str(served[0]), msg.default_model_filename or "model.om"), name, source)
     config = check_message(msg, source, text, name, model_path=path)
