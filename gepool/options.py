@@ -65,10 +65,11 @@ class PoolOptions:
     cache_size: int = 0  # bytes of the response cache (Triton's --cache-config local,size=BYTES); 0: no cache
 
     def __post_init__(self) -> None:
-        self.load_models = tuple(self.load_models)  # lists from JSON and argparse
-        self.http_restricted_api = tuple(self.http_restricted_api)
-        self.grpc_restricted_protocol = tuple(self.grpc_restricted_protocol)
-        self.backend_config = tuple(self.backend_config)
+        for name in ("load_models", "http_restricted_api", "grpc_restricted_protocol", "backend_config"):
+            given = getattr(self, name)
+            if isinstance(given, str | bytes) or not isinstance(given, list | tuple):  # a str would be its letters
+                raise ValueError(f"{name} must be a list of strings, not {given!r:.100}")
+            setattr(self, name, tuple(given))  # lists from JSON and argparse
 
     def check(self) -> None:
         """Refuses, naming it, an option no pool can start with (before any process is started)."""
@@ -85,8 +86,12 @@ class PoolOptions:
             raise ValueError(f"cpu_metrics must be true or false, not {self.cpu_metrics!r:.100}")
         if self.log_format not in FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(FORMATS)}, not '{self.log_format}'")
-        if "\0" in self.log_file:
-            raise ValueError("log_file must be a path, not one holding a NUL byte")
+        if "\0" in self.log_file or not self.log_file.isprintable():
+            raise ValueError(f"log_file must be a path of printable characters, not {self.log_file!r:.100}")
+        try:
+            self.log_file.encode()
+        except UnicodeEncodeError:  # a path of bytes that are not UTF-8 (os.fsdecode's escapes)
+            raise ValueError(f"log_file must be a UTF-8 path, not {self.log_file!r:.100}") from None
         name = self.model_config_name
         if name and (any(c.isspace() for c in name) or "/" in name or "\0" in name or name.startswith(".")):
             raise ValueError(f"model_config_name must be a file name without spaces (configs/NAME.pbtxt), not "
@@ -134,7 +139,7 @@ class PoolOptions:
         """How the front reads its models' configs."""
         from gepool.common.repository import Reading
 
-        return Reading(self.auto_complete_config, self.default_max_batch_size(), self.model_config_name)
+        return Reading.of(self.auto_complete_config, self.backend_config, self.model_config_name)
 
     def default_max_batch_size(self) -> int:
         """What auto-complete gives an ONNX model that can batch (``backend_config``'s default-max-batch-size)."""

@@ -292,6 +292,9 @@ def _front_process(argv: list[str]) -> int:
 
     try:
         code = serve(options, on_ready=lambda status: report("ready", status))
+    except errors.GepoolError as exc:  # a refusal the Pool raises in its owner: no traceback on its console
+        report("failed", f"{type(exc).__name__}: {exc}")
+        return 2
     except Exception as exc:
         report("failed", f"{type(exc).__name__}: {exc}")
         raise

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 from gepool.common import errors
-from gepool.common.backend_config import default_max_batch_size
 from gepool.common.errors import ConfigError
 from gepool.common.repository import Reading, load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
@@ -47,8 +46,10 @@ class ModelControl:
         self.generation = 0
         self.poll_at: float | None = None
         self.budget = QueueBudget(queued_bytes_limit(opts.max_queued_bytes))  # every model's queues share it
-        self.reading = Reading(opts.auto_complete_config, default_max_batch_size(opts.backend_config),
-                               opts.model_config_name)
+        self.reading = Reading.of(opts.auto_complete_config, opts.backend_config, opts.model_config_name)
+        if opts.backend_config and not opts.auto_complete_config:
+            log.warning("--backend-config default-max-batch-size has no effect: auto-complete is disabled, so no "
+                        "model's max_batch_size is completed")
 
     @property
     def mode(self) -> str:

@@ -106,7 +106,14 @@ class Core:
             log.exception("internal error handling %s", type(msg).__name__)
             reply = protocol.Error(req_id if isinstance(req_id, int) else 0, "INTERNAL", f"internal error: {exc}")
         if reply is not None:
-            self.out.reply(identity, [reply.encode()])
+            try:
+                encoded = reply.encode()
+            except Exception as exc:  # (a string msgpack cannot encode): the client hears INTERNAL, the loop goes on
+                log.exception("internal error encoding the reply to %s", type(msg).__name__)
+                encoded = protocol.Error(req_id if isinstance(req_id, int) else 0, "INTERNAL",
+                                         f"internal error: the reply could not be encoded ({type(exc).__name__})"
+                                         ).encode()
+            self.out.reply(identity, [encoded])
 
     def _handle(self, identity: bytes, msg):
         if isinstance(msg, protocol.Hello):

@@ -294,9 +294,10 @@ def test_backend_config_groups_decide_the_default_max_batch_size(tmp_path, group
     ("python,shm-default-byte-size=16777216", "gepool has no setting 'shm-default-byte-size' for backend 'python'"),
     ("tensorflow,default-max-batch-size=5", "no setting 'default-max-batch-size' for backend 'tensorflow'"),
     ("version=2", "no setting 'version' for every backend"),
-    ("default-max-batch-size=-1", "default-max-batch-size must be an integer >= 0, not '-1'"),
-    ("default-max-batch-size=4x", "must be an integer >= 0, not '4x'"),
-    ("default-max-batch-size=\u0664", "must be an integer >= 0"),  # an Arabic-Indic four: a digit, not ASCII
+    ("default-max-batch-size=-1", "default-max-batch-size must be an integer from 0 to 2147483647, not '-1'"),
+    ("default-max-batch-size=4x", "must be an integer from 0 to 2147483647, not '4x'"),
+    ("default-max-batch-size=\u0664", "must be an integer from 0"),  # an Arabic-Indic four: a digit, not ASCII
+    ("default-max-batch-size=2147483648", "not '2147483648'"),  # past max_batch_size's int32
 ])
 def test_a_backend_config_group_gepool_cannot_honour_is_refused_naming_it(tmp_path, group, words):
     with pytest.raises(ValueError, match=None) as raised:

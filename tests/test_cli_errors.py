@@ -41,6 +41,7 @@ def assert_user_error(out: subprocess.CompletedProcess, *says: str) -> None:
     (["start", "--model-repository", ".", "--log-file", "/"], ["--log-file '/' cannot be written: Is a directory"]),
     (["start", "--model-repository", ".", "--backend-config=python,shm-default-byte-size=1048576"],
      ["--backend-config python,shm-default-byte-size=1048576: gepool has no setting 'shm-default-byte-size'"]),
+    (["start", "--model-repository", ".", "--model-config-name="], ["empty argument for --model-config-name"]),
     (["start", "--model-repository", ".", "--backend-config", ",default-max-batch-size=3"],
      ["No backend specified. --backend-config option format is"]),
     (["status", "--endpoint", "localhost"], ["ipc://PATH, tcp://HOST:PORT or HOST:PORT", "'localhost'"]),

@@ -306,6 +306,10 @@ def test_log_file_takes_every_process_log_and_the_console_gets_none(tmp_path):
         for process in (r"gepool\.front INFO", r"worker\d+ INFO CHATTY-INIT first", r"http DEBUG HTTP request"):
             assert wait_until(lambda p=process: re.search(p, path.read_text()), 60), (process, path.read_text())
         assert path.read_text().startswith("an earlier run\n")
+        request(pool.http, "GET", "/v2/models/x%0A2099-01-01%2000:00:00,000%20gepool.front%20ERROR%20FORGED/ready")
+        assert wait_until(lambda: "FORGED" in path.read_text(), 60)
+        assert not re.search(r"^2099-01-01 .*FORGED", path.read_text(), re.M)  # a client writes no line of its own
+        assert "HTTP request: GET /v2/models/x\\n2099-01-01 00:00:00,000 gepool.front ERROR FORGED" in path.read_text()
         with pytest.raises(InferenceServerException) as info:
             triton.update_log_settings({"log_file": str(tmp_path / "elsewhere.log")})
         assert "log file location can not be updated" in info.value.message()

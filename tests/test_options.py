@@ -75,7 +75,10 @@ def test_the_flags_become_options_that_survive_the_trip_to_the_front(tmp_path):
     ({"server_id": ""}, ValueError, "server_id must be a name"),
     ({"grpc_host": 5}, ValueError, "grpc_host must be a string, not 5"),
     ({"log_file": 1}, ValueError, "log_file must be a string, not 1"),
-    ({"log_file": "a\0b"}, ValueError, "log_file must be a path, not one holding a NUL byte"),
+    ({"log_file": "a\0b"}, ValueError, "log_file must be a path of printable characters"),
+    ({"log_file": "x\udcff.log"}, ValueError, "log_file must be a path of printable characters"),  # not UTF-8
+    ({"backend_config": "default-max-batch-size=8"}, ValueError, "backend_config must be a list of strings"),
+    ({"load_models": None}, ValueError, "load_models must be a list of strings, not None"),
     ({"http_port": 70000}, ValueError, "http_port must be a port number"),
     ({"poll_secs": 0}, ValueError, "poll_secs must be > 0"),
     ({"http_max_body_bytes": -1}, ValueError, "http_max_body_bytes must be >= 0"),

@@ -85,6 +85,19 @@ def load_inputs(items: list[str]) -> dict[str, np.ndarray]:
 
 def say(text: object) -> None:
     """``gepool: error: TEXT`` on stderr, on one line whatever the text holds."""
+    tell(f"gepool: error: {' '.join(str(text).split())}")
+
+
+def tell(line: str) -> None:
+    """One line on stderr, and on the console too where --log-file took stderr: why the command ends."""
+    import os
     import sys
 
-    print(f"gepool: error: {' '.join(str(text).split())}", file=sys.stderr)
+    from gepool.common.logsettings import console
+
+    print(line, file=sys.stderr, flush=True)
+    if console() >= 0:
+        try:
+            os.write(console(), (line + "\n").encode(errors="backslashreplace"))
+        except OSError:
+            pass

@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, verbosity
+from gepool.cli.args import ENDPOINT_FORMS, UsageError, boolean, byte_count, endpoint, say, tell, verbosity
 from gepool.common.logsettings import FORMATS, LogSettings, log_to_file
 from gepool.http.access import API_NAMES
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_HELP, GRPC_SERVERS, HTTP_SERVERS
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="[BACKEND,]SETTING=VALUE",
                    help="as tritonserver's; gepool has default-max-batch-size (global or onnxruntime): the "
                         "max_batch_size auto-complete gives a model that can batch (default 4; 0: none); repeatable")
-    p.add_argument("--model-config-name", default=DEFAULT.model_config_name, metavar="NAME",
+    p.add_argument("--model-config-name", metavar="NAME",
                    help="as tritonserver's: each model's configs/NAME.pbtxt where it has one, else its config.pbtxt")
     p.add_argument("--disable-auto-complete-config", dest="auto_complete_config", action="store_false",
                    help="as tritonserver's: no config is completed from its model file, so every model needs "
@@ -156,7 +156,10 @@ def pool_options(args: argparse.Namespace) -> PoolOptions:
         if int(size):
             raise UsageError(f"--cuda-memory-pool-byte-size {pool}: gepool has no CUDA memory pool (it has no GPU "
                              "backend); leave the flag out or set the size 0")
+    if args.model_config_name == "":
+        raise UsageError("empty argument for --model-config-name")  # tritonserver's words
     given = {name: value for name, value in vars(args).items() if name in OPTION_NAMES}
+    given["model_config_name"] = args.model_config_name or ""
     given.update(repository=args.model_repository[0], endpoint=args.endpoint or default_endpoint(),
                  log_level=log_threshold(args), http_port=args.http_port if args.allow_http else 0,
                  metrics_port=args.metrics_port if args.allow_metrics else 0,
@@ -256,8 +259,7 @@ def run(args) -> int:
         (failed,) = exc.args
         for name, reason in failed:
             say(f"model '{name}' failed to load: {reason}")
-        print(f"gepool: {len(failed)} model(s) failed to load; stopped (--exit-on-error false serves the others)",
-              file=sys.stderr)
+        tell(f"gepool: {len(failed)} model(s) failed to load; stopped (--exit-on-error false serves the others)")
         return FAILED_EXIT
 
 

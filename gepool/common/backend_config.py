@@ -3,6 +3,7 @@
 from gepool.common.config import BACKEND_ONNX
 
 DEFAULT_MAX_BATCH_SIZE = 4  # tritonserver's default for default-max-batch-size
+MAX_BATCH_SIZE = (1 << 31) - 1  # max_batch_size is an int32 in Triton's ModelConfig
 # each setting gepool has, with the backends that read it ("": a global group, which tritonserver gives every
 # backend; a backend's own group overrides it for that backend)
 SETTINGS = {"default-max-batch-size": ("", BACKEND_ONNX)}
@@ -27,8 +28,9 @@ def parse(arg: str) -> tuple[str, str, str]:
         scope = f"backend '{backend}'" if backend else "every backend (a group without a backend name)"
         raise ValueError(f"--backend-config {arg}: gepool has no setting '{setting}' for {scope}; its only "
                          f"setting is default-max-batch-size, global or for {BACKEND_ONNX}")
-    if not value.isdecimal() or not value.isascii():
-        raise ValueError(f"--backend-config {arg}: default-max-batch-size must be an integer >= 0, not '{value}'")
+    if not value.isdecimal() or not value.isascii() or int(value) > MAX_BATCH_SIZE:
+        raise ValueError(f"--backend-config {arg}: default-max-batch-size must be an integer from 0 to "
+                         f"{MAX_BATCH_SIZE}, not '{value}'")
     return backend, setting, value
 
 

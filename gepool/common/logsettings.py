@@ -1,7 +1,9 @@
 """Log settings in the terms of Triton's logging extension, and their effect on this process's logging."""
 
+import errno
 import logging
 import os
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -98,21 +100,49 @@ class LogSettings:
 
 
 _stderr_file = ""  # the file this process's standard error was pointed at by log_to_file ("": as it started)
+_console = -1  # this process's standard error as it started, once log_to_file has pointed it elsewhere
 
 
 def log_to_file(path: str) -> None:
     """Points this process's standard error (its log, and every child's it starts from now on) at the end of
-    the file ``path``, as Triton's --log-file: appended to, created readable by this user only. OSError
-    where the file cannot be opened for writing."""
-    global _stderr_file
+    the file ``path``, as Triton's --log-file: appended to, created readable by this user only. OSError where
+    it cannot be: a path that cannot be opened for writing, a symbolic link (another user could have made it
+    point at a file of ours), or a regular file another user owns (which that user could read)."""
+    global _stderr_file, _console
     if path == _stderr_file:
         return
     # non-blocking: a fifo no one reads fails here (ENXIO) instead of hanging the start
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
     try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno in _WHY:
+            raise OSError(exc.errno, _WHY[exc.errno]) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
         os.set_blocking(fd, True)
         sys.stderr.flush()  # what was written before goes where it was meant to
+        if _console < 0:
+            _console = os.dup(2)  # (not inherited: only this process tells its console why it ends)
         os.dup2(fd, 2)  # (dup2 leaves the new descriptor 2 inheritable, as a standard error is)
     finally:
         os.close(fd)
     _stderr_file = path
+
+
+_WHY = {errno.ENXIO: "it is a fifo or socket that no process reads",
+        errno.ELOOP: "it is a symbolic link (give the file it points to)"}
+
+
+def console() -> int:
+    """This process's standard error as it started, where log_to_file pointed it elsewhere; else -1."""
+    return _console
+
+
+def printable(text: str) -> str:
+    """``text`` for a log line: as it is, or escaped where it holds a line break or another control character
+    (a client's path must not write a line of its own into the log)."""
+    return text if text.isprintable() else ascii(text)[1:-1]

@@ -11,7 +11,7 @@ from gepool.common.autocomplete import (
     complete_onnx,
     first_version_files,
 )
-from gepool.common.backend_config import DEFAULT_MAX_BATCH_SIZE
+from gepool.common.backend_config import DEFAULT_MAX_BATCH_SIZE, default_max_batch_size
 from gepool.common.config import BACKEND_GE, BACKEND_ONNX, ModelConfig, check_message, read_message, version_policy
 from gepool.common.errors import ConfigError
 from gepool.common.om_probe import OmProbeError, read_om_signature
@@ -31,11 +31,17 @@ class Reading:
     default_max_batch: int = DEFAULT_MAX_BATCH_SIZE
     config_name: str = ""
 
+    @classmethod
+    def of(cls, auto_complete: bool, backend_config: tuple[str, ...], config_name: str) -> "Reading":
+        """From a pool's options (``backend_config``: --backend-config's groups; ValueError for a bad one)."""
+        return cls(auto_complete, default_max_batch_size(backend_config), config_name)
+
     def config_path(self, path: str) -> str:
-        """The config file the model in folder ``path`` is read from (it may not exist)."""
+        """The config file the model in folder ``path`` is read from (it may not exist): a custom one that exists,
+        whatever it is (as Triton, which then fails to read anything but a file), else config.pbtxt."""
         if self.config_name:
             custom = os.path.join(path, CUSTOM_CONFIGS, self.config_name + ".pbtxt")
-            if os.path.isfile(custom):
+            if os.path.exists(custom):
                 return custom
         return os.path.join(path, CONFIG_NAME)
 
@@ -65,21 +71,34 @@ def scan(repository: str, reading: Reading = Reading()) -> list[ModelSource]:
 
 
 def signature(repository: str, name: str) -> tuple:
-    """What a poll compares to see a model changed: its files' names, sizes and modification times."""
+    """What a poll compares to see a model changed: its files' names, sizes and modification times (those of a
+    symlinked configs/ folder too, which os.walk does not enter)."""
     try:
         root = model_dir(repository, name)
     except ValueError:
         return ()
-    out = []
+    out: list[tuple] = []
     for folder, dirs, files in os.walk(root):
         dirs.sort()
-        for f in sorted(files):
-            try:
-                st = os.stat(os.path.join(folder, f))
-            except OSError:
-                continue
-            out.append((os.path.relpath(os.path.join(folder, f), root), st.st_size, st.st_mtime_ns))
+        out += _stats(root, folder, files)
+    custom = os.path.join(root, CUSTOM_CONFIGS)
+    if os.path.islink(custom) and os.path.isdir(custom):
+        try:
+            out += _stats(root, custom, os.listdir(custom))
+        except OSError:
+            pass
     return tuple(out)
+
+
+def _stats(root: str, folder: str, files: list[str]) -> list[tuple]:
+    out = []
+    for f in sorted(files):
+        try:
+            st = os.stat(os.path.join(folder, f))
+        except OSError:
+            continue
+        out.append((os.path.relpath(os.path.join(folder, f), root), st.st_size, st.st_mtime_ns))
+    return out
 
 
 def load_sources(repository: str, name: str, reading: Reading = Reading()) -> list[ModelSource]:
@@ -153,6 +172,8 @@ def model_config(path: str, name: str, reading: Reading = Reading()) -> ModelCon
     auto_complete = reading.auto_complete
     cfg_path = reading.config_path(path)
     if os.path.exists(cfg_path) or not auto_complete:
+        if os.path.exists(cfg_path) and not os.path.isfile(cfg_path):  # a folder; a fifo would hang the front
+            raise ConfigError(cfg_path, None, None, "is not a regular file")
         if not os.path.isfile(cfg_path):
             raise ConfigError(cfg_path, None, None, "missing (auto-complete is disabled, so every model needs one)")
         msg, text = read_message(cfg_path)

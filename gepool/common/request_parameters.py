@@ -90,3 +90,17 @@ def check(params: Mapping[str, object], protocol: str) -> RequestParameters:
             raise InvalidArgument(f"parameter '{str(key)[:MAX_KEY_SHOWN]}' is not supported by gepool (supported: "
                                   f"{', '.join(supported)})")
     return RequestParameters(timeout, priority, binary, final)
+
+
+def check_control(params: Mapping[str, object]) -> None:
+    """A load or unload request's parameters: only unload_dependents false, which tritonclient sends with every
+    unload; a config or file override, anything else, is refused naming it (nothing is ignored)."""
+    rest = dict(params)
+    if rest.pop("unload_dependents", False) is not False:
+        raise InvalidArgument("unload_dependents is not supported: unload each model by name")
+    if "config" in rest or any(k.startswith("file:") for k in rest):
+        raise InvalidArgument("load with a 'config' or 'file:' override is not supported; change the repository "
+                              "and load again")
+    if rest:
+        raise InvalidArgument(f"unrecognized load parameter(s) {sorted(rest)!r:.200}: gepool takes none but "
+                              f"unload_dependents false")

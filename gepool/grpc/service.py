@@ -439,12 +439,7 @@ class InferenceService:
         return out
 
     def may_control(self, request, context) -> None:
-        params = {k: tensors.param_value(v) for k, v in request.parameters.items()}
-        if params.pop("unload_dependents", False) is not False:  # tritonclient always sends it on unload
-            raise errors.InvalidArgument("unload_dependents is not supported: unload each model by name")
-        if params:
-            raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
-                                         "repository and load again")
+        request_parameters.check_control({k: tensors.param_value(v) for k, v in request.parameters.items()})
         if self.restrictions.restricts("model-repository"):  # the call carried its metadata: the server checked
             return
         uid = self.caller(context, "loading and unloading models")

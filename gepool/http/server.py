@@ -29,8 +29,8 @@ from aiohttp import web
 import gepool
 from gepool.aio import AsyncClient
 from gepool.clientcore import ANSWER_GRACE_S
-from gepool.common import errors, gc_policy
-from gepool.common.logsettings import FORMATS, LogSettings
+from gepool.common import errors, gc_policy, request_parameters
+from gepool.common.logsettings import FORMATS, LogSettings, printable
 from gepool.common.request_parameters import MAX_KEY_SHOWN, model_version
 from gepool.http import host, kserve, limits, listen, metrics, peer, rsgi, servers, trace
 from gepool.http.access import Restrictions
@@ -79,7 +79,7 @@ def _no_regions(name, offset, size, limit) -> bytes:
 
 def _logged(request) -> None:
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("HTTP request: %s %s", request.method, request.path)
+        log.debug("HTTP request: %s %s", request.method, printable(request.path))
 
 
 def _names(req: kserve.InferRequest) -> list | None:
@@ -195,7 +195,7 @@ class Gateway:
     def route(handler):
         async def wrapped(self, request: web.Request) -> web.Response:
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("HTTP request: %s %s", request.method, request.path)
+                log.debug("HTTP request: %s %s", request.method, printable(request.path))
             refusal = self.restrictions.refusal(request.path, request.headers)
             if refusal is not None:  # before anything else, as Triton does
                 return _error(403, refusal)
@@ -472,9 +472,7 @@ class Gateway:
         params = body.get("parameters") or {}
         if not isinstance(params, dict):
             raise errors.InvalidArgument("'parameters' must be an object")
-        if params.get("config") or any(k.startswith("file:") for k in params):
-            raise errors.InvalidArgument("load with a 'config' or 'file:' override is not supported; change the "
-                                         "repository and load again")
+        request_parameters.check_control(params)
         self._owner_only(request, "model-repository", "loading and unloading models")
         client = await self.front()
         model = request.match_info["model"]
