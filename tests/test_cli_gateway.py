@@ -225,19 +225,7 @@ def test_log_settings_change_the_logging_of_the_front_its_workers_and_the_sideca
         assert wait_until(lambda: infer("first", 4.0) or ISO_LINE.search(pool.log()), 60), pool.log()[-2000:]
 
         # a sidecar that dies is restarted with the options it was started with: it adopts the front's settings
-        (sidecar,) = sidecars(pool.proc.pid)
-        os.kill(sidecar, signal.SIGKILL)
-        assert wait_until(lambda: sidecars(pool.proc.pid) not in ([], [sidecar]), 60)
-        seen = len(pool.log())
-
-        def logged_by_the_new_sidecar() -> bool:
-            try:
-                request(pool.http, "GET", "/v2/health/live")
-            except OSError:  # started, not yet listening
-                return False
-            return " http DEBUG HTTP request: GET /v2/health/live" in pool.log()[seen:]
-
-        assert wait_until(logged_by_the_new_sidecar, 60), pool.log()[seen:]
+        sidecar_restarted_and_logging(pool, pool.log)
 
         for refused, words in (({"log_warning": False}, "log_warning false with log_info on"),
                                ({"log_file": "/tmp/elsewhere.log"}, "log file location can not be updated"),
@@ -315,22 +303,29 @@ def test_log_file_takes_every_process_log_and_the_console_gets_none(tmp_path):
         assert "log file location can not be updated" in info.value.message()
         assert triton.get_log_settings()["log_file"] == str(path)
 
-        (sidecar,) = sidecars(pool.proc.pid)
-        os.kill(sidecar, signal.SIGKILL)
-        assert wait_until(lambda: sidecars(pool.proc.pid) not in ([], [sidecar]), 60)
-        seen = len(path.read_text())
-
-        def logged_by_the_new_sidecar() -> bool:
-            try:
-                request(pool.http, "GET", "/v2/health/live")
-            except OSError:  # started, not yet listening
-                return False
-            return " http DEBUG HTTP request: GET /v2/health/live" in path.read_text()[seen:]
-
-        assert wait_until(logged_by_the_new_sidecar, 60), path.read_text()[seen:]
+        seen = sidecar_restarted_and_logging(pool, path.read_text)
         assert pool.stop() == 0
     assert "stopping" in path.read_text()[seen:]  # the front's last lines too
     assert pool.log() == "", pool.log()  # nothing reached the console's standard error
+
+
+def sidecar_restarted_and_logging(pool: Started, read_log) -> int:
+    """Kills the pool's sidecar and waits for its successor to log a request in ``read_log()``; returns how
+    long the log was before the kill."""
+    (sidecar,) = sidecars(pool.proc.pid)
+    os.kill(sidecar, signal.SIGKILL)
+    assert wait_until(lambda: sidecars(pool.proc.pid) not in ([], [sidecar]), 60)
+    seen = len(read_log())
+
+    def logged_by_the_new_sidecar() -> bool:
+        try:
+            request(pool.http, "GET", "/v2/health/live")
+        except OSError:  # started, not yet listening
+            return False
+        return " http DEBUG HTTP request: GET /v2/health/live" in read_log()[seen:]
+
+    assert wait_until(logged_by_the_new_sidecar, 60), read_log()[seen:]
+    return seen
 
 
 DEFAULT_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", re.M)  # local time, a comma before the ms
