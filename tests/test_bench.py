@@ -110,6 +110,15 @@ def test_the_cli_refuses_options_it_would_ignore(argv, why, capsys):
     assert why in capsys.readouterr().err
 
 
+def test_a_sweep_of_a_model_without_config_pbtxt_is_refused_saying_why(tmp_path, capsys):
+    from gepool.cli import main
+
+    (tmp_path / "tiny" / "1").mkdir(parents=True)  # a config-less model: auto-completed from its file
+    assert main(["bench", "tiny", "--concurrency", "1", "--sweep", "--model-repository", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'tiny' has none (its config is auto-completed)" in err and "Traceback" not in err, err
+
+
 # A target every answered level meets, even where a loaded machine stalls requests: what
 # these tests check is the choice among the levels and settings, not this host's tail latency.
 EASY_P99_MS = 10_000.0

@@ -66,6 +66,10 @@ def _refuse_what_would_be_ignored(args) -> None:
             raise UsageError("--sweep needs --model-repository (it starts its own pools)")
         if not os.path.isdir(os.path.join(args.model_repository, args.model)):
             raise UsageError(f"--model-repository '{args.model_repository}' has no folder '{args.model}'")
+        if not os.path.isfile(os.path.join(args.model_repository, args.model, "config.pbtxt")):
+            raise UsageError(f"--sweep varies the batching in the model's config.pbtxt, and '{args.model}' has none "
+                             f"(its config is auto-completed): save the completed one (GET /v2/models/{args.model}"
+                             f"/config shows it) as config.pbtxt and sweep again")
     elif args.model_repository or args.p99_target_ms is not None:
         raise UsageError("--model-repository and --p99-target-ms are for --sweep")
     if args.duration <= 0 or args.batch_size < 1:
