@@ -67,7 +67,8 @@ class PoolOptions:
     def __post_init__(self) -> None:
         for name in ("load_models", "http_restricted_api", "grpc_restricted_protocol", "backend_config"):
             given = getattr(self, name)
-            if isinstance(given, str | bytes) or not isinstance(given, list | tuple):  # a str would be its letters
+            if isinstance(given, str | bytes) or not isinstance(given, list | tuple) \
+                    or not all(isinstance(item, str) for item in given):  # (a str would be its letters)
                 raise ValueError(f"{name} must be a list of strings, not {given!r:.100}")
             setattr(self, name, tuple(given))  # lists from JSON and argparse
 
@@ -118,8 +119,8 @@ class PoolOptions:
         from gepool.http.access import Restrictions
 
         Restrictions.parse(self.http_restricted_api)  # ValueError in Triton's words
-        self.default_max_batch_size()
         GrpcRestrictions.parse(self.grpc_restricted_protocol)
+        self.reading()  # --backend-config's groups, in Triton's words
         refusal = servers.refusal(self.http_server) if self.http_port else None
         if refusal:
             raise ValueError(f"http_server: {refusal}")
@@ -140,14 +141,6 @@ class PoolOptions:
         from gepool.common.repository import Reading
 
         return Reading.of(self.auto_complete_config, self.backend_config, self.model_config_name)
-
-    def default_max_batch_size(self) -> int:
-        """What auto-complete gives an ONNX model that can batch (``backend_config``'s default-max-batch-size)."""
-        from gepool.common.backend_config import default_max_batch_size
-
-        if not all(isinstance(group, str) for group in self.backend_config):
-            raise ValueError(f"backend_config must be strings, not {self.backend_config!r:.100}")
-        return default_max_batch_size(self.backend_config)
 
     def host_of(self, port: str) -> str:
         """The address the sidecar's port "http", "grpc" or "metrics" binds."""

@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable, Iterable
 
 from gepool.common import errors
-from gepool.common.logsettings import LogSettings
 from gepool.ipc import naming, protocol
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Worker, Workers
@@ -64,7 +63,7 @@ class Core:
         self._refused: set[str] = set()  # models whose last prewoken request failed admission
         self.ensembles = Ensembles(self.control, self.arenas, self.dispatch.respond, out.reply, self._enqueue, clock,
                                    self._prepare_worker, self.dispatch.schedule, self.calls, self._may_prewake)
-        self.logging = LogSettings.of_level(opts.log_level, opts.log_format, opts.log_file)
+        self.logging = opts.log_settings()
 
     def start(self) -> None:
         self.control.start()

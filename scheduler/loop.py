@@ -44,8 +44,7 @@ class Loop:
         self.opts, self.on_ready, self.place = options, on_ready, place
         self.ctx = zmq.Context()
         self.worker_endpoint = f"ipc://{runtime_dir()}/gepool-{options.owner_id}.workers"
-        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker,
-                                     LogSettings.of_level(options.log_level, options.log_format, options.log_file),
+        self.supervisor = Supervisor(options.owner_id, self.worker_endpoint, start_worker, options.log_settings(),
                                      runtime_dir())
         self.by_sentinel: dict[int, Worker] = {}
         self.by_bell: dict[int, Worker] = {}

@@ -4,6 +4,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from gepool.common.logsettings import LogSettings
+
 DRAIN_TIMEOUT_S = 30.0
 QUEUED_BYTES_SHARE = 4  # by default the queues may hold a quarter of the host's memory
 MODEL_LOAD_TIMEOUT_S = 180.0  # then a model still loading is UNAVAILABLE (below Pool.start()'s own timeout)
@@ -34,6 +36,10 @@ class FrontOptions:
     cache_size: int = 0  # bytes of the response cache (Triton's --cache-config local,size=BYTES); 0: no cache
     sidecar_token: str | None = None  # what the pool's sidecars show to use the shared-memory record
     regions_fd: int = -1  # a memfd the shared-memory record's version is written to, for the sidecars
+
+    def log_settings(self) -> LogSettings:
+        """The log settings the front and its workers start with."""
+        return LogSettings.of_level(self.log_level, self.log_format, self.log_file)
 
 
 def queued_bytes_limit(asked: int) -> int:

@@ -282,7 +282,7 @@ def test_default_max_batch_size_is_what_a_batchable_model_gets_and_0_serves_it_u
     (("onnxruntime,default-max-batch-size=0",), 0),
 ])
 def test_backend_config_groups_decide_the_default_max_batch_size(tmp_path, groups, expected):
-    assert Pool(str(tmp_path), backend_config=groups).options.default_max_batch_size() == expected
+    assert Pool(str(tmp_path), backend_config=groups).options.reading().default_max_batch == expected
 
 
 @pytest.mark.parametrize("group, words", [

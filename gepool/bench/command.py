@@ -66,7 +66,9 @@ def _refuse_what_would_be_ignored(args) -> None:
             raise UsageError("--sweep needs --model-repository (it starts its own pools)")
         if not os.path.isdir(os.path.join(args.model_repository, args.model)):
             raise UsageError(f"--model-repository '{args.model_repository}' has no folder '{args.model}'")
-        if not os.path.isfile(os.path.join(args.model_repository, args.model, "config.pbtxt")):
+        from gepool.common.repository import CONFIG_NAME
+
+        if not os.path.isfile(os.path.join(args.model_repository, args.model, CONFIG_NAME)):
             raise UsageError(f"--sweep varies the batching in the model's config.pbtxt, and '{args.model}' has none "
                              f"(its config is auto-completed): save the completed one (GET /v2/models/{args.model}"
                              f"/config shows it) as config.pbtxt and sweep again")

@@ -640,8 +640,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         from gepool.grpc import server as grpc_server
 
         grpc_listener = await grpc_server.start(gw, hosts.get("grpc", host), grpc_port, grpc_server_kind,
-                                                inherited.get("grpc"),
-                                                grpc_restrictions)
+                                                inherited.get("grpc"), grpc_restrictions)
     gw.regions.watch()
     gc_policy.settle()
     if ready_fd is not None:
@@ -772,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
                       args.curve_key, restrictions, args.http_max_body_bytes, args.http_body_timeout_s,
                       args.strict_readiness == "true", args.grpc_port, args.front_ready, args.http_server,
                       args.grpc_server, inherited, regions, grpc_restrictions,
-                      {"grpc": args.grpc_host or args.http_host, "metrics": args.metrics_host or args.http_host},
+                      {name: given for name, given in (("grpc", args.grpc_host), ("metrics", args.metrics_host))
+                       if given},
                       args.id, args.allow_cpu_metrics == "true"))
     return 0
 
