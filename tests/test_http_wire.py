@@ -280,7 +280,9 @@ def test_a_half_closed_client_is_answered(served):
         sock.sendall(INFER + GOOD)
         sock.shutdown(socket.SHUT_WR)
         status, headers, _ = reader.response()
-        assert status == 200 and headers["connection"].lower() == "close"
+        # the server may read the request and answer before the FIN reaches it (then it does not yet know to say
+        # close, and closes once it reads the FIN): only a header that says otherwise would be wrong
+        assert status == 200 and headers.get("connection", "close").lower() == "close", headers
         assert reader.closed()
 
 
