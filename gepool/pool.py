@@ -32,7 +32,6 @@ GATEWAY_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 GATEWAY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # between restarts of a sidecar that keeps dying
 GATEWAY_STEADY_S = 60.0  # a sidecar that lived this long restarts from the first backoff again
-BODY_HEADROOM_BYTES = 1 << 20  # room in the default body limit for the JSON header around the tensors
 
 _spawn = multiprocessing.get_context("spawn")
 log = logging.getLogger("gepool.pool")
@@ -135,6 +134,7 @@ def _listen(options: PoolOptions, args: list[str], listening: list) -> list[str]
 def _default_max_body(repository: str, options: PoolOptions) -> int:
     """The largest slot of any model in the repository, plus room for a JSON header."""
     from gepool.common.repository import scan
+    from gepool.http.limits import BODY_HEADROOM_BYTES
     from gepool.scheduler.models import DEFAULT_VARIABLE_SLOT_BYTES, slot_bytes_for
 
     slots = [slot_bytes_for(src.config) for src in scan(repository, options.reading()) if src.config is not None]
@@ -152,6 +152,7 @@ def _gateway_args(endpoint: str, options: PoolOptions, repository: str) -> list[
             "--strict-readiness", "true" if options.strict_readiness else "false",
             *(["--curve-key", options.curve_secret_key] if options.curve_secret_key else []),
             "--http-max-body-bytes", str(max_body), "--http-server", options.http_server,
+            *([] if options.http_max_body_bytes else ["--body-limit-follows-loads"]),
             "--grpc-server", options.grpc_server, "--front-ready",
             *(f"--http-restricted-api={group}" for group in options.http_restricted_api),
             *(f"--grpc-restricted-protocol={group}" for group in options.grpc_restricted_protocol)]

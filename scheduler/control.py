@@ -46,6 +46,7 @@ class ModelControl:
         self.generation = 0
         self.poll_at: float | None = None
         self.budget = QueueBudget(queued_bytes_limit(opts.max_queued_bytes))  # every model's queues share it
+        self.changed: Callable[[], None] = lambda: None  # the set of models held changed (loaded or dropped)
         self.reading = Reading.of(opts.auto_complete_config, opts.backend_config, opts.model_config_name)
         if opts.backend_config and not opts.auto_complete_config:
             log.warning("--backend-config default-max-batch-size has no effect: auto-complete is disabled, so no "
@@ -119,6 +120,7 @@ class ModelControl:
                 log.error("model %s version %s cannot load: %s", name, src.version, src.error or model.reason)
                 continue
             self._place(model)
+        self.changed()  # before any of them serves: a sidecar's body limit is raised first
         self.settle(group)
 
     def _place(self, model: Model) -> None:
@@ -236,6 +238,7 @@ class ModelControl:
                 if any(w.process is not None for w in model.workers):
                     continue  # Stop sent; it leaves the books when its workers have exited
                 group.draining.remove(model)
+                self.changed()
             if group.unloading and not group.models():
                 del self.groups[name]
 

@@ -46,6 +46,7 @@ class Core:
         self.control = ModelControl(opts, self.workers, out, clock)
         self.arenas = Arenas(self._drop_arena, naming.segment_name(opts.owner_id, ""))
         self.regions = RegionBook(opts.sidecar_token, opts.regions_fd)
+        self.control.changed = self._models_changed
         self.polling = PollPolicy(opts.busy_poll_us)
         self.dispatch = Dispatcher(out.reply, self.arenas, self.polling, clock)
         if opts.cache_size > 0:
@@ -224,6 +225,9 @@ class Core:
         """Traffic is sequential and no worker computes: an ensemble step's worker may be prewoken (by
         ``_prepare_worker``, as a client's request's is)."""
         return self.polling.enabled and self.dispatch.last_batch_requests <= 1 and not self.workers.busy()
+
+    def _models_changed(self) -> None:
+        self.regions.publish_largest_slot(max((m.slot_bytes for m in self.control.models()), default=0))
 
     def message_limit(self) -> int:
         """The most bytes one client message may declare: the largest slot of any model, plus headers."""

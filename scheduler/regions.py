@@ -6,8 +6,10 @@ a region is recorded here; the other sidecars open it again on their own, and re
 still the same file (device and inode) owned by the same uid. Every change bumps a version number the
 sidecars read from a shared page (``VERSION``), so a sidecar asks for the record again only when it
 changed: what a client registered through one connection is there for its next request on any other.
-A register or unregister is answered with the change alone (a sidecar whose record was current
-applies it; any other asks for the whole record), so no user's churn costs the front the record of all.
+The same page carries the largest slot of any model the front holds (``LARGEST_SLOT``), which a sidecar's
+default body limit follows as models are loaded and unloaded. A register or unregister is answered with the
+change alone (a sidecar whose record was current applies it; any other asks for the whole record), so no user's
+churn costs the front the record of all.
 """
 
 import fcntl
@@ -22,6 +24,8 @@ TOKEN_ENV = "GEPOOL_SIDECAR_TOKEN"  # the token, in a sidecar's environment (onl
 MAX_REGIONS_PER_UID = 256  # each holds an open fd in every sidecar: no user may exhaust their descriptors
 MAX_REGION_TEXT = 256  # characters of a region's name or key (a key names one file: NAME_MAX is 255)
 VERSION = struct.Struct("=Q")  # the record's version, at offset 0 of the shared page
+LARGEST_SLOT = struct.Struct("=Q")  # the largest slot of any model the front holds, at LARGEST_SLOT_OFFSET
+LARGEST_SLOT_OFFSET = 8
 _FIELDS = {"uid": int, "name": str, "key": str, "offset": int, "byte_size": int, "dev": int, "ino": int}
 
 
@@ -108,6 +112,11 @@ class RegionBook:
         if mine:
             self._changed()
         return [list(k) for k in mine]
+
+    def publish_largest_slot(self, nbytes: int) -> None:
+        """Tells the sidecars the largest slot of any model held now (their default body limit follows it)."""
+        if self._page is not None:
+            LARGEST_SLOT.pack_into(self._page, LARGEST_SLOT_OFFSET, nbytes)
 
     def _changed(self) -> None:
         self.version += 1

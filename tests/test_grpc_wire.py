@@ -389,8 +389,9 @@ def test_a_client_that_reads_nothing_is_cut_off_once_stalled(monkeypatch):
 
 def test_a_connection_holding_too_many_bytes_of_requests_is_refused_more(served):
     """Partial messages on many streams: the stream whose bytes take the connection past its bound of requests
-    still arriving (here lowered to 4x the body limit) is answered RESOURCE_EXHAUSTED, and what it held goes."""
-    served.listener.max_partial = 4 * MAX_BODY
+    still arriving (here lowered to 4x the body limit and a frame) is answered RESOURCE_EXHAUSTED, and what it held
+    goes."""
+    served.listener.partial_floor = 0
     raw = Raw(served.port)
     statuses = []
     for i in range(6):
@@ -407,7 +408,7 @@ def test_a_connection_holding_too_many_bytes_of_requests_is_refused_more(served)
             break
     assert statuses and all(s["grpc-status"] == str(RESOURCE_EXHAUSTED) for s in statuses)
     assert "requests still arriving" in statuses[0]["grpc-message"]
-    assert served.held() <= 4 * MAX_BODY
+    assert served.held() <= served.listener.max_partial == 4 * MAX_BODY + native.MAX_FRAME_SIZE
     raw.close()
     assert wait_until(lambda: served.held() == 0, 10)
 

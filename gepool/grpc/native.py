@@ -34,7 +34,7 @@ from hpack.hpack import encode_integer
 
 from gepool.grpc.access import GrpcRestrictions
 from gepool.http import listen
-from gepool.http.limits import BODY_TIMEOUT_S, INLINE_PARSE_BYTES
+from gepool.http.limits import BODY_TIMEOUT_S, INLINE_PARSE_BYTES, BodyLimit
 
 log = logging.getLogger("gepool.grpc")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -1124,19 +1124,30 @@ class Listener(listen.Listening):
     """The gRPC server on one address: ``methods`` maps each RPC's path to its ``grpc.RpcMethodHandler``."""
 
     sweep_s = SWEEP_S
+    partial_floor = 64 << 20  # max_partial is at least this
 
-    def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int,
+    def __init__(self, methods: dict[str, grpc.RpcMethodHandler], host: str, port: int, max_body: int | BodyLimit,
                  socks: list[socket.socket] | None = None, restrictions: GrpcRestrictions | None = None) -> None:
         super().__init__(host, port, socks)
         self.methods = {path.encode(): h for path, h in methods.items()}
         self.restrictions = restrictions or GrpcRestrictions()  # refused at the call's headers, before its request
         # a method's path -> its fast path for unary calls without a deadline (Connection._start_fast)
         self.fast: dict[bytes, Callable[[bytes, str, Callable], bool]] = {}
-        self.max_body = max_body
-        # whole requests waiting for their calls' tasks a connection may hold before it is read no more
-        self.max_held = 4 * max_body + MAX_FRAME_SIZE
-        # requests still arriving a connection may hold: past it, the call that went over is refused
-        self.max_partial = max(4 * max_body, 64 << 20) + MAX_FRAME_SIZE
+        self.body_limit = max_body if isinstance(max_body, BodyLimit) else BodyLimit(max_body)
+
+    @property
+    def max_body(self) -> int:
+        return self.body_limit()
+
+    @property
+    def max_held(self) -> int:
+        """Whole requests waiting for their calls' tasks a connection may hold before it is read no more."""
+        return 4 * self.body_limit() + MAX_FRAME_SIZE
+
+    @property
+    def max_partial(self) -> int:
+        """Requests still arriving a connection may hold: past it, the call that went over is refused."""
+        return max(4 * self.body_limit(), self.partial_floor) + MAX_FRAME_SIZE
 
     def connection(self) -> Connection:
         return Connection(self)

@@ -227,7 +227,7 @@ async def start(gw, host: str, port: int, kind: str = DEFAULT_GRPC_SERVER, socks
         from gepool.grpc import native
 
         listener = native.Listener({f"/{name}/{method}": h for name, handlers in table.items()
-                                    for method, h in handlers.items()}, host, port, gw.max_body, socks,
+                                    for method, h in handlers.items()}, host, port, gw.body_limit, socks,
                                    restrictions)
         listener.fast[f"/{SERVICE}/ModelInfer".encode()] = _fast(service.infer_now, "ModelInfer")
         try:

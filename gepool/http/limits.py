@@ -7,17 +7,40 @@ every other client), and bodies above ``INLINE_PARSE_BYTES`` are parsed in a wor
 """
 
 import asyncio
+import mmap
 import zlib
 from collections.abc import AsyncIterable, Callable
 
 from aiohttp import web
 
 from gepool.common import errors
+from gepool.scheduler.regions import LARGEST_SLOT_OFFSET
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # Triton's --http-max-input-size default; the pool passes its largest slot
 MAX_JSON_BYTES = 2 << 20  # about 50 ms of json.loads on this host's cores
 INLINE_PARSE_BYTES = 64 << 10  # bodies above this (or naming shared memory) are parsed off the event loop
 BODY_TIMEOUT_S = 30.0
+BODY_HEADROOM_BYTES = 1 << 20  # room in the default body limit for the JSON header around a slot's tensors
+
+
+class BodyLimit:
+    """The largest request body: a size, or (``page``: the front's shared page) the larger of that size
+    and the largest slot of any model the front holds now, plus ``BODY_HEADROOM_BYTES``, so that a model
+    loaded after start with larger batches is served."""
+
+    __slots__ = ("floor", "_words")
+
+    def __init__(self, floor: int, page: mmap.mmap | None = None) -> None:
+        self.floor = floor
+        # read as a word of a view (about a third of unpack_from's cost: it is read for every request); the view
+        # holds the mapping open for as long as this lives
+        self._words = memoryview(page).cast("Q") if page is not None else None
+
+    def __call__(self) -> int:
+        if self._words is None:
+            return self.floor
+        slot = self._words[LARGEST_SLOT_OFFSET // 8] + BODY_HEADROOM_BYTES
+        return slot if slot > self.floor else self.floor
 
 
 class BodyTooLarge(errors.RequestTooLarge):
@@ -92,14 +115,10 @@ async def read_body(request: web.Request, max_body: int, timeout: float, max_jso
             if len(body) > max_body:
                 raise BodyTooLarge(too_large(max_body))
             return body
-        async with asyncio.timeout(timeout):
-            if encoding == "identity":
-                return await request.read()
+        async with asyncio.timeout(timeout):  # (not request.read(): its client_max_size is fixed at start)
             return await decode(request.content.iter_any(), max_body, encoding)
     except TimeoutError:
         raise BodyTimeout(too_slow(timeout, length)) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise BodyTooLarge(too_large(max_body)) from None
     except web.RequestPayloadError:  # aiohttp's chunked framing failed
         raise web.HTTPBadRequest(reason=NOT_FRAMED) from None
     except ConnectionResetError as exc:

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from gepool.common import errors
 from gepool.http import limits, listen, rsgi
-from gepool.http.limits import BodyTimeout, BodyTooLarge, ClientGone
+from gepool.http.limits import BodyLimit, BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
 MAX_HEAD_BYTES = 64 << 10  # a request line and headers, as hyper's read buffer under granian
@@ -83,7 +83,7 @@ class Request:
         self._conn = conn
         self._parts: deque[bytes] = deque()
         self._size = 0
-        self._limit = conn.listener.max_body  # until the handler names its own: nothing is held past it
+        self._limit = conn.listener.body_limit()  # until the handler names its own: nothing is held past it
         self.done = False  # the whole body has arrived
         self._error: Exception | None = None
         self._waiter: asyncio.Future | None = None
@@ -627,10 +627,11 @@ class Listener(listen.Listening):
 
     sweep_s = SWEEP_S
 
-    def __init__(self, router: rsgi.Router, host: str, port: int, idle_timeout_s: float, max_body: int,
+    def __init__(self, router: rsgi.Router, host: str, port: int, idle_timeout_s: float, max_body: int | BodyLimit,
                  socks: list[socket.socket] | None = None) -> None:
         super().__init__(host, port, socks)
-        self.router, self.idle_timeout_s, self.max_body = router, idle_timeout_s, max_body
+        self.router, self.idle_timeout_s = router, idle_timeout_s
+        self.body_limit = max_body if isinstance(max_body, BodyLimit) else BodyLimit(max_body)
         self.stopping = False
         self.date = _date()
         # route handler -> its fast path: now(request, done) -> bool, False where the handler must answer; else it

@@ -40,6 +40,7 @@ from gepool.http.limits import (
     DEFAULT_MAX_BODY_BYTES,
     INLINE_PARSE_BYTES,
     MAX_JSON_BYTES,
+    BodyLimit,
     BodyTimeout,
     BodyTooLarge,
 )
@@ -115,9 +116,10 @@ class Gateway:
     def __init__(self, endpoint: str, curve_key: str | None = None, restrictions: Restrictions | None = None,
                  max_body: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
                  strict_readiness: bool = True, front_ready: bool = False,
-                 regions: tuple[str, mmap.mmap] | None = None) -> None:
+                 regions: tuple[str, mmap.mmap] | None = None, body_limit_follows: bool = False) -> None:
         """``regions``: the token and version page of the front's shared-memory record (a sidecar the pool
-        started); None: this process keeps its own."""
+        started); None: this process keeps its own. ``body_limit_follows``: the body limit is at least the
+        largest slot of any model the front holds now (read off that page), plus headroom."""
         self.endpoint, self.curve_key, self.strict_readiness = endpoint, curve_key, strict_readiness
         self.client: AsyncClient | None = None
         self.connected = asyncio.Event()
@@ -134,12 +136,17 @@ class Gateway:
         self.server_name = "gepool"  # its name in the server metadata (Triton's --id)
         self.log_settings: LogSettings | None = None  # the front's, as last read
         self.cpu_metrics = True  # Triton's nv_cpu_* gauges in /metrics
-        self.max_body, self.body_timeout = max_body, body_timeout
+        self.body_limit = BodyLimit(max_body, regions[1] if regions is not None and body_limit_follows else None)
+        self.body_timeout = body_timeout
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
         self._answering: set[asyncio.Task] = set()  # infer_now's tasks
         self.cpu = CpuUtilization()
         self.front_ready = front_ready
+
+    @property
+    def max_body(self) -> int:
+        return self.body_limit()
 
     async def connect(self) -> None:
         """Keeps trying: the gateway listens before the front is ready, and outlives nothing it needs."""
@@ -360,8 +367,8 @@ class Gateway:
         client = self.client
         if client is None or not self.connected.is_set() or self.regions.stale():
             return False
-        body = request.body_now()
-        if body is None or len(body) > INLINE_PARSE_BYTES or len(body) > self.max_body:
+        body, max_body = request.body_now(), self.body_limit()
+        if body is None or len(body) > INLINE_PARSE_BYTES or len(body) > max_body:
             return False
         headers = request.headers
         if self.restrictions.refusal(request.path, headers) is not None:
@@ -375,7 +382,7 @@ class Gateway:
         if body.find(b"shared_memory_region", 0, hlen) >= 0:
             return False
         try:
-            req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, self.max_body)
+            req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, max_body)
         except _Declined:  # an input in shared memory, its key spelled with escapes
             return False
         except errors.GepoolError as exc:
@@ -596,13 +603,16 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
                 grpc_server_kind: str = servers.DEFAULT_GRPC_SERVER,
                 inherited: dict[str, list[socket.socket]] | None = None,
                 regions: tuple[str, mmap.mmap] | None = None, grpc_restrictions=None,
-                hosts: dict[str, str] | None = None, server_id: str = "gepool", cpu_metrics: bool = True) -> None:
+                hosts: dict[str, str] | None = None, server_id: str = "gepool", cpu_metrics: bool = True,
+                body_limit_follows: bool = False) -> None:
     """Serves until SIGTERM or SIGINT, or until the pool that started it is gone. ``inherited``: listening
     sockets by port ("http", "metrics", "grpc"), bound by the pool and shared with its other sidecars;
-    a port without them is bound here, on ``host`` or its own in ``hosts``. ``regions``: see Gateway."""
+    a port without them is bound here, on ``host`` or its own in ``hosts``. ``regions``, ``body_limit_follows``:
+    see Gateway."""
     inherited = inherited or {}
     hosts = {"http": host, **(hosts or {})}
-    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready, regions)
+    gw = Gateway(endpoint, curve_key, restrictions, max_body, body_timeout, strict_readiness, front_ready, regions,
+                 body_limit_follows)
     gw.server_name, gw.cpu_metrics = server_id, cpu_metrics
     connecting = asyncio.get_running_loop().create_task(gw.connect())
     runners, listener = [], None
@@ -614,7 +624,7 @@ async def serve(endpoint: str, host: str, http_port: int, metrics_port: int, rea
         else:
             from gepool.http import native  # (httptools may be absent where another server is asked for)
 
-            listener = native.Listener(router, host, http_port, body_timeout, max_body, inherited.get("http"))
+            listener = native.Listener(router, host, http_port, body_timeout, gw.body_limit, inherited.get("http"))
             listener.fast[gw.infer] = gw.infer_now
         await listener.start()
     for name, port, app in (("http", 0 if listener else http_port, http_app(gw)), ("metrics", metrics_port, None)):
@@ -724,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regions-fd", type=int, metavar="FD",
                    help="the pool's shared-memory record's version page (a memfd); with the token in "
                         f"${TOKEN_ENV}, registered regions are the pool's, not this process's")
+    p.add_argument("--body-limit-follows-loads", action="store_true",
+                   help="with --regions-fd: the body limit is at least the largest slot of any model the front "
+                        "holds now, plus 1 MiB (the pool's own sidecars, when --http-max-body-bytes was not given)")
     p.add_argument("--front-ready", action="store_true",
                    help="the front was ready when this sidecar started (the pool's own): the readiness probe "
                         "waits a moment for the first connection instead of answering not ready")
@@ -737,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if args.http_max_body_bytes <= 0:
         p.error(f"--http-max-body-bytes must be positive, got {args.http_max_body_bytes}")
+    if args.body_limit_follows_loads and args.regions_fd is None:
+        p.error("--body-limit-follows-loads needs --regions-fd (the page the front publishes its slots on)")
     refusal = servers.refusal(args.http_server)
     if refusal:
         p.error(f"--http-server: {refusal}")
@@ -773,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.grpc_server, inherited, regions, grpc_restrictions,
                       {name: given for name, given in (("grpc", args.grpc_host), ("metrics", args.metrics_host))
                        if given},
-                      args.id, args.allow_cpu_metrics == "true"))
+                      args.id, args.allow_cpu_metrics == "true", args.body_limit_follows_loads))
     return 0
 
 
