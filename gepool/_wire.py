@@ -65,11 +65,12 @@ class Outgoing:
 def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: int | None,
                  timeout: float | None, arena: tuple[ClientArena, int] | None, out_bytes: int,
                  arena_min: int = ARENA_MIN, deadline: float | None = None, priority: int = 0,
-                 origin: int = protocol.Origin.LIBRARY, caller: list | None = None) -> Outgoing:
+                 origin: int = protocol.Origin.LIBRARY, caller: list | None = None,
+                 req_id: int | None = None) -> Outgoing:
     """Tensors go into the arena when one is registered and has room, else as raw frames; so does a
     request under ``arena_min`` bytes in all whose inputs are outside the arena. ``timeout``: the
     request's own (Triton's, for the queue policy); ``deadline``: how long the client waits for it;
-    ``caller``: a BLS call's batch (protocol.Infer.caller)."""
+    ``caller``: a BLS call's batch (protocol.Infer.caller); ``req_id``: one taken already (else a new one)."""
     priority = check_priority(priority)
     if not isinstance(inputs, dict) or not inputs:
         raise errors.InvalidArgument("inputs must be a non-empty dict of name -> numpy array")
@@ -84,7 +85,8 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                 raise errors.InvalidArgument(f"input '{name}': {exc}") from None
         types.append(datatype)
         arrays[name] = arr
-    req_id = next_id()
+    if req_id is None:
+        req_id = next_id()
     ranges: list[tuple[int, int]] = []
     if dtypes.BYTES in types:
         arena = None  # BYTES travel as frames
@@ -110,7 +112,7 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
                     where, pos = pos, pos + layout.align(arr.nbytes)
                 refs.append([name, datatype, list(arr.shape), where])
             head = _pack([_INFER, req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                          arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller])
+                          arena_id, base + total, out_bytes, _timeout_us(deadline), int(origin), caller, None])
             return Outgoing(req_id, [head], ranges, (base + total, out_bytes) if out_bytes else None)
     refs, frames = [], [b""]
     for (name, arr), datatype in zip(arrays.items(), types):
@@ -120,7 +122,7 @@ def encode_infer(model: str, inputs: dict, outputs: list[str] | None, version: i
         else:
             frames.append(arr.tobytes() if arr.nbytes <= FRAME_COPY_MAX else np.ascontiguousarray(arr))
     frames[0] = _pack([_INFER, req_id, model, _version(version), refs, outputs, _timeout_us(timeout), priority,
-                       protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller])
+                       protocol.NO_ARENA, 0, 0, _timeout_us(deadline), int(origin), caller, None])
     return Outgoing(req_id, frames, ranges)
 
 

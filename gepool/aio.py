@@ -9,7 +9,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from gepool import _wire
+from gepool import _groups, _wire
 from gepool.clientcore import CONNECT_TIMEOUT_S, DEFAULT_ARENA_BYTES, DEFAULT_TIMEOUT_S, WATCH_S, ClientCore, Inflight
 from gepool.common import errors
 from gepool.ipc import lane as _lane
@@ -43,6 +43,9 @@ class AsyncClient(ClientCore):
         # messages for the lane, in order: (frames, req_id, its one record or None, its records or None)
         self._outq: list[tuple] = []
         self._flush_at: asyncio.Handle | None = None  # the flush the queue's first message scheduled
+        # submitted requests that may go in a group, by what they share (gepool/_groups.py): made into messages
+        # by the flush (or by the lane's loss) of the loop pass that submitted them
+        self._groups: dict[tuple, list[_groups.Member]] = {}
         self._draining: asyncio.Task | None = None  # sending what found the socket full; the lane is busy
         self._sending: tuple[list, list] | None = None  # the queue and records a drain sends
         self._sent = 0  # of those records
@@ -106,19 +109,35 @@ class AsyncClient(ClientCore):
         """``infer`` without a task or a future, for a request that fits one lane record: it joins this loop
         pass's flush, and ``done(outputs, None)`` or ``done(None, error)`` is called once, from the loop, when
         the answer comes, the request fails, or ``wait`` passes (as ``infer``'s). False, with nothing sent,
-        where ``infer`` must serve it: no lane open yet, a shared-memory arena, a longer message."""
+        where ``infer`` must serve it: no lane open yet, a shared-memory arena, a longer message. Requests of one
+        pass alike but for their rows go as groups (gepool/_groups.py), encoded by the flush."""
         if self._lane is None or self.arena is not None:
             return False
         _wire.check_priority(priority)
-        out = self._encode(model, inputs, outputs, version, timeout, priority, origin, wait)
-        if wait is None:
-            wait = self._wait(timeout)
-        wait = self.timeout if wait is None else wait
-        if not self._queue_one(out.frames, out.req_id):
-            return False
+        if self._draining is None and not self._closed \
+                and (grouped := _groups.key_of(model, inputs, outputs, version, timeout, priority, origin,
+                                               self._wait(timeout) if wait is None else wait)) is not None:
+            key, rows, size = grouped
+            wait = self.timeout if key[6] is None else key[6]
+            now = time.monotonic()
+            deadline = None if wait is None else now + wait
+            out = _wire.Outgoing(_wire.next_id(), [], [])
+            members = self._groups.get(key)
+            if members is None:
+                members = self._groups[key] = []
+            members.append(_groups.Member(out.req_id, inputs, rows, size))
+            if self._flush_at is None:
+                self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            out = self._encode(model, inputs, outputs, version, timeout, priority, origin, wait)
+            if wait is None:
+                wait = self._wait(timeout)
+            wait = self.timeout if wait is None else wait
+            if not self._queue_one(out.frames, out.req_id):
+                return False
+            now = time.monotonic()
+            deadline = None if wait is None else now + wait
         # booked after it is queued, before the flush that sends it (a later pass of the loop) can be answered
-        now = time.monotonic()
-        deadline = None if wait is None else now + wait
         self._inflight[out.req_id] = (out, _Answer(done, out), deadline, True)
         if deadline is not None and (self._timer_at is None or deadline < self._timer_at):
             self._arm(deadline, now)
@@ -226,9 +245,30 @@ class AsyncClient(ClientCore):
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
         return True
 
+    def _gather(self) -> None:
+        """This pass's groupable requests into the queue: each run of alike ones as a group (one alone as
+        itself), its id booked in flight for the group's answer."""
+        groups, self._groups = self._groups, {}
+        for key, members in groups.items():
+            for run in _groups.chunks(members):
+                if len(run) == 1:
+                    (m,) = run
+                    model, version, outputs, timeout, priority, origin, wait, _ = key
+                    frames = _wire.encode_infer(model, m.inputs, None if outputs is None else list(outputs), version,
+                                                timeout, None, 0, self.arena_min_bytes, wait, priority, origin,
+                                                req_id=m.req_id).frames
+                    req_id = m.req_id
+                else:  # its answers come under its members' ids: they are what the queue entry names
+                    frames = _groups.encode(key, run, _wire.next_id())
+                    req_id = tuple(m.req_id for m in run)
+                one = _lane.record(frames)
+                self._outq.append((frames, req_id, one, None if one is not None else _lane.spanning(frames)))
+
     def _flush(self) -> None:
         """Sends the queue; what finds the socket full is left to a drain task (the lane is busy until it
         ends, and what is queued meanwhile goes when it does, together)."""
+        if self._groups:
+            self._gather()
         self._flush_at = None
         queue, self._outq = self._outq, []
         sock = self._lane
@@ -281,10 +321,11 @@ class AsyncClient(ClientCore):
         if not queue:
             return
         now = time.monotonic()
-        for frames, req_id, _, _ in queue:
-            entry = self._inflight.get(req_id)
-            if entry is not None:
-                self._inflight[req_id] = entry[:3] + (False,)
+        for frames, req_ids, _, _ in queue:
+            for req_id in req_ids if type(req_ids) is tuple else (req_ids,):  # (a group's: its members')
+                entry = self._inflight.get(req_id)
+                if entry is not None:
+                    self._inflight[req_id] = entry[:3] + (False,)
             self._sock.send_multipart(frames, copy=False).add_done_callback(_quiet)
         if self._timer_at is None or now + WATCH_S < self._timer_at:
             self._arm(now + WATCH_S, now)
@@ -336,6 +377,8 @@ class AsyncClient(ClientCore):
             self._sending = None
         if self._draining is not None and self._draining is not asyncio.current_task():
             self._draining.cancel()
+        if self._groups:
+            self._gather()
         unsent += self._outq
         self._outq = []
         self._by_zmq(unsent)
@@ -350,6 +393,9 @@ class AsyncClient(ClientCore):
         try:
             msg, rest = _wire.decode(frames)
         except protocol.ProtocolError:
+            return
+        if type(msg) is protocol.Result and msg.members is not None:
+            _groups.answer(msg, rest, self._inflight)
             return
         req_id = getattr(msg, "req_id", None)
         entry = self._inflight.pop(req_id, None)
@@ -382,6 +428,7 @@ class AsyncClient(ClientCore):
             if self._flush_at is not None:
                 self._flush_at.cancel()
                 self._flush_at = None
+            self._groups = {}
             if self._draining is not None:
                 self._draining.cancel()
                 await asyncio.wait([self._draining])
@@ -430,6 +477,11 @@ class _Answer:
     def set_exception(self, exc: BaseException) -> None:
         self._called = True
         self._call(None, exc)
+
+    def set_outputs(self, outputs: dict) -> None:
+        """Its rows of its group's answer (gepool/_groups.py)."""
+        self._called = True
+        self._call(outputs, None)
 
     def _call(self, outputs: dict | None, exc: BaseException | None) -> None:
         try:

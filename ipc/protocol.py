@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: Result names the model version that ran the request; 3: Infer names its origin
+PROTOCOL_VERSION = 4  # 2: Result names the model version that ran the request; 3: Infer names its origin;
+# 4: an Infer may carry a group of requests (Infer.members), answered together (Result.members)
 NO_VERSION = -1  # Infer.version: serve the default version
 NO_ARENA = -1  # Infer.arena: tensors ride as frames
 EXIT_LOAD_FAILED = 3  # a worker's exit code after its WorkerFailed; the front goes by the message
@@ -146,11 +147,17 @@ class Infer(_Base):
     # how long its client waits for the answer (0 = no limit): past it the request is dropped unrun;
     # unlike timeout_us it never changes the queue policy's timeout
     deadline_us: int = 0
-    origin: int = Origin.LIBRARY  # the surface it came by (the gateway sets HTTP or GRPC)
+    origin: int = int(Origin.LIBRARY)  # the surface it came by (the gateway sets HTTP or GRPC); a plain int, as decoded
     # A BLS call (a python model calling another model): [worker id, slot, seq, key]: the batch whose execute
     # waits on it (slot WARMUP_SLOT: the worker's warmup), and the key the front started that worker with
     # (CALLER_KEY_BYTES). The front derives the call chain from that batch.
     caller: list | None = None
+    # A group: several requests of one client, alike but for their rows, whose tensors are stacked along the
+    # batch dimension: [[req_id, rows], ...] in that order (req_id, above, is the group's own). The front runs
+    # it as one request where that cannot be told apart from running each (Result.members answers it), else
+    # as each member on its own, answered under the member's req_id; an Error under the group's req_id is
+    # every member's answer.
+    members: list | None = None
 
 
 @_message
@@ -160,6 +167,7 @@ class Result(_Base):
     outputs: list  # [TensorRef]; `where` indexes frames, or the arena when in_arena
     in_arena: bool
     version: int  # the model version that ran it (KServe's model_version)
+    members: list | None = None  # a group's answer: its Infer.members; each member's outputs are its rows
 
 
 @_message

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 from gepool.common import errors
 from gepool.ipc import naming, protocol
+from gepool.scheduler import grouping
 from gepool.scheduler.arenas import Arenas
 from gepool.scheduler.books import Worker, Workers
 from gepool.scheduler.cache import ResponseCache
@@ -155,6 +156,8 @@ class Core:
             raise errors.InvalidArgument("req_id must be an integer and model a string")
         if self.stopping:
             raise errors.Unavailable("the pool is shutting down")
+        if msg.members is not None:
+            return self._infer_group(identity, msg, parts)
         group = self.control.group(msg.model)
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         try:
@@ -178,6 +181,52 @@ class Core:
             raise
         self._refused.discard(msg.model)
 
+    def _infer_group(self, identity: bytes, msg: protocol.Infer, parts: list) -> None:
+        """A group of requests (protocol.Infer.members): queued as one request (or as runs that each fit a batch)
+        where its model cannot tell the difference, else each member admitted on its own. Every answer, an
+        error included, goes to each member (a group whose members cannot be read hears it under its own id)."""
+        members = grouping.members(msg)
+        try:
+            group = self.control.group(msg.model)
+            model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
+            runs = [[m] for m in members]
+            if model.groupable and grouping.runs_as_one(msg):
+                runs = grouping.runs(members, model.config.max_batch_size)
+                if len(runs) == 1 and self._admit_group(identity, msg, parts, group, model, members):
+                    return
+                if len(runs) == 1:  # it fits a batch, yet its model refused it: each member hears its own words
+                    runs = [[m] for m in members]
+            split = grouping.split(msg, parts[1:], runs)
+        except errors.GepoolError as exc:
+            self._tell_members(identity, members, exc)
+            return
+        for one, frames in split:
+            try:
+                self._infer(identity, one, frames)
+            except errors.GepoolError as exc:
+                self._tell_members(identity, [(one.req_id, 0)] if one.members is None else one.members, exc)
+
+    def _admit_group(self, identity: bytes, msg: protocol.Infer, parts: list, group, model: Model,
+                     members: list[tuple[int, int]]) -> bool:
+        """Queues a group as one request; False where admission refused it (nothing queued, nothing counted)."""
+        try:
+            self.calls.check_servable(model, None)
+            req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())
+        except errors.GepoolError:
+            return False
+        total = sum(rows for _, rows in members)
+        if req.rows != total:
+            raise errors.InvalidArgument(f"a group's members hold {total} rows, its tensors {req.rows}")
+        req.count, req.members = len(members), msg.members
+        self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us)
+        self._refused.discard(msg.model)
+        return True
+
+    def _tell_members(self, identity: bytes, members: list, err: errors.GepoolError) -> None:
+        encoded = [protocol.Error(req_id, err.code, err.message).encode() for req_id, _ in members]
+        for one in encoded:
+            self.out.reply(identity, [one])
+
     def _enqueue(self, group, model: Model, req, priority: int, timeout_us: int, deadline_us: int = 0,
                  counted: bool = False) -> None:
         """An admitted request into its model's queue, or Unavailable (the pool's or the model's queue is
@@ -199,9 +248,9 @@ class Core:
             if call is not None:
                 self.calls.forget(call)
             if not counted:
-                model.stats.failed(failure_reason(exc), req.origin)
+                model.stats.failed(failure_reason(exc), req.origin, req.count)
             raise
-        group.version_requests[model.version] = group.version_requests.get(model.version, 0) + 1
+        group.version_requests[model.version] = group.version_requests.get(model.version, 0) + req.count
         self.dirty.add(model)
 
     def _prepare_worker(self, name: object) -> bool:

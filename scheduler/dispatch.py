@@ -102,7 +102,8 @@ class Dispatcher:
             copy_in = time.perf_counter() - started
         self.last_batch_requests = len(reqs)
         self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
-        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in, [r.origin for r in reqs])
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in, [r.origin for r in reqs],
+                               [r.count for r in reqs])
         w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def _intact(self, model: Model, reqs: list[Request]) -> list[Request]:
@@ -211,7 +212,7 @@ class Dispatcher:
                     try:
                         if req.sink is None:
                             self.respond(model, req, arrays, row)
-                            model.stats.answered(now - req.arrived, req.origin)
+                            model.stats.answered(now - req.arrived, req.origin, req.count)
                         elif req.sink.done(model, arrays, row, t_end - t_start):
                             model.stats.answered(now - req.arrived, req.origin)
                         else:
@@ -259,7 +260,8 @@ class Dispatcher:
         if has_bytes:
             pieces = [dtypes.serialize_bytes(p) if p.dtype.kind == "O" else p for p in pieces]
         # the pieces may be views of a slot that is reused as soon as its batch is answered
-        self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version).encode(), *pieces], True)
+        self.reply(req.identity, [protocol.Result(req.req_id, refs, False, model.version, req.members).encode(),
+                                  *pieces], True)
         if not self._answering:
             self.settle()
 
@@ -317,9 +319,9 @@ class Dispatcher:
     def reply_error(self, model: Model, req: Request, err: errors.GepoolError, client_gone: bool = False) -> None:
         """``client_gone``: its client's deadline passed before it ran (Triton's CANCELED, and a client timeout)."""
         if client_gone:
-            model.stats.client_timed_out(req.origin)
+            model.stats.client_timed_out(req.origin, req.count)
         else:
-            model.stats.failed(failure_reason(err), req.origin)
+            model.stats.failed(failure_reason(err), req.origin, req.count)
         if req.sink is not None:
             req.sink.failed(model, err)
             return
@@ -327,8 +329,13 @@ class Dispatcher:
 
 
 def send_error(reply: Reply, req: Request, err: errors.GepoolError) -> None:
-    """``err`` to the client of ``req``, as its answer: every error reply to a request is this one."""
-    reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+    """``err`` to the client of ``req``, as its answer: every error reply to a request is this one (a group's
+    goes to each of its members)."""
+    if req.members is None:
+        reply(req.identity, [protocol.Error(req.req_id, err.code, err.message).encode()], False)
+        return
+    for req_id, _ in req.members:
+        reply(req.identity, [protocol.Error(req_id, err.code, err.message).encode()], False)
 
 
 def _nothing() -> None:

@@ -63,6 +63,8 @@ class Request:
     deadline: float | None = None  # when nobody waits for it any more (its timeout or its client's deadline)
     priority: int = 0  # as it asked: a retry goes back to its own level
     expires: float | None = None  # its client's deadline alone: a retry still leaves the queue at it
+    count: int = 1  # the client requests it stands for: a group's members (protocol.Infer.members)
+    members: list | None = None  # a group's members, echoed in its Result
 
 
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the

@@ -26,10 +26,10 @@ class Histogram:
     total: float = 0.0
     n: int = 0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS_S, seconds)] += 1
-        self.total += seconds
-        self.n += 1
+    def observe(self, seconds: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_S, seconds)] += count
+        self.total += seconds * count
+        self.n += count
 
     def add(self, other: "Histogram") -> None:
         self.counts = [a + b for a, b in zip(self.counts, other.counts)]
@@ -87,16 +87,17 @@ class ModelStats:
     by_origin: list[OriginStats] = field(default_factory=lambda: [OriginStats() for _ in Origin])
 
     def dispatched(self, rows: int, waits: list[float], copy_in_s: float = 0.0,
-                   origins: list[int] | None = None) -> None:
+                   origins: list[int] | None = None, counts: list[int] | None = None) -> None:
         """A batch handed to a worker, ``copy_in_s`` the front's copy of its inputs (Triton's compute_input),
-        ``origins`` its requests' origins (in the order of ``waits``; None: all LIBRARY)."""
+        ``origins`` its requests' origins (in the order of ``waits``; None: all LIBRARY), ``counts`` the client
+        requests each stands for (a group stands for its members; None: one each)."""
         self.batches += 1
         self.rows += rows
         self.batch_sizes[rows] += 1
         observe, by_origin = self.queue.observe, self.by_origin
-        for w, o in zip(waits, origins or itertools.repeat(Origin.LIBRARY)):
-            observe(w)
-            by_origin[o].queue_s += w
+        for w, o, n in zip(waits, origins or itertools.repeat(Origin.LIBRARY), counts or itertools.repeat(1)):
+            observe(w, n)
+            by_origin[o].queue_s += w * n
         self.compute_input_s += copy_in_s
         self.batch_compute_input_s[rows] += copy_in_s
 
@@ -108,13 +109,14 @@ class ModelStats:
         self.compute_output_s += copy_out_s
         self.batch_compute_output_s[rows] += copy_out_s
 
-    def answered(self, seconds: float, origin: int = Origin.LIBRARY) -> None:
-        self.requests += 1
-        self.request.observe(seconds)
+    def answered(self, seconds: float, origin: int = Origin.LIBRARY, count: int = 1) -> None:
+        """``count`` requests answered after ``seconds`` (a group's members)."""
+        self.requests += count
+        self.request.observe(seconds, count)
         self.last_inference = time.time()
         o = self.by_origin[origin]
-        o.requests += 1
-        o.request_s += seconds
+        o.requests += count
+        o.request_s += seconds * count
 
     def ensemble_answered(self, rows: int, seconds: float, queue_s: float, compute_s: float,
                           origin: int = Origin.LIBRARY) -> None:
@@ -125,14 +127,14 @@ class ModelStats:
         self.queue.observe(queue_s)
         self.compute.observe(compute_s)
 
-    def failed(self, reason: str = OTHER, origin: int = Origin.LIBRARY) -> None:
-        self.failures += 1
-        self.failure_reasons[reason] += 1
-        self.by_origin[origin].failure_reasons[reason] += 1
+    def failed(self, reason: str = OTHER, origin: int = Origin.LIBRARY, count: int = 1) -> None:
+        self.failures += count
+        self.failure_reasons[reason] += count
+        self.by_origin[origin].failure_reasons[reason] += count
 
-    def client_timed_out(self, origin: int = Origin.LIBRARY) -> None:
-        self.failed(CANCELED, origin)
-        self.client_timeouts += 1
+    def client_timed_out(self, origin: int = Origin.LIBRARY, count: int = 1) -> None:
+        self.failed(CANCELED, origin, count)
+        self.client_timeouts += count
 
     def cache_hit(self, ns: int) -> None:
         self.cache_hits += 1

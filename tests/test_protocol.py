@@ -51,13 +51,15 @@ def test_garbage_is_refused(frame, why):
 
 
 def test_trailing_optional_fields_may_be_left_out_and_no_more_added():
-    """A sender that predates deadline_us, origin, caller or the arena token is understood; one more field is not."""
+    """A sender that predates deadline_us, origin, caller, members or the arena token is understood; one more field
+    is not."""
     infer = protocol.Infer(7, "mlp", -1, [], None, 0, 0, protocol.NO_ARENA, 0, 0, 5, protocol.Origin.GRPC)
-    short = msgpack.packb(list(msgpack.unpackb(infer.encode()))[:-3])
+    short = msgpack.packb(list(msgpack.unpackb(infer.encode()))[:-4])
     assert protocol.decode(short).deadline_us == 0 and protocol.decode(short).origin == protocol.Origin.LIBRARY
+    assert type(protocol.decode(short).origin) is int  # as a sender's would be: admission takes ints only
     reg = msgpack.packb([int(protocol.MsgType.REGISTER_ARENA), 8, "/gepool.1x2.arena", 4096])
     assert protocol.decode(reg).token == b""
     with pytest.raises(protocol.ProtocolError, match="needs 3 to 4 fields, got 5"):
         protocol.decode(msgpack.packb([int(protocol.MsgType.REGISTER_ARENA), 8, "/a", 1, b"", 0]))
-    with pytest.raises(protocol.ProtocolError, match="needs 10 to 13 fields, got 9"):
+    with pytest.raises(protocol.ProtocolError, match="needs 10 to 14 fields, got 9"):
         protocol.decode(msgpack.packb(list(msgpack.unpackb(short))[:-1]))
