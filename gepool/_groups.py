@@ -13,6 +13,7 @@ from gepool.ipc import protocol
 MEMBER_MAX_BYTES = 16 << 10  # a request whose inputs hold more goes on its own
 GROUP_MAX_BYTES = 48 << 10  # a group's tensors: with its header it stays one lane record (ipc/lane.RECORD_MAX)
 MAX_MEMBERS = 256  # per group (the front takes up to scheduler/grouping.MAX_MEMBERS)
+MAX_INPUTS = 64  # a request with more inputs goes on its own (a lane message has at most lane.MAX_PARTS parts)
 _INFER = int(protocol.MsgType.INFER)
 
 
@@ -30,7 +31,7 @@ def key_of(model: str, inputs: dict, outputs: list | None, version: int | None, 
     all, and outputs are asked for by name."""
     if outputs is not None and not (type(outputs) is list and all(type(o) is str for o in outputs)):
         return None
-    if type(inputs) is not dict or not inputs or type(model) is not str:
+    if type(inputs) is not dict or not inputs or len(inputs) > MAX_INPUTS or type(model) is not str:
         return None
     spec, rows, size = [], -1, 0
     for name, arr in inputs.items():
@@ -87,11 +88,12 @@ def answer(msg: protocol.Result, frames: list, inflight: dict) -> None:
         total = sum(rows for _, rows in members)
         if any(np.ndim(a) == 0 or len(a) != total for a in outputs.values()):
             raise errors.Internal(f"a group's outputs do not hold its {total} rows")
-    except errors.GepoolError as exc:  # an answer that does not decode: each member hears it
-        for req_id, _ in members if type(members) is list else ():
-            entry = inflight.pop(req_id, None) if type(req_id) is int else None
+    except Exception as exc:  # an answer that does not decode: each member it names hears it
+        text = exc.message if isinstance(exc, errors.GepoolError) else f"a group's answer does not decode: {exc}"
+        for m in members if type(members) is list else ():
+            entry = inflight.pop(m[0], None) if type(m) is list and m and type(m[0]) is int else None
             if entry is not None and not entry[1].done():
-                entry[1].set_exception(errors.Internal(exc.message))
+                entry[1].set_exception(errors.Internal(text))
         return
     row = 0
     for req_id, rows in members:

@@ -110,7 +110,8 @@ class AsyncClient(ClientCore):
         pass's flush, and ``done(outputs, None)`` or ``done(None, error)`` is called once, from the loop, when
         the answer comes, the request fails, or ``wait`` passes (as ``infer``'s). False, with nothing sent,
         where ``infer`` must serve it: no lane open yet, a shared-memory arena, a longer message. Requests of one
-        pass alike but for their rows go as groups (gepool/_groups.py), encoded by the flush."""
+        pass alike but for their rows go as groups (gepool/_groups.py), encoded by the flush: ``inputs`` are
+        read then, not before (the caller leaves them as they are until its pass ends)."""
         if self._lane is None or self.arena is not None:
             return False
         _wire.check_priority(priority)
@@ -247,29 +248,37 @@ class AsyncClient(ClientCore):
 
     def _gather(self) -> None:
         """This pass's groupable requests into the queue: each run of alike ones as a group (one alone as
-        itself), its id booked in flight for the group's answer."""
+        itself). A run that cannot be encoded fails its members, not the flush."""
         groups, self._groups = self._groups, {}
         for key, members in groups.items():
             for run in _groups.chunks(members):
-                if len(run) == 1:
-                    (m,) = run
-                    model, version, outputs, timeout, priority, origin, wait, _ = key
-                    frames = _wire.encode_infer(model, m.inputs, None if outputs is None else list(outputs), version,
-                                                timeout, None, 0, self.arena_min_bytes, wait, priority, origin,
-                                                req_id=m.req_id).frames
-                    req_id = m.req_id
-                else:  # its answers come under its members' ids: they are what the queue entry names
-                    frames = _groups.encode(key, run, _wire.next_id())
-                    req_id = tuple(m.req_id for m in run)
-                one = _lane.record(frames)
-                self._outq.append((frames, req_id, one, None if one is not None else _lane.spanning(frames)))
+                try:
+                    if len(run) == 1:
+                        (m,) = run
+                        model, version, outputs, timeout, priority, origin, wait, _ = key
+                        frames = _wire.encode_infer(model, m.inputs, None if outputs is None else list(outputs),
+                                                    version, timeout, None, 0, self.arena_min_bytes, wait, priority,
+                                                    origin, req_id=m.req_id).frames
+                        req_id = m.req_id
+                    else:  # its answers come under its members' ids: they are what the queue entry names
+                        frames = _groups.encode(key, run, _wire.next_id())
+                        req_id = tuple(m.req_id for m in run)
+                    one = _lane.record(frames)
+                    records = None if one is not None else _lane.spanning(frames)
+                except Exception as exc:
+                    for m in run:
+                        entry = self._inflight.pop(m.req_id, None)
+                        if entry is not None and not entry[1].done():
+                            entry[1].set_exception(errors.InvalidArgument(f"the request cannot be sent: {exc}"))
+                    continue
+                self._outq.append((frames, req_id, one, records))
 
     def _flush(self) -> None:
         """Sends the queue; what finds the socket full is left to a drain task (the lane is busy until it
         ends, and what is queued meanwhile goes when it does, together)."""
+        self._flush_at = None  # first: whatever follows raises, the next request schedules a flush again
         if self._groups:
             self._gather()
-        self._flush_at = None
         queue, self._outq = self._outq, []
         sock = self._lane
         if sock is None:

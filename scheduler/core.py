@@ -22,7 +22,7 @@ from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.polling import PollPolicy
 from gepool.scheduler.recovery import Recovery
 from gepool.scheduler.regions import RegionBook
-from gepool.scheduler.requests import admit, bls_chain, origin_of
+from gepool.scheduler.requests import admit, bls_chain, check_header, origin_of
 from gepool.scheduler.states import ModelState, WorkerState
 from gepool.scheduler.stats import failure_reason
 from gepool.scheduler.status import Peers, answer_query, pool_status
@@ -154,10 +154,10 @@ class Core:
     def _infer(self, identity: bytes, msg: protocol.Infer, parts: list) -> None:
         if type(msg.req_id) is not int or type(msg.model) is not str:
             raise errors.InvalidArgument("req_id must be an integer and model a string")
-        if self.stopping:
-            raise errors.Unavailable("the pool is shutting down")
         if msg.members is not None:
             return self._infer_group(identity, msg, parts)
+        if self.stopping:
+            raise errors.Unavailable("the pool is shutting down")
         group = self.control.group(msg.model)
         model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
         try:
@@ -186,19 +186,31 @@ class Core:
         where its model cannot tell the difference, else each member admitted on its own. Every answer, an
         error included, goes to each member (a group whose members cannot be read hears it under its own id)."""
         members = grouping.members(msg)
+        model = None
         try:
+            if self.stopping:
+                raise errors.Unavailable("the pool is shutting down")
             group = self.control.group(msg.model)
             model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
+            # what every member would be refused for alone, before any work per member (split costs inputs x runs)
+            if getattr(model, "admission", None) is not None:
+                check_header(msg, model.admission)
             runs = [[m] for m in members]
             if model.groupable and grouping.runs_as_one(msg):
-                runs = grouping.runs(members, model.config.max_batch_size)
+                runs = grouping.runs(members, model.batcher.max_preferred)
                 if len(runs) == 1 and self._admit_group(identity, msg, parts, group, model, members):
                     return
                 if len(runs) == 1:  # it fits a batch, yet its model refused it: each member hears its own words
                     runs = [[m] for m in members]
             split = grouping.split(msg, parts[1:], runs)
         except errors.GepoolError as exc:
+            if model is not None:
+                model.stats.failed(failure_reason(exc), origin_of(msg), len(members))
             self._tell_members(identity, members, exc)
+            return
+        except Exception as exc:  # a bug must not leave the members unanswered
+            log.exception("internal error handling a group of %d requests", len(members))
+            self._tell_members(identity, members, errors.Internal(f"internal error: {exc}"))
             return
         for one, frames in split:
             try:
@@ -218,7 +230,7 @@ class Core:
         if req.rows != total:
             raise errors.InvalidArgument(f"a group's members hold {total} rows, its tensors {req.rows}")
         req.count, req.members = len(members), msg.members
-        self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us)
+        self._enqueue(group, model, req, msg.priority, msg.timeout_us, msg.deadline_us, counted=True)
         self._refused.discard(msg.model)
         return True
 

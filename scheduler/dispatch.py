@@ -100,10 +100,10 @@ class Dispatcher:
             started = time.perf_counter()
             self._copy_in(model, slot, reqs, now, w.info.get("per_request", False))
             copy_in = time.perf_counter() - started
-        self.last_batch_requests = len(reqs)
-        self.polling.dispatched(now, len(reqs), model.batcher.batch_cost)
-        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in, [r.origin for r in reqs],
-                               [r.count for r in reqs])
+        counts = [r.count for r in reqs]
+        self.last_batch_requests = requests = sum(counts)  # a group counts its members: it is not sequential traffic
+        self.polling.dispatched(now, requests, model.batcher.batch_cost)
+        model.stats.dispatched(rows, [now - r.arrived for r in reqs], copy_in, [r.origin for r in reqs], counts)
         w.bell.ring(batch.slot, model.seq)  # the slot's payload and state are written: now the worker may look
 
     def _intact(self, model: Model, reqs: list[Request]) -> list[Request]:
@@ -228,7 +228,7 @@ class Dispatcher:
             copy_out = time.perf_counter() - started
         slot.release()
         model.stats.computed(batch.rows, t_end - t_start, copy_out)
-        self.polling.answered(self.clock(), len(batch.requests), t_end - t_start,
+        self.polling.answered(self.clock(), sum(r.count for r in batch.requests), t_end - t_start,
                               not any(x.inflight for x in model.workers))
 
     def respond(self, model: Model, req: Request, arrays: dict[str, np.ndarray], row: int) -> None:

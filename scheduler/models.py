@@ -75,9 +75,10 @@ class Model:
             self.slot_bytes = slot_bytes_for(self.config)
             self.admission = Admission(self.config, self.slot_bytes)
             # a group of requests runs as one request where nobody could tell it from its members run one by
-            # one: rows batched dynamically, no cache keyed by request, no queue that counts requests
+            # one: rows batched dynamically, no cache keyed by request, no queue that counts requests, no
+            # python model (a TritonPythonModel sees each request)
             self.groupable = (db is not None and self.config.max_batch_size > 0 and self.config.ensemble is None
-                              and not self.config.response_cache
+                              and not self.config.response_cache and self.config.backend != "python"
                               and not any(p.max_queue_size for p in self.batcher.queue.policies))
             ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
             self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)

@@ -149,16 +149,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
           now: float) -> Request:
     """Checks one Infer against the model's config; raises a GepoolError naming what is wrong.
     ``frames``: the message's tensor parts."""
-    _check_fields(msg)
+    given = check_header(msg, plan)
     config = plan.config
-    given: dict[str, list] = {}
-    for ref in msg.inputs:
-        if not (type(ref) is list and len(ref) == 4 and type(ref[0]) is str):
-            raise InvalidArgument(f"each input must be [name, datatype, shape, where], got {ref!r}")
-        if ref[0] in given:
-            raise InvalidArgument(f"input '{ref[0]}' is given twice")
-        given[ref[0]] = ref
-    check_names(plan, given.keys())
     arena = None
     if msg.arena != protocol.NO_ARENA:
         arena = arenas.of_client(msg.arena, identity)
@@ -184,6 +176,21 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
                    where=[given[name][3] for name, *_ in plan.inputs] if arena is not None else None,
                    classify=classify, origin=msg.origin, deadline=_deadline(msg, now), priority=msg.priority,
                    expires=now + msg.deadline_us / 1e6 if msg.deadline_us else None)
+
+
+def check_header(msg: protocol.Infer, plan: Admission) -> dict[str, list]:
+    """An Infer's fields and input list (each input once, the model's inputs), as admission checks them first:
+    its inputs by name."""
+    _check_fields(msg)
+    given: dict[str, list] = {}
+    for ref in msg.inputs:
+        if not (type(ref) is list and len(ref) == 4 and type(ref[0]) is str):
+            raise InvalidArgument(f"each input must be [name, datatype, shape, where], got {ref!r}")
+        if ref[0] in given:
+            raise InvalidArgument(f"input '{ref[0]}' is given twice")
+        given[ref[0]] = ref
+    check_names(plan, given.keys())
+    return given
 
 
 def check_names(plan: Admission, names: Iterable[str]) -> None:

@@ -44,7 +44,8 @@ class Workload:
     @classmethod
     def of(cls, model: Model) -> Workload:
         ready = [w for w in model.workers if w.state == READY]
-        return cls(len(model.workers), len(ready), len(model.batcher), sum(w.slots for w in ready),
+        queued = sum(p.item.count for p in model.batcher.queue) if model.groupable else len(model.batcher)
+        return cls(len(model.workers), len(ready), queued, sum(w.slots for w in ready),
                    sum(len(w.inflight) for w in model.workers), sum(w.restarts for w in model.workers),
                    [w.pid for w in ready], [w.pid for w in ready if w.inflight],
                    [w.info["threads"] for w in ready if "threads" in w.info],

@@ -610,8 +610,8 @@ def test_infer_carries_its_caller_and_a_message_without_one_still_decodes():
     back = protocol.decode(msg.encode())
     assert back == msg and back.caller == [3, 1, 7]
     fields = msgpack.unpackb(msg.encode())
-    assert protocol.decode(msgpack.packb(fields[:-1])).caller is None  # a client that sends no caller
-    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 13 fields, got 14"):
+    assert protocol.decode(msgpack.packb(fields[:-2])).caller is None  # a client that sends no caller
+    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 14 fields, got 15"):
         protocol.decode(msgpack.packb([*fields, 0]))
-    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 13 fields, got 9"):
-        protocol.decode(msgpack.packb(fields[:-4]))
+    with pytest.raises(protocol.ProtocolError, match="Infer needs 10 to 14 fields, got 9"):
+        protocol.decode(msgpack.packb(fields[:-5]))

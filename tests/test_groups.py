@@ -18,8 +18,8 @@ from tests import repo as test_repo
 MAX_BATCH = 8
 
 
-def _config(repo: str, name: str, scheduling: str) -> None:
-    test_repo.make_models.make_tiny(repo, name, max_batch=MAX_BATCH)
+def _config(repo: str, name: str, scheduling: str, width: int = 16) -> None:
+    test_repo.make_models.make_tiny(repo, name, width=width, max_batch=MAX_BATCH)
     path = f"{repo}/{name}/config.pbtxt"
     with open(path) as f:
         text = f.read()
@@ -188,3 +188,108 @@ def test_a_group_and_its_answer_cross_the_wire():
     assert protocol.decode(result.encode()).members == [[3, 1], [4, 2]]
     assert protocol.decode(protocol.Result(9, [], False, 1).encode()).members is None
 
+
+
+def test_a_group_keeps_to_the_preferred_batch_size(pool, tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("preferred"))
+    _config(repo, "pref", "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 100000 }")
+    with Pool(repo) as p:
+        answers, read, before, after = _submit_all(p, "pref", [1, 1, 1, 1])
+    _check_answers(answers, [1, 1, 1, 1])
+    sizes = {int(k): v - before["batch_sizes"].get(k, 0) for k, v in after["batch_sizes"].items()}
+    assert {k: v for k, v in sizes.items() if v} == {2: 2}  # as four single requests would run: [2, 2]
+
+
+def test_a_request_with_more_inputs_than_a_lane_message_holds_is_left_to_infer(pool):
+    async def run():
+        client = AsyncClient(pool.endpoint)
+        await client.start()
+        try:
+            await client.infer("tiny", {"INPUT0": np.zeros((1, 16), np.float32)})
+            many = {f"X{i}": np.zeros(1, np.uint8) for i in range(8191)}
+            assert not client.submit("tiny", many, None, lambda out, exc: None)  # infer's task takes it
+            got = asyncio.get_running_loop().create_future()
+            assert client.submit("tiny", {"INPUT0": np.ones((1, 16), np.float32)}, None,
+                                 lambda out, exc: got.set_result((out, exc)))
+            out, exc = await asyncio.wait_for(got, 60)
+            assert exc is None and (out["OUTPUT0"] == 3.0).all()
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_group_of_inputs_its_model_does_not_take_is_refused_before_it_is_split(pool):
+    """3,000 inputs for 1,024 members would be 3 million views to cut: the names are checked first, and each
+    member hears what it would hear alone."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(pool.endpoint)
+        members = [[1000 + i, 1] for i in range(1024)]
+        header = [99, "tiny", -1, [[f"X{i}", "FP32", [1024, 0], 0] for i in range(3000)], None, 0, 0,
+                  protocol.NO_ARENA, 0, 0, 0, 0, None, members]
+        replies = _ask(sock, header, [b""])
+        assert sorted(r.req_id for r in replies) == [m[0] for m in members]
+        assert all(type(r) is protocol.Error and "unknown input" in r.message for r in replies)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _core_group(h, req_id: int, members: list, value: float = 1.0, model: str = "tiny") -> None:
+    rows = sum(n for _, n in members)
+    x = np.full((rows, 4), value, np.float32)
+    msg = protocol.Infer(req_id, model, protocol.NO_VERSION, [["INPUT0", "FP32", [rows, 4], 0]], None, 0, 0,
+                         protocol.NO_ARENA, 0, 0, 0, 0, None, members)
+    h.core.on_message(b"\0client", [memoryview(msg.encode()), memoryview(x.tobytes())])
+
+
+@pytest.fixture
+def core(tmp_path):
+    from tests.test_core import Harness
+
+    _config(str(tmp_path), "tiny", "dynamic_batching { }", width=4)  # the width Harness.compute plays
+    _config(str(tmp_path), "two", "dynamic_batching { }", width=4)
+    with open(f"{tmp_path}/two/config.pbtxt") as f:
+        text = f.read()
+    with open(f"{tmp_path}/two/config.pbtxt", "w") as f:
+        f.write(text.replace("count: 1", "count: 2"))
+    h = Harness(tmp_path)
+    yield h
+    h.close()
+
+
+def test_a_stopping_front_answers_each_member(core):
+    core.ready_all()
+    core.core.begin_stop()
+    _core_group(core, 99, [[5, 1], [6, 2]])
+    replies = [msg for _, msg, _ in core.out.take()]
+    assert sorted(r.req_id for r in replies) == [5, 6]
+    assert all(type(r) is protocol.Error and "shutting down" in r.message for r in replies)
+
+
+def test_a_queued_group_counts_its_members_as_pending_requests(core):
+    from gepool.scheduler.status import Workload
+
+    core.ready_all()
+    _core_group(core, 99, [[5, 1], [6, 2], [7, 1]])  # queued until the loop schedules its model
+    model = core.core.control.group("tiny").default()
+    assert len(model.batcher) == 1 and Workload.of(model).queued == 3
+
+
+
+def test_a_group_whose_worker_dies_runs_once_more_and_each_member_is_answered_once(core):
+    core.ready_all()
+    _core_group(core, 99, [[5, 1], [6, 2]], value=3.0, model="two")
+    core.step()
+    model = core.core.control.group("two").default()
+    (held,) = [w for w in model.workers if w.inflight]
+    (other,) = [w for w in model.workers if w is not held]
+    core.exit(held, -9)
+    core.step()
+    assert core.compute(other) == [3]
+    replies = [msg for _, msg, _ in core.out.take() if type(msg) in (protocol.Result, protocol.Error)]
+    assert len(replies) == 1 and type(replies[0]) is protocol.Result and replies[0].members == [[5, 1], [6, 2]]
+    stats = model.stats
+    assert stats.requests == 2 and stats.failures == 0
