@@ -192,12 +192,19 @@ class Core:
                 raise errors.Unavailable("the pool is shutting down")
             group = self.control.group(msg.model)
             model = group.route(msg.version if type(msg.version) is int else protocol.NO_VERSION)
-            # what every member would be refused for alone, before any work per member (split costs inputs x runs)
+            if msg.caller is not None:  # no client of ours groups BLS calls
+                raise errors.InvalidArgument("a group of requests cannot carry a BLS caller")
+            # what every member would be refused for alone, in the order it would be, before any work per member
+            # (a split costs inputs x runs)
+            self.calls.check_servable(model, None)
             if getattr(model, "admission", None) is not None:
                 check_header(msg, model.admission)
             runs = [[m] for m in members]
             if model.groupable and grouping.runs_as_one(msg):
-                runs = grouping.runs(members, model.batcher.max_preferred)
+                # runs of the smallest preferred size at most: the batcher can still make each preferred size
+                # from them as it would from the members sent alone
+                preferred = model.batcher.preferred
+                runs = grouping.runs(members, preferred[0] if preferred else model.batcher.max_rows)
                 if len(runs) == 1 and self._admit_group(identity, msg, parts, group, model, members):
                     return
                 if len(runs) == 1:  # it fits a batch, yet its model refused it: each member hears its own words
@@ -213,16 +220,19 @@ class Core:
             self._tell_members(identity, members, errors.Internal(f"internal error: {exc}"))
             return
         for one, frames in split:
+            whom = [(one.req_id, 0)] if one.members is None else one.members
             try:
                 self._infer(identity, one, frames)
             except errors.GepoolError as exc:
-                self._tell_members(identity, [(one.req_id, 0)] if one.members is None else one.members, exc)
+                self._tell_members(identity, whom, exc)
+            except Exception as exc:  # a bug in one member's admission: the others still run
+                log.exception("internal error handling request %s of a group", one.req_id)
+                self._tell_members(identity, whom, errors.Internal(f"internal error: {exc}"))
 
     def _admit_group(self, identity: bytes, msg: protocol.Infer, parts: list, group, model: Model,
                      members: list[tuple[int, int]]) -> bool:
         """Queues a group as one request; False where admission refused it (nothing queued, nothing counted)."""
         try:
-            self.calls.check_servable(model, None)
             req = admit(msg, identity, parts[1:], model.admission, self.arenas, self.clock())
         except errors.GepoolError:
             return False

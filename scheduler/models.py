@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gepool.common import errors
-from gepool.common.config import ModelConfig, parse_size
+from gepool.common.config import BACKEND_PYTHON, ModelConfig, parse_size
 from gepool.common.render import render
 from gepool.common.repository import ModelSource
 from gepool.ipc import layout
@@ -78,7 +78,7 @@ class Model:
             # one: rows batched dynamically, no cache keyed by request, no queue that counts requests, no
             # python model (a TritonPythonModel sees each request)
             self.groupable = (db is not None and self.config.max_batch_size > 0 and self.config.ensemble is None
-                              and not self.config.response_cache and self.config.backend != "python"
+                              and not self.config.response_cache and self.config.backend != BACKEND_PYTHON
                               and not any(p.max_queue_size for p in self.batcher.queue.policies))
             ms = int(self.config.parameters.get("execution_timeout_ms", DEFAULT_EXECUTION_TIMEOUT_MS))
             self.exec_timeout_s = ms / 1000 + (GE_WATCHDOG_GRACE_S if self.config.backend == "ge" else 0.0)

@@ -163,6 +163,8 @@ def test_a_group_whose_members_cannot_be_read_is_refused_under_its_own_id(pool, 
     (_group(99, 2, [[5, 1], [6, 1]], model="plain", shape=[3, 16]), np.zeros((3, 16), np.float32).tobytes(),
      "has 3 rows; its members 2"),
     (_group(99, 2, [[5, 1], [6, 1]], model="nope"), np.zeros((2, 16), np.float32).tobytes(), "unknown model"),
+    ([*_group(99, 2, [[5, 1], [6, 1]])[:12], [1, 0, 0, b"k" * 16], [[5, 1], [6, 1]]],
+     np.zeros((2, 16), np.float32).tobytes(), "cannot carry a BLS caller"),
 ])
 def test_a_group_that_does_not_hold_together_is_refused_to_each_member(pool, header, frame, words):
     ctx = zmq.Context()
@@ -192,12 +194,12 @@ def test_a_group_and_its_answer_cross_the_wire():
 
 def test_a_group_keeps_to_the_preferred_batch_size(pool, tmp_path_factory):
     repo = str(tmp_path_factory.mktemp("preferred"))
-    _config(repo, "pref", "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 100000 }")
+    _config(repo, "pref", "dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100000 }")
     with Pool(repo) as p:
-        answers, read, before, after = _submit_all(p, "pref", [1, 1, 1, 1])
-    _check_answers(answers, [1, 1, 1, 1])
+        answers, read, before, after = _submit_all(p, "pref", [1] * 6)
+    _check_answers(answers, [1] * 6)
     sizes = {int(k): v - before["batch_sizes"].get(k, 0) for k, v in after["batch_sizes"].items()}
-    assert {k: v for k, v in sizes.items() if v} == {2: 2}  # as four single requests would run: [2, 2]
+    assert {k: v for k, v in sizes.items() if v} == {4: 1, 2: 1}  # as six single requests run: 4 at once, 2 later
 
 
 def test_a_request_with_more_inputs_than_a_lane_message_holds_is_left_to_infer(pool):
@@ -293,3 +295,25 @@ def test_a_group_whose_worker_dies_runs_once_more_and_each_member_is_answered_on
     assert len(replies) == 1 and type(replies[0]) is protocol.Result and replies[0].members == [[5, 1], [6, 2]]
     stats = model.stats
     assert stats.requests == 2 and stats.failures == 0
+
+
+def test_a_bug_admitting_one_member_leaves_the_others_served(core, monkeypatch):
+    import gepool.scheduler.core as front_core
+
+    real = front_core.admit
+
+    def admit(msg, *args):
+        if msg.req_id == 5:
+            raise TypeError("boom")
+        return real(msg, *args)
+
+    monkeypatch.setattr(front_core, "admit", admit)
+    core.ready_all()
+    _core_group(core, 99, [[5, 8], [6, 8], [7, 8]])  # a batch each: run one by one
+    core.step()
+    (w,) = [w for w in core.core.control.group("tiny").default().workers]
+    while w.bell.rung:
+        core.compute(w)
+    replies = {msg.req_id: msg for _, msg, _ in core.out.take() if type(msg) in (protocol.Result, protocol.Error)}
+    assert type(replies[5]) is protocol.Error and "boom" in replies[5].message
+    assert type(replies[6]) is protocol.Result and type(replies[7]) is protocol.Result
