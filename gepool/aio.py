@@ -115,13 +115,12 @@ class AsyncClient(ClientCore):
         if self._lane is None or self.arena is not None:
             return False
         _wire.check_priority(priority)
-        if self._draining is None and not self._closed \
-                and (grouped := _groups.key_of(model, inputs, outputs, version, timeout, priority, origin,
-                                               self._wait(timeout) if wait is None else wait)) is not None:
+        if wait is None:
+            wait = self._wait(timeout)  # what the pool is told (deadline_us); the face waits self.timeout without
+        grouped = None if self._draining is not None or self._closed else \
+            _groups.key_of(model, inputs, outputs, version, timeout, priority, origin, wait)
+        if grouped is not None:
             key, rows, size = grouped
-            wait = self.timeout if key[6] is None else key[6]
-            now = time.monotonic()
-            deadline = None if wait is None else now + wait
             out = _wire.Outgoing(_wire.next_id(), [], [])
             members = self._groups.get(key)
             if members is None:
@@ -131,13 +130,11 @@ class AsyncClient(ClientCore):
                 self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
         else:
             out = self._encode(model, inputs, outputs, version, timeout, priority, origin, wait)
-            if wait is None:
-                wait = self._wait(timeout)
-            wait = self.timeout if wait is None else wait
             if not self._queue_one(out.frames, out.req_id):
                 return False
-            now = time.monotonic()
-            deadline = None if wait is None else now + wait
+        wait = self.timeout if wait is None else wait
+        now = time.monotonic()
+        deadline = None if wait is None else now + wait
         # booked after it is queued, before the flush that sends it (a later pass of the loop) can be answered
         self._inflight[out.req_id] = (out, _Answer(done, out), deadline, True)
         if deadline is not None and (self._timer_at is None or deadline < self._timer_at):

@@ -230,6 +230,7 @@ class ModelControl:
         """Generations that were replaced or unloaded stop once nothing of theirs is queued or running. One that
         never finished loading stops at once: what waits in its queue (a warmup's BLS call) fails when its
         workers have exited, instead of keeping it loading to serve after its unload."""
+        dropped = False
         for name, group in list(self.groups.items()):
             for model in list(group.draining):
                 if model.state != LOADING and (len(model.batcher) or any(w.inflight for w in model.workers)):
@@ -238,9 +239,11 @@ class ModelControl:
                 if any(w.process is not None for w in model.workers):
                     continue  # Stop sent; it leaves the books when its workers have exited
                 group.draining.remove(model)
-                self.changed()
+                dropped = True
             if group.unloading and not group.models():
                 del self.groups[name]
+        if dropped:
+            self.changed()
 
     def on_refresh(self, model: Model) -> None:
         group = self.groups.get(model.name)

@@ -297,12 +297,15 @@ class Core:
         ``_prepare_worker``, as a client's request's is)."""
         return self.polling.enabled and self.dispatch.last_batch_requests <= 1 and not self.workers.busy()
 
+    def _largest_slot(self) -> int:
+        return max((m.slot_bytes for m in self.control.models()), default=0)
+
     def _models_changed(self) -> None:
-        self.regions.publish_largest_slot(max((m.slot_bytes for m in self.control.models()), default=0))
+        self.regions.publish_largest_slot(self._largest_slot())
 
     def message_limit(self) -> int:
         """The most bytes one client message may declare: the largest slot of any model, plus headers."""
-        return max((m.slot_bytes for m in self.control.models()), default=0) + MESSAGE_HEADROOM
+        return self._largest_slot() + MESSAGE_HEADROOM
 
     def _drop_arena(self, name: str) -> None:
         for w in self.workers.values():

@@ -24,9 +24,9 @@ def members(msg: protocol.Infer) -> list[tuple[int, int]]:
 
 
 def runs_as_one(msg: protocol.Infer) -> bool:
-    """Whether the group's own fields let it run as one request: tensors as frames, all outputs by name, no
-    BLS caller (the model decides the rest: ``Model.groupable``)."""
-    return (msg.arena == protocol.NO_ARENA and msg.caller is None
+    """Whether the group's own fields let it run as one request: tensors as frames, all outputs by name (a BLS
+    caller is refused before; the model decides the rest: ``Model.groupable``)."""
+    return (msg.arena == protocol.NO_ARENA
             and (msg.outputs is None or type(msg.outputs) is list and all(type(o) is str for o in msg.outputs)))
 
 

@@ -44,7 +44,7 @@ class Workload:
     @classmethod
     def of(cls, model: Model) -> Workload:
         ready = [w for w in model.workers if w.state == READY]
-        queued = sum(p.item.count for p in model.batcher.queue) if model.groupable else len(model.batcher)
+        queued = sum(p.item.count for p in model.batcher.queue)  # client requests: a group counts its members
         return cls(len(model.workers), len(ready), queued, sum(w.slots for w in ready),
                    sum(len(w.inflight) for w in model.workers), sum(w.restarts for w in model.workers),
                    [w.pid for w in ready], [w.pid for w in ready if w.inflight],
