@@ -9,8 +9,10 @@ length followed by the bytes.
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
+from types import MappingProxyType
 
 import numpy as np
 import orjson
@@ -75,6 +77,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 NUMERIC_MIN = 128  # from this many elements numpy's calls cost less than _checked's Python-level pass
 _INT_KINDS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
 _NUMBERS = frozenset((int, float))
+_FLOATS = {float}
 _LISTS = {list}
 
 
@@ -170,6 +173,13 @@ def _from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
         arr = _numeric(dtype, count, data)
         if arr is not None:
             return arr.reshape(shape)
+    elif dtype.kind == "f" and type(data) is list and len(data) == count and set(map(type, data)) == _FLOATS:
+        # flat floats only: each converted to the dtype as _checked's float64 array is (ints are not: numpy
+        # would round a large one to float32 at once, not through a double)
+        if dtype.itemsize < 8 and not -F32_MAX <= min(data) <= max(data) <= F32_MAX:
+            with np.errstate(over="ignore"):
+                return np.array(data, dtype).reshape(shape)
+        return np.array(data, dtype).reshape(shape)
     return _checked(name, datatype, dtype, shape, count, data)
 
 
@@ -448,8 +458,13 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
     return InferRequest(inputs, outputs, binary_output, header.get("id"), params, checked.priority, checked.timeout_s)
 
 
+JSON_HEADERS = MappingProxyType({"Content-Type": "application/json"})  # a JSON answer's (one object, read-only)
+MAX_ANSWER_HEADS = 256  # the most answer texts (less their data) kept; past it the book starts again
+_answer_heads: dict[tuple, bytes] = {}
+
+
 def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],
-                    write_region=None) -> tuple[bytes, dict[str, str]]:
+                    write_region=None) -> tuple[bytes, Mapping[str, str]]:
     """Outputs -> (body, headers). ``write_region(name, offset, size, data)`` writes shared-memory outputs.
 
     Binary outputs travel as views of the output arrays, joined once into the body. JSON is written by
@@ -457,6 +472,10 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
     double; only the spelling of an exponent may differ, as 1e16 for 1e+16), so every client reads the
     same numbers as before. orjson writes NaN and infinities as null, which nothing else in a response
     is: a text with null in it is written again by the json module (NaN, Infinity, as before)."""
+    if len(outputs) == 1:
+        text = _one_json(model, version, req, outputs)
+        if text is not None:
+            return text, JSON_HEADERS
     wanted = req.outputs if req.outputs is not None else [OutputRequest(n, req.binary_output) for n in outputs]
     entries, blobs = [], []
     for o in wanted:
@@ -488,12 +507,57 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
     if header is None or _holds_null(header):
         header = _dumps_json(body)
     if not blobs:
-        return header, {"Content-Type": "application/json"}
+        return header, JSON_HEADERS
     return b"".join([header, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
 
 
 # below this many elements a list is written sooner than orjson sets up a numpy array
 NUMPY_JSON_MIN = 128
+
+
+def _one_json(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray]) -> bytes | None:
+    """The answer ``encode_response`` gives, sooner, for the common one: one numeric output in JSON, no id.
+    The text around its data is written once for each model, version, output and shape, as the full path
+    writes it; the data as the full path writes it. None where the full path is needed."""
+    if req.id is not None:
+        return None
+    ((name, arr),) = outputs.items()
+    wanted = req.outputs
+    if wanted is None:
+        if req.binary_output:
+            return None
+    elif len(wanted) != 1 or (o := wanted[0]).name != name or o.binary or o.region is not None or o.class_count:
+        return None
+    datatype = _JSON_DATATYPES.get(arr.dtype)
+    if datatype is None or type(model) is not str or type(version) is not str or type(name) is not str:
+        return None
+    key = (model, version, name, datatype, arr.shape)
+    head = _answer_heads.get(key)
+    if head is None:
+        text = _dumps({"model_name": model, "model_version": version,
+                       "outputs": [{"name": name, "datatype": datatype, "shape": list(arr.shape), "data": None}]})
+        if text is None or not text.endswith(_NULL_END) or b"null" in text[:-len(_NULL_END)]:
+            return None  # (the full path writes such a text with the json module)
+        if len(_answer_heads) >= MAX_ANSWER_HEADS:
+            _answer_heads.clear()
+        head = _answer_heads[key] = text[:-len(_NULL_END)]
+    if arr.size < NUMPY_JSON_MIN:
+        data = orjson.dumps(arr.ravel().tolist())
+    elif arr.dtype.kind == "f":
+        data = orjson.dumps(np.ascontiguousarray(arr, dtype=np.float64).ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
+    else:
+        data = orjson.dumps(np.ascontiguousarray(arr).ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
+    if _holds_null(data):
+        return None
+    return b"".join((head, data, _END))
+
+
+_NULL_END = b"null}]}"
+_END = b"}]}"
+# the numeric types orjson writes as the full path does (bool and float16 aside: a bool array, and float16
+# through tolist, are written alike too, but are not worth a second path)
+_JSON_DATATYPES = {np.dtype(t): dtypes.from_numpy(np.dtype(t)) for t in (
+    np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
 
 
 NULL_SCAN_MIN = 2048  # bytes of text from which skipping to each 'n' beats searching the whole text

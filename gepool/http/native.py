@@ -35,6 +35,7 @@ from aiohttp import web
 
 from gepool.common import errors
 from gepool.http import limits, listen, rsgi
+from gepool.http.kserve import JSON_HEADERS
 from gepool.http.limits import BodyLimit, BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
@@ -50,6 +51,10 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_TRAILER_BYTES = 8 << 10  # bytes read past a chunk size line with no data after it (a last chunk's trailers)
 TRAILERS = "trailers after a chunked body are not accepted"
 _WAIT = object()  # _answered: the next request waits for the client to read what was written
+_JSON_TYPE = b"Content-Type: application/json\r\n"
+_JSON_HEAD = b"HTTP/1.1 200 OK\r\n" + _JSON_TYPE
+MAX_KNOWN_HEAD_BYTES = 4096  # the most of a head a connection keeps to know the next one by (see Head)
+_LENGTH_KEY = b"\r\ncontent-length:"
 
 
 class Headers(dict):
@@ -189,6 +194,59 @@ class Request:
         it comes and then closes the connection."""
 
 
+class Head:
+    """What the parser made of a head a connection sent, to know the same head again without it: a client
+    sends the same request line and headers every time, but for the Content-Length. ``before`` and ``after``
+    are the head's bytes around that length's digits; ``length`` what they said."""
+
+    __slots__ = ("before", "after", "length", "headers", "path", "match_info", "handler")
+
+    def __init__(self, before: bytes, after: bytes, length: int, headers: Headers, path: str,
+                 match_info: dict[str, str], handler) -> None:
+        self.before, self.after, self.length, self.headers = before, after, length, headers
+        self.path, self.match_info, self.handler = path, match_info, handler
+
+    def body_at(self, data: bytes) -> tuple[int, int] | None:
+        """(where the body starts, its length) if ``data`` is this head around other digits and then exactly
+        that many bytes of body (one whole request, nothing after it); else None."""
+        if not data.startswith(self.before):
+            return None
+        start = len(self.before)
+        end = data.find(b"\r\n", start, start + 16)
+        digits = data[start:end]
+        # digits as the parser reads them: at most 15 (so at most 10**15 - 1), no sign, no leading zero
+        if end <= start or not digits.isdigit() or (digits[0] == 48 and end - start > 1) \
+                or not data.startswith(self.after, end):
+            return None
+        body = end + len(self.after)
+        length = int(digits)
+        return (body, length) if len(data) - body == length else None
+
+
+def known_head(data: bytes, body_size: int) -> tuple[bytes, bytes, int] | None:
+    """Where the Content-Length digits lie in a chunk that held exactly one request (a POST) and its body of
+    ``body_size`` bytes: (the head's bytes before them, after them, the length), or None where the head is
+    not such (no single plain Content-Length, or too long to keep)."""
+    head_end = data.find(b"\r\n\r\n") + 4
+    if head_end < 4 or head_end + body_size != len(data) or head_end > MAX_KNOWN_HEAD_BYTES \
+            or not data.startswith(b"POST "):
+        return None
+    head = data[:head_end]
+    low = head.lower()
+    at = low.find(_LENGTH_KEY)
+    if at < 0 or low.find(_LENGTH_KEY, at + 1) >= 0:
+        return None
+    start = at + len(_LENGTH_KEY)
+    while head[start:start + 1] in (b" ", b"\t"):
+        start += 1
+    end = start
+    while head[end:end + 1].isdigit():
+        end += 1
+    if end == start or head[end:end + 2] != b"\r\n" or int(head[start:end]) != body_size:
+        return None
+    return head[:start], head[end:], body_size
+
+
 def _framing(headers: Headers) -> bytes | str:
     """The header that frames a request's body as the parser read it (b"" for none), or why it cannot be
     given to a new parser."""
@@ -232,9 +290,14 @@ class Connection(asyncio.Protocol):
         self.ended = False  # the client half-closed: nothing more will come
         # a request whose route has a fast path, headed in the chunk being parsed: it takes the fast path if its
         # body ends in the same chunk, else data_received gives it a task as any other
-        self._fast: tuple[Request, object] | None = None
+        self._fast: tuple[Request, object, object] | None = None  # (the request, its fast path, its handler)
         self._starting: Request | None = None  # the request whose fast path is running (see _fast_done)
         self._called_back = False  # ... and whether it has called back already
+        self._mid_message = False  # the parser has begun a request it has not ended
+        self._feeding: bytes | None = None  # the chunk being parsed, when the parser began it between requests
+        self._begun = 0  # requests the parser has begun on this connection
+        self._begun_before = 0  # ... before the chunk being parsed
+        self.head: Head | None = None  # the last head of this connection whose request took a fast path
 
     # -- asyncio --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -267,6 +330,7 @@ class Connection(asyncio.Protocol):
         try:
             self._received(data)
         finally:
+            self._feeding = None  # (the chunk is not held past its parsing)
             if self._fast is not None:  # its body is still to come (or the chunk was refused): a task serves it
                 req, self._fast = self._fast[0], None
                 self.listener.loop.create_task(self._serve(req))
@@ -276,8 +340,19 @@ class Connection(asyncio.Protocol):
             return
         if self.finishing:
             self.last_data = self.listener.loop.time()
+        head = self.head
+        if head is not None and not self.queue and not self._mid_message and not self.finishing \
+                and not self.closing and not self.listener.stopping:
+            # between requests, with nothing running: the head this connection sent last, around another
+            # length, needs no parser (it would make of the same bytes what it made before)
+            at = head.body_at(data)
+            now = self.listener.fast.get(head.handler) if at is not None else None
+            if now is not None:
+                self._known(head, data, *at, now)
+                return
         self._ended_here = False
         chunks_before = self._chunks_seen
+        self._feeding, self._begun_before = None if self._mid_message else data, self._begun
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -334,6 +409,8 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url, self._in_head = b"", True
         self._raw = []
+        self._mid_message = True
+        self._begun += 1
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -402,7 +479,7 @@ class Connection(asyncio.Protocol):
                 now = fast.get(handler)
                 if now is not None:
                     req.match_info = match_info
-                    self._fast = (req, now)
+                    self._fast = (req, now, handler)
                     return
             self.listener.loop.create_task(self._serve(req))
         elif self.reading:  # a pipelined request waits: read no further until it runs
@@ -418,6 +495,7 @@ class Connection(asyncio.Protocol):
         if self._upgrade_framing:  # the parser skipped the body of a request asking to upgrade: not its end
             return
         self._ended_here, self._in_head, self._chunk_open = True, True, False
+        self._mid_message = False
         req, self.arriving = self.arriving, None
         if req is None:
             return
@@ -425,8 +503,35 @@ class Connection(asyncio.Protocol):
         if self.finishing:  # the rest of an answered request's body has been dropped
             self._close()
         elif self._fast is not None and self._fast[0] is req:
-            now, self._fast = self._fast[1], None
+            _, now, handler = self._fast
+            self._fast = None
+            if self._feeding is not None and self._begun == self._begun_before + 1 and req._error is None:
+                self._learn(req, handler)  # the chunk began with this request: it may be all of it
             self._start_fast(req, now)
+
+    def _learn(self, req: Request, handler) -> None:
+        """Keeps the head of ``req`` (a keep-alive HTTP/1.1 request to a fast path, framed by Content-Length) if
+        the chunk being parsed held it and its body, nothing else."""
+        if req.http_10 or not req.keep_alive or "transfer-encoding" in req.headers or "expect" in req.headers:
+            return
+        found = known_head(self._feeding, req._size)
+        if found is not None:
+            self.head = Head(*found, req.headers, req.path, req.match_info, handler)
+
+    def _known(self, head: Head, data: bytes, start: int, length: int, now) -> None:
+        """A request whose head is ``head`` around ``length``, its body at ``start``: as the parser's callbacks
+        would have taken it."""
+        headers = head.headers
+        if length != head.length:
+            headers = Headers(headers)
+            headers["content-length"] = str(length)
+        req = Request(self, "POST", head.path, headers, True, False)
+        req.match_info = head.match_info
+        if length:
+            req._body(data[start:])
+        req._complete()
+        self.queue.append(req)
+        self._start_fast(req, now)
 
     # -- answering ------------------------------------------------------------------------------
     def _refuse(self, status: int, message: str) -> None:
@@ -561,15 +666,20 @@ class Connection(asyncio.Protocol):
         elif not isinstance(body, bytes | bytearray | memoryview):
             raise TypeError(f"a response body of type {type(body).__name__} cannot be written")
         status = response.status
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
         headers = response.headers
-        typed = False
-        for key, value in headers.items():
-            low = key.lower()
-            if low in _DROPPED:
-                continue
-            typed = typed or low == "content-type"
-            lines.append(f"{key}: {value}\r\n".encode("latin-1"))
+        if headers is JSON_HEADERS:  # the infer route's answer: its head, written once
+            lines = [_JSON_HEAD if status == 200 else b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+                     + _JSON_TYPE]
+            typed = True
+        else:
+            lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+            typed = False
+            for key, value in headers.items():
+                low = key.lower()
+                if low in _DROPPED:
+                    continue
+                typed = typed or low == "content-type"
+                lines.append(f"{key}: {value}\r\n".encode("latin-1"))
         if body and not typed:
             lines.append(b"Content-Type: application/octet-stream\r\n")
         lines.append(self.listener.date)

@@ -47,6 +47,7 @@ from gepool.http.limits import (
 from gepool.http.offload import JSONOffload
 from gepool.http.shm import Regions
 from gepool.http.statistics import model_statistics
+from gepool.http.templates import Templates
 from gepool.ipc.protocol import ModelState, Origin
 from gepool.scheduler.regions import TOKEN_ENV, version_page
 
@@ -141,6 +142,7 @@ class Gateway:
         self.owner_uid = os.geteuid()
         self.offload = JSONOffload()
         self._answering: set[asyncio.Task] = set()  # infer_now's tasks
+        self.templates = Templates()  # infer_now's bodies, by their shape
         self.cpu = CpuUtilization()
         self.front_ready = front_ready
 
@@ -382,7 +384,8 @@ class Gateway:
         if body.find(b"shared_memory_region", 0, hlen) >= 0:
             return False
         try:
-            req = kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, max_body)
+            req = self.templates.parse(body, _no_regions, MAX_JSON_BYTES, max_body) if header_length is None \
+                else kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, max_body)
         except _Declined:  # an input in shared memory, its key spelled with escapes
             return False
         except errors.GepoolError as exc:

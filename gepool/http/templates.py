@@ -1,0 +1,111 @@
+"""Request bodies alike but for one input's JSON data: the rest is read once, the data of each request alone.
+
+A client sends the same JSON around different numbers, request after request. Where a small body has one
+``"data"`` key, holding a flat list, and no backslash (so every key is spelled plainly), the body less that
+list is the key of what ``kserve.parse_request`` made of it, learnt from the first such body: later ones
+read only their list, through the same ``kserve._from_json`` as every JSON input. A body is learnt only
+where its reading cannot differ from the full one: orjson read it and it passed ``kserve._parse`` (not
+the json module's exact reading, which may read the same text otherwise), it has one input, and the list
+is that input's data (the body read again with a marker in its place finds the marker there); and only
+when its shape comes a second time (a body whose id differs every time is never learnt). Anything
+else, and any list that does not read or check, takes the full path, which names what is wrong.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from gepool.common.errors import InvalidArgument
+from gepool.http import kserve
+from gepool.http.jsonfast import FAST_MIN_BYTES
+
+MAX_TEMPLATES = 64  # bodies of another shape past this start the book again (a bound, not a cache policy)
+MAX_SEEN = 256  # bodies seen once, not learnt yet: a body is learnt when its shape comes again (an id that
+# differs in every request makes every shape new, and learning costs a second reading)
+_DATA = b'"data"'
+_WHITESPACE = b" \t\n\r"  # JSON's
+_MARK = ["\x00gepool"]  # what no request's data is (a string, escaped as JSON must escape it)
+_MARK_TEXT = orjson.dumps(_MARK)
+
+
+class Template:
+    __slots__ = ("name", "datatype", "shape", "request", "max_json", "max_input")
+
+    def __init__(self, name: str, datatype: str, shape: list[int], request: kserve.InferRequest, max_json: int,
+                 max_input: int) -> None:
+        self.name, self.datatype, self.shape, self.request = name, datatype, shape, request
+        self.max_json, self.max_input = max_json, max_input
+
+
+class Templates:
+    """The shapes of body this gateway has seen, each with what it parsed to (one loop's own: not shared
+    across threads)."""
+
+    def __init__(self) -> None:
+        self._known: dict[bytes, Template] = {}
+        self._seen: set[bytes] = set()
+
+    def parse(self, body: bytes, regions, max_json: int, max_input: int) -> kserve.InferRequest:
+        """``kserve.parse_request(body, None, regions, max_json, max_input)``: the same request, or the same
+        error."""
+        hole = _hole(body) if len(body) < FAST_MIN_BYTES else None
+        if hole is None:
+            return kserve.parse_request(body, None, regions, max_json, max_input)
+        start, end = hole
+        key = body[:start] + body[end:]
+        known = self._known.get(key)
+        if known is not None and known.max_json == max_json and known.max_input == max_input \
+                and len(body) <= max_json:
+            try:
+                data = orjson.loads(body[start:end])
+                arr = kserve._from_json(known.name, known.datatype, known.shape, data)
+            except (orjson.JSONDecodeError, InvalidArgument):
+                return kserve.parse_request(body, None, regions, max_json, max_input)  # names what is wrong
+            t = known.request
+            return kserve.InferRequest({known.name: arr}, t.outputs, t.binary_output, t.id, dict(t.parameters),
+                                       t.priority, t.timeout_s)
+        req = kserve.parse_request(body, None, regions, max_json, max_input)
+        if key in self._seen:
+            self._seen.discard(key)
+            self._learn(key, body, start, end, req, max_json, max_input)
+        else:
+            if len(self._seen) >= MAX_SEEN:
+                self._seen.clear()
+            self._seen.add(key)
+        return req
+
+    def _learn(self, key: bytes, body: bytes, start: int, end: int, req: kserve.InferRequest, max_json: int,
+               max_input: int) -> None:
+        if len(req.inputs) != 1:
+            return
+        try:
+            header = orjson.loads(body)  # read as the full path read it first: that reading must have passed
+            kserve._parse(body, len(body), header, None, max_input)
+            marked = orjson.loads(body[:start] + _MARK_TEXT + body[end:])
+        except (orjson.JSONDecodeError, InvalidArgument):
+            return
+        items = marked.get("inputs") if type(marked) is dict else None
+        if type(items) is not list or len(items) != 1 or type(items[0]) is not dict or items[0].get("data") != _MARK:
+            return
+        (name,) = req.inputs
+        item = items[0]
+        if item.get("name") != name:
+            return
+        if len(self._known) >= MAX_TEMPLATES:
+            self._known.clear()
+        self._known[key] = Template(name, item["datatype"], list(item["shape"]), req, max_json, max_input)
+
+
+def _hole(body: bytes) -> tuple[int, int] | None:
+    """Where the one ``"data"`` key's flat list lies in ``body`` (its '[' and one past its ']'), or None."""
+    at = body.find(_DATA)
+    if at < 0 or body.find(_DATA, at + len(_DATA)) >= 0 or body.find(b"\\") >= 0:
+        return None
+    after = at + len(_DATA)
+    start = body.find(b"[", after)  # after the key, its colon and a list holding no list (flat data)
+    if start < 0 or body[after:start].strip(_WHITESPACE) != b":":
+        return None
+    end = body.find(b"]", start)
+    if end < 0 or body.find(b"[", start + 1, end) >= 0:
+        return None
+    return start, end + 1
