@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gepool.common.errors import InvalidArgument
 from gepool.http import kserve, templates
+from gepool.http.jsonfast import FAST_MIN_BYTES
 from gepool.http.limits import BodyLimit
 from tests.test_gateway_fast import NUMERIC, random_tensor
 from tests.test_infer_now import _listener, _post, _responses, _until
@@ -44,6 +45,7 @@ def full(body: bytes):
 
 
 def learnt(body: bytes = BASE) -> templates.Templates:
+    """A book that has learnt ``body``'s shape (seen twice)."""
     book = templates.Templates()
     for _ in range(2):
         book.parse(body, None, MAX_JSON, MAX_INPUT)
@@ -89,10 +91,19 @@ TEXTS = {
 }
 
 
+LONG = 300  # values in a long body's list: past jsonfast.FAST_MIN_BYTES, read by simdjson in full and by shape
+
+
+@pytest.mark.parametrize("width", [16, LONG])
 @pytest.mark.parametrize("case", list(DATA) + list(TEXTS))
-def test_a_learnt_shape_reads_each_body_as_the_full_reading_does(case, full_reads):
-    book = learnt()
-    body = tiny_body(TEXTS[case] if case in TEXTS else DATA[case])
+def test_a_learnt_shape_reads_each_body_as_the_full_reading_does(case, width, full_reads):
+    pad = [1.0] * (width - 16)
+    book = learnt(tiny_body([float(i) / 7 for i in range(width)], shape=(1, width)))
+    text = TEXTS[case] if case in TEXTS else json.dumps(DATA[case])
+    if pad:
+        text = text[:-1] + ("," if text.strip() != "[]" else "") + json.dumps(pad)[1:]
+    body = tiny_body(text, shape=(1, width))
+    assert (len(body) >= FAST_MIN_BYTES) == (width == LONG)
     full_reads.clear()
     got = outcome(lambda b: book.parse(b, None, MAX_JSON, MAX_INPUT), body)
     in_full = len(full_reads)
@@ -111,7 +122,8 @@ def test_other_datatypes_read_as_the_full_reading_does(datatype):
         assert outcome(lambda b: book.parse(b, None, MAX_JSON, MAX_INPUT), body) == outcome(full, body), other
 
 
-@pytest.mark.parametrize("extra", ['', ', "id": "a-1"', ', "outputs": [{"name": "OUTPUT0"}]',
+@pytest.mark.parametrize("extra", ['', ', "id": "a-1"', ', "id": "\\u00e9\\"data\\": [1]"',
+                                   ', "outputs": [{"name": "OUTPUT0"}]',
                                    ', "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": true}}]',
                                    ', "parameters": {"priority": 2, "timeout": 5000000}'])
 def test_what_surrounds_the_data_is_the_full_readings(extra, full_reads):
@@ -132,7 +144,11 @@ NOT_LEARNT = {
                                b'"datatype": "FP32", "parameters": {"binary_data_size": 0}}]}',
     "two inputs": b'{"inputs": [{"name": "A", "shape": [1], "datatype": "FP32", "data": [1.0]}, '
                   b'{"name": "B", "shape": [1], "datatype": "FP32", "data": [2.0]}]}',
-    "an escaped key": tiny_body([1.0] * 16, name="IN\\u0050UT0"),
+    # the list found is the first data key's, but an escaped one after it is the data orjson reads
+    "an escaped data key after": tiny_body([1.0] * 16, extra="")[:-3] + b', "d\\u0061ta": ' + json.dumps(
+        [2.0] * 16).encode() + b"}]}",
+    # the first "data" in the text ends a key that is not data's ('x "data')
+    "another key ending in data": tiny_body([1.0] * 16).replace(b'{"inputs"', b'{"x \\"data": [5], "inputs"', 1),
     "nested data": tiny_body([[1.0] * 8, [2.0] * 8]),
     "a repeated inputs key": b'{"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}], '
                              b'"inputs": [{"name": "Y", "shape": [0], "datatype": "FP32", '
@@ -393,3 +409,13 @@ def test_a_head_is_not_kept_for_a_route_without_a_fast_path_or_one_taken_off():
 
 def test_orjson_reads_the_marker_as_no_data_would_be():
     assert orjson.loads(templates._MARK_TEXT) == templates._MARK
+
+
+def test_the_same_bytes_parted_elsewhere_are_another_shape(full_reads):
+    book = learnt(tiny_body([1.0] * 16))
+    moved = tiny_body([2.0] * 16).replace(b'"data": [', b'"data":[').replace(b"]}]}", b"] }]}")
+    start, end = templates._hole(moved)
+    assert moved[:start] + moved[end:] in book._known  # the same bytes in all, the list one byte sooner
+    full_reads.clear()
+    got = outcome(lambda b: book.parse(b, None, MAX_JSON, MAX_INPUT), moved)
+    assert full_reads == [moved] and got == outcome(full, moved) and got[0] == "read"

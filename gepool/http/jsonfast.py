@@ -55,6 +55,20 @@ def load(raw: bytes, max_openings: int) -> dict | None:
         return None
 
 
+def doubles(text: bytes) -> Doubles | None:
+    """A flat JSON list of numbers as ``load`` reads an input's data, or None (not such a list, or refused)."""
+    parser = getattr(_local, "parser", None) if len(text) <= KEEP_PARSER_BYTES else simdjson.Parser()
+    if parser is None:
+        parser = _local.parser = simdjson.Parser()
+    try:
+        doc = parser.parse(text)
+        if not isinstance(doc, simdjson.Array):
+            return None
+        return Doubles(np.frombuffer(doc.as_buffer(of_type="d"), np.float64))
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError):
+        return None
+
+
 def _fields(obj: "simdjson.Object", skip: str) -> dict:
     """An object's fields as Python objects, except ``skip`` (present as None until the caller reads it)."""
     keys = list(obj.keys())

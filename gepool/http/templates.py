@@ -1,9 +1,10 @@
 """Request bodies alike but for one input's JSON data: the rest is read once, the data of each request alone.
 
-A client sends the same JSON around different numbers, request after request. Where a small body has one
-``"data"`` key, holding a flat list, and no backslash (so every key is spelled plainly), the body less that
-list is the key of what ``kserve.parse_request`` made of it, learnt from the first such body: later ones
-read only their list, through the same ``kserve._from_json`` as every JSON input. A body is learnt only
+A client sends the same JSON around different numbers, request after request. Where a body's first
+``"data"`` key holds a flat list, the body less that list (and where it was) is the key of what
+``kserve.parse_request`` made of it, learnt from an earlier such body: later ones
+read only their list (with orjson, or as the full reading reads a long body's floats, with simdjson straight
+into doubles), through the same ``kserve._from_json`` as every JSON input. A body is learnt only
 where its reading cannot differ from the full one: orjson read it and it passed ``kserve._parse`` (not
 the json module's exact reading, which may read the same text otherwise), it has one input, and the list
 is that input's data (the body read again with a marker in its place finds the marker there); and only
@@ -16,8 +17,8 @@ from __future__ import annotations
 import orjson
 
 from gepool.common.errors import InvalidArgument
-from gepool.http import kserve
-from gepool.http.jsonfast import FAST_MIN_BYTES
+from gepool.http import jsonfast, kserve
+from gepool.http.jsonfast import FAST_MIN_BYTES, FLOAT_DATATYPES
 
 MAX_TEMPLATES = 64  # bodies of another shape past this start the book again (a bound, not a cache policy)
 MAX_SEEN = 256  # bodies seen once, not learnt yet: a body is learnt when its shape comes again (an id that
@@ -29,11 +30,11 @@ _MARK_TEXT = orjson.dumps(_MARK)
 
 
 class Template:
-    __slots__ = ("name", "datatype", "shape", "request", "max_json", "max_input")
+    __slots__ = ("start", "name", "datatype", "shape", "request", "max_json", "max_input")
 
-    def __init__(self, name: str, datatype: str, shape: list[int], request: kserve.InferRequest, max_json: int,
-                 max_input: int) -> None:
-        self.name, self.datatype, self.shape, self.request = name, datatype, shape, request
+    def __init__(self, start: int, name: str, datatype: str, shape: list[int], request: kserve.InferRequest,
+                 max_json: int, max_input: int) -> None:
+        self.start, self.name, self.datatype, self.shape, self.request = start, name, datatype, shape, request
         self.max_json, self.max_input = max_json, max_input
 
 
@@ -48,16 +49,22 @@ class Templates:
     def parse(self, body: bytes, regions, max_json: int, max_input: int) -> kserve.InferRequest:
         """``kserve.parse_request(body, None, regions, max_json, max_input)``: the same request, or the same
         error."""
-        hole = _hole(body) if len(body) < FAST_MIN_BYTES else None
+        hole = _hole(body)
         if hole is None:
             return kserve.parse_request(body, None, regions, max_json, max_input)
         start, end = hole
         key = body[:start] + body[end:]
         known = self._known.get(key)
-        if known is not None and known.max_json == max_json and known.max_input == max_input \
-                and len(body) <= max_json:
+        # the same bytes before the list and after it (not only the same bytes in all: where they part matters)
+        if known is not None and known.start == start and known.max_json == max_json \
+                and known.max_input == max_input and len(body) <= max_json:
             try:
-                data = orjson.loads(body[start:end])
+                if len(body) < FAST_MIN_BYTES or known.datatype not in FLOAT_DATATYPES:
+                    data = orjson.loads(body[start:end])
+                else:  # the full reading's: simdjson, straight into doubles
+                    data = jsonfast.doubles(body[start:end])
+                    if data is None:
+                        raise InvalidArgument("not numbers only")  # (the full reading says what they are)
                 arr = kserve._from_json(known.name, known.datatype, known.shape, data)
             except (orjson.JSONDecodeError, InvalidArgument):
                 return kserve.parse_request(body, None, regions, max_json, max_input)  # names what is wrong
@@ -93,13 +100,15 @@ class Templates:
             return
         if len(self._known) >= MAX_TEMPLATES:
             self._known.clear()
-        self._known[key] = Template(name, item["datatype"], list(item["shape"]), req, max_json, max_input)
+        self._known[key] = Template(start, name, item["datatype"], list(item["shape"]), req, max_json, max_input)
 
 
 def _hole(body: bytes) -> tuple[int, int] | None:
-    """Where the one ``"data"`` key's flat list lies in ``body`` (its '[' and one past its ']'), or None."""
+    """Where the first ``"data"`` key's flat list lies in ``body`` (its '[' and one past its ']'), or None. What
+    it finds need not be an input's data, nor a key (the text may be in a string): ``_learn`` checks that it is
+    the one input's data, and a body is read by its shape only where the bytes around the list are the same."""
     at = body.find(_DATA)
-    if at < 0 or body.find(_DATA, at + len(_DATA)) >= 0 or body.find(b"\\") >= 0:
+    if at < 0:
         return None
     after = at + len(_DATA)
     start = body.find(b"[", after)  # after the key, its colon and a list holding no list (flat data)
