@@ -205,6 +205,85 @@ for _ in range(2):
     _LEARNT.parse(BASE, None, MAX_JSON, MAX_INPUT)
 
 
+# -- binary bodies: templates.Templates.parse_binary --------------------------------------------------------
+
+def binary_body(inputs: list[tuple[str, str, list[int], bytes]], extra: str = "") -> tuple[bytes, int]:
+    """A body of a JSON header naming each input's binary data, then the data; and the header's length."""
+    header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": s, "parameters": {"binary_data_size": len(b)}}
+                                    for n, d, s, b in inputs]})[:-1] + extra + "}"
+    return header.encode() + b"".join(b for *_, b in inputs), len(header.encode())
+
+
+def binary_outcome(book, body: bytes, hlen: int):
+    return (outcome(lambda b: book.parse_binary(b, str(hlen), hlen, None, MAX_JSON, MAX_INPUT), body),
+            outcome(lambda b: kserve.parse_request(b, str(hlen), None, MAX_JSON, MAX_INPUT), body))
+
+
+def test_a_learnt_binary_header_reads_each_body_as_the_full_reading_does(full_reads):
+    rng = np.random.default_rng(7)
+    shape = ["FP32", [1, 16]], ["INT64", [1, 3]], ["BYTES", [2]]
+
+    def body(blobs: list[bytes], extra: str = "") -> tuple[bytes, int]:
+        return binary_body([(f"IN{i}", d, s, b) for i, ((d, s), b) in enumerate(zip(shape, blobs))], extra)
+
+    def strings(*items: bytes) -> bytes:
+        return b"".join(len(x).to_bytes(4, "little") + x for x in items)
+
+    book = templates.Templates()
+    first, hlen = body([rng.bytes(64), rng.bytes(24), strings(b"ab", b"cd")])
+    for _ in range(2):
+        book.parse_binary(first, str(hlen), hlen, None, MAX_JSON, MAX_INPUT)
+    assert len(book._binary) == 1
+    tail = rng.bytes(64) + rng.bytes(24) + strings(b"xy", b"zw")
+    cases = {
+        "other bytes": tail,
+        "other strings, as long in all": tail[:88] + strings(b"", b"abcd"),
+        "a string's length past its data": tail[:88] + strings(b"ab", b"c") + b"\xff",
+        "a byte too few": tail[:-1],
+        "a byte too many": tail + b"!",
+    }
+    read_by_header = lambda b: book.parse_binary(b, str(hlen), hlen, None, MAX_JSON, MAX_INPUT)  # noqa: E731
+    read_in_full = lambda b: kserve.parse_request(b, str(hlen), None, MAX_JSON, MAX_INPUT)  # noqa: E731
+    for case, rest in cases.items():
+        data = first[:hlen] + rest
+        full_reads.clear()
+        fast = outcome(read_by_header, data)
+        in_full = len(full_reads)
+        assert fast == outcome(read_in_full, data), case
+        assert in_full == (fast[0] == "refused"), case  # what reads is read by its header alone
+
+
+@pytest.mark.parametrize("extra", ['', ', "id": "r"',
+                                   ', "outputs": [{"name": "OUT", "parameters": {"binary_data": true}}]'])
+def test_what_surrounds_binary_data_is_the_full_readings(extra, full_reads):
+    data, hlen = binary_body([("IN", "FP16", [2, 2], bytes(8))], extra)
+    book = templates.Templates()
+    for _ in range(2):
+        book.parse_binary(data, str(hlen), hlen, None, MAX_JSON, MAX_INPUT)
+    other = data[:hlen] + bytes(range(8))
+    full_reads.clear()
+    fast, slow = binary_outcome(book, other, hlen)
+    assert fast == slow and fast[0] == "read" and len(full_reads) == 1  # (binary_outcome's own full reading)
+
+
+@pytest.mark.parametrize("case", ["json data beside", "shared memory", "a repeated key"])
+def test_a_binary_header_whose_reading_might_differ_is_never_learnt(case):
+    inputs = {
+        "json data beside": b'{"inputs": [{"name": "A", "datatype": "FP32", "shape": [1], "data": [1.0]}, '
+                            b'{"name": "B", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}}]}',
+        "shared memory": b'{"inputs": [{"name": "A", "datatype": "FP32", "shape": [1], "parameters": '
+                         b'{"shared_memory_region": "r", "shared_memory_byte_size": 4}}]}',
+        "a repeated key": b'{"inputs": [{"name": "A", "datatype": "FP32", "shape": [1], "parameters": '
+                          b'{"binary_data_size": 8, "binary_data_size": 4}}]}',
+    }[case]
+    data = inputs + bytes(4)
+    book = templates.Templates()
+    for _ in range(3):
+        fast, slow = binary_outcome(book, data, len(inputs))
+        assert fast == slow
+    assert bool(book._binary) == (case == "a repeated key"), case  # (orjson's reading, the full path's: the last)
+
+
 # -- answers: kserve._one_json --------------------------------------------------------------------------------
 
 def _both(model, version, req, outputs, monkeypatch):
@@ -226,6 +305,31 @@ def test_one_json_output_is_written_byte_for_byte_as_the_full_writer(datatype, s
         fast, slow, taken = _both("tiny", "1", req, {"OUT": arr}, monkeypatch)
         assert fast[0] == slow[0] and dict(fast[1]) == dict(slow[1]), (datatype, shape)
         assert taken == (datatype not in ("BOOL", "FP16", "BYTES")), datatype
+
+
+@pytest.mark.parametrize("datatype", NUMERIC + ["BYTES"])
+@pytest.mark.parametrize("shape", [(1,), (1, 16), (3, 5), (0, 4), (2, 200)], ids=str)
+def test_one_binary_output_is_written_byte_for_byte_as_the_full_writer(datatype, shape, monkeypatch):
+    arr = random_tensor(datatype, shape)
+    for req in (kserve.InferRequest({}, None, True), kserve.InferRequest({}, [kserve.OutputRequest("OUT", True)],
+                                                                        False)):
+        kserve._binary_heads.clear()
+        fast = kserve.encode_response("tiny", "1", req, {"OUT": arr})
+        taken = bool(kserve._binary_heads)
+        with monkeypatch.context() as m:
+            m.setattr(kserve, "_one_binary", lambda *a: None)
+            slow = kserve.encode_response("tiny", "1", req, {"OUT": arr})
+        assert fast[0] == slow[0] and fast[1] == slow[1], (datatype, shape)
+        assert taken == (datatype != "BYTES"), datatype
+
+
+def test_shared_headers_cannot_be_changed():
+    with pytest.raises(TypeError):
+        kserve.JSON_HEADERS["X"] = "1"
+    with pytest.raises(TypeError):
+        kserve.JSON_HEADERS.update({"X": "1"})
+    with pytest.raises(ValueError):
+        kserve.FixedHeaders({"Content-Type": "a", "Content-Length": "3"})
 
 
 @pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf])

@@ -12,7 +12,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from types import MappingProxyType
 
 import numpy as np
 import orjson
@@ -458,9 +457,30 @@ def _parse(body: bytes, hlen: int, header: dict, regions, max_input: int | None)
     return InferRequest(inputs, outputs, binary_output, header.get("id"), params, checked.priority, checked.timeout_s)
 
 
-JSON_HEADERS = MappingProxyType({"Content-Type": "application/json"})  # a JSON answer's (one object, read-only)
+class FixedHeaders(dict):
+    """Response headers made once and shared by every answer that has them (read-only); ``lines``: their text
+    in a response head, written as it is."""
+
+    __slots__ = ("lines",)
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        names = {k.lower() for k in headers}
+        if "content-type" not in names or names & {"content-length", "transfer-encoding", "connection", "date",
+                                                   "server"}:
+            raise ValueError(f"fixed headers name their Content-Type and none the server writes: {headers}")
+        super().__init__(headers)
+        self.lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("these headers are shared: copy them to change them")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _read_only
+
+
+JSON_HEADERS = FixedHeaders({"Content-Type": "application/json"})
 MAX_ANSWER_HEADS = 256  # the most answer texts (less their data) kept; past it the book starts again
 _answer_heads: dict[tuple, bytes] = {}
+_binary_heads: dict[tuple, tuple[bytes, FixedHeaders]] = {}
 
 
 def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],
@@ -473,9 +493,12 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
     same numbers as before. orjson writes NaN and infinities as null, which nothing else in a response
     is: a text with null in it is written again by the json module (NaN, Infinity, as before)."""
     if len(outputs) == 1:
-        text = _one_json(model, version, req, outputs)
-        if text is not None:
-            return text, JSON_HEADERS
+        answer = _one_json(model, version, req, outputs)
+        if answer is not None:
+            return answer, JSON_HEADERS
+        answer = _one_binary(model, version, req, outputs)
+        if answer is not None:
+            return answer
     wanted = req.outputs if req.outputs is not None else [OutputRequest(n, req.binary_output) for n in outputs]
     entries, blobs = [], []
     for o in wanted:
@@ -508,7 +531,7 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
         header = _dumps_json(body)
     if not blobs:
         return header, JSON_HEADERS
-    return b"".join([header, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    return b"".join([header, *blobs]), _binary_headers(len(header))
 
 
 # below this many elements a list is written sooner than orjson sets up a numpy array
@@ -552,12 +575,60 @@ def _one_json(model: str, version: str, req: InferRequest, outputs: dict[str, np
     return b"".join((head, data, _END))
 
 
+def _one_binary(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray]) \
+        -> tuple[bytes, FixedHeaders] | None:
+    """The answer ``encode_response`` gives, sooner, for one fixed-size output as binary data, no id: its JSON
+    header is written once for each model, version, output, datatype and shape. None where the full path is
+    needed."""
+    if req.id is not None:
+        return None
+    ((name, arr),) = outputs.items()
+    wanted = req.outputs
+    if wanted is None:
+        if not req.binary_output:
+            return None
+    elif len(wanted) != 1 or (o := wanted[0]).name != name or not o.binary or o.region is not None \
+            or o.class_count:
+        return None
+    datatype = _BINARY_DATATYPES.get(arr.dtype)
+    if datatype is None or type(model) is not str or type(version) is not str or type(name) is not str:
+        return None
+    key = (model, version, name, datatype, arr.shape)
+    known = _binary_heads.get(key)
+    if known is None:
+        header = _dumps({"model_name": model, "model_version": version, "outputs": [
+            {"name": name, "datatype": datatype, "shape": list(arr.shape),
+             "parameters": {"binary_data_size": arr.nbytes}}]})
+        if header is None or b"null" in header:
+            return None  # (the full path writes such a text with the json module)
+        if len(_binary_heads) >= MAX_ANSWER_HEADS:
+            _binary_heads.clear()
+        known = _binary_heads[key] = (header, _binary_headers(len(header)))
+    header, headers = known
+    return b"".join([header, _raw_view(arr)]), headers
+
+
+def _binary_headers(header_length: int) -> FixedHeaders:
+    """A binary answer's headers, made once for each length of its JSON header."""
+    headers = _BINARY_HEADERS.get(header_length)
+    if headers is None:
+        if len(_BINARY_HEADERS) >= MAX_ANSWER_HEADS:
+            _BINARY_HEADERS.clear()
+        headers = _BINARY_HEADERS[header_length] = FixedHeaders(
+            {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)})
+    return headers
+
+
+_BINARY_HEADERS: dict[int, FixedHeaders] = {}
 _NULL_END = b"null}]}"
 _END = b"}]}"
 # the numeric types orjson writes as the full path does (bool and float16 aside: a bool array, and float16
 # through tolist, are written alike too, but are not worth a second path)
 _JSON_DATATYPES = {np.dtype(t): dtypes.from_numpy(np.dtype(t)) for t in (
     np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
+_BINARY_DATATYPES = {np.dtype(t): dtypes.from_numpy(np.dtype(t)) for t in (
+    np.bool_, np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64)}
 
 
 NULL_SCAN_MIN = 2048  # bytes of text from which skipping to each 'n' beats searching the whole text

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from gepool.common import errors
 from gepool.http import limits, listen, rsgi
-from gepool.http.kserve import JSON_HEADERS
+from gepool.http.kserve import FixedHeaders
 from gepool.http.limits import BodyLimit, BodyTimeout, BodyTooLarge, ClientGone
 
 log = logging.getLogger("gepool.http")
@@ -51,8 +51,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_TRAILER_BYTES = 8 << 10  # bytes read past a chunk size line with no data after it (a last chunk's trailers)
 TRAILERS = "trailers after a chunked body are not accepted"
 _WAIT = object()  # _answered: the next request waits for the client to read what was written
-_JSON_TYPE = b"Content-Type: application/json\r\n"
-_JSON_HEAD = b"HTTP/1.1 200 OK\r\n" + _JSON_TYPE
+_OK = b"HTTP/1.1 200 OK\r\n"
 MAX_KNOWN_HEAD_BYTES = 4096  # the most of a head a connection keeps to know the next one by (see Head)
 _LENGTH_KEY = b"\r\ncontent-length:"
 
@@ -667,9 +666,9 @@ class Connection(asyncio.Protocol):
             raise TypeError(f"a response body of type {type(body).__name__} cannot be written")
         status = response.status
         headers = response.headers
-        if headers is JSON_HEADERS:  # the infer route's answer: its head, written once
-            lines = [_JSON_HEAD if status == 200 else b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
-                     + _JSON_TYPE]
+        if type(headers) is FixedHeaders:  # the infer route's answer: its headers' text made once
+            lines = [_OK if status == 200 else b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
+                     headers.lines]
             typed = True
         else:
             lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]

@@ -385,7 +385,7 @@ class Gateway:
             return False
         try:
             req = self.templates.parse(body, _no_regions, MAX_JSON_BYTES, max_body) if header_length is None \
-                else kserve.parse_request(body, header_length, _no_regions, MAX_JSON_BYTES, max_body)
+                else self.templates.parse_binary(body, header_length, hlen, _no_regions, MAX_JSON_BYTES, max_body)
         except _Declined:  # an input in shared memory, its key spelled with escapes
             return False
         except errors.GepoolError as exc:

@@ -38,13 +38,77 @@ class Template:
         self.max_json, self.max_input = max_json, max_input
 
 
+class Binary:
+    """A JSON header whose inputs all come as binary data: each input's name, datatype, shape, and where its
+    bytes lie after the header."""
+
+    __slots__ = ("inputs", "size", "request", "max_json", "max_input")
+
+    def __init__(self, inputs: list[tuple[str, str, list[int], int, int]], size: int, request: kserve.InferRequest,
+                 max_json: int, max_input: int) -> None:
+        self.inputs, self.size, self.request, self.max_json, self.max_input = inputs, size, request, max_json, max_input
+
+
 class Templates:
     """The shapes of body this gateway has seen, each with what it parsed to (one loop's own: not shared
     across threads)."""
 
     def __init__(self) -> None:
         self._known: dict[bytes, Template] = {}
+        self._binary: dict[bytes, Binary] = {}
         self._seen: set[bytes] = set()
+
+    def parse_binary(self, body: bytes, header_length: str, hlen: int, regions, max_json: int,
+                     max_input: int) -> kserve.InferRequest:
+        """``kserve.parse_request(body, header_length, ...)`` for a body of ``hlen`` bytes of JSON header (which
+        ``header_length`` says) and then binary data: the same request, or the same error. A header whose inputs
+        all come as binary data is learnt as a JSON body is (seen twice, read by orjson and passed); later
+        bodies with the same header read only their tensors, through ``kserve.tensor_from_bytes``."""
+        header = body[:hlen]
+        known = self._binary.get(header)
+        if known is not None and known.max_json == max_json and known.max_input == max_input \
+                and len(body) - hlen == known.size:
+            blob = memoryview(body)[hlen:]
+            try:
+                inputs = {name: kserve.tensor_from_bytes(name, datatype, shape, blob[pos:pos + size])
+                          for name, datatype, shape, pos, size in known.inputs}
+            except InvalidArgument:
+                return kserve.parse_request(body, header_length, regions, max_json, max_input)
+            t = known.request
+            return kserve.InferRequest(inputs, t.outputs, t.binary_output, t.id, dict(t.parameters), t.priority,
+                                       t.timeout_s)
+        req = kserve.parse_request(body, header_length, regions, max_json, max_input)
+        if self._again(header):
+            self._learn_binary(header, body, hlen, req, max_json, max_input)
+        return req
+
+    def _learn_binary(self, header: bytes, body: bytes, hlen: int, req: kserve.InferRequest, max_json: int,
+                      max_input: int) -> None:
+        try:
+            read = orjson.loads(header)  # as the full path read it first: that reading must have passed
+            kserve._parse(body, hlen, read, None, max_input)
+        except (orjson.JSONDecodeError, InvalidArgument):
+            return
+        inputs, pos = [], 0
+        for item in read["inputs"]:  # (as _parse walks them: each one's bytes follow the last one's)
+            size = (item.get("parameters") or {}).get("binary_data_size")
+            if "data" in item or type(size) is not int:
+                return
+            inputs.append((item["name"], item["datatype"], list(item["shape"]), pos, size))
+            pos += size
+        if len(self._binary) >= MAX_TEMPLATES:
+            self._binary.clear()
+        self._binary[header] = Binary(inputs, pos, req, max_json, max_input)
+
+    def _again(self, key: bytes) -> bool:
+        """Whether ``key`` was seen once before (it is then forgotten: it is learnt now), else noted."""
+        if key in self._seen:
+            self._seen.discard(key)
+            return True
+        if len(self._seen) >= MAX_SEEN:
+            self._seen.clear()
+        self._seen.add(key)
+        return False
 
     def parse(self, body: bytes, regions, max_json: int, max_input: int) -> kserve.InferRequest:
         """``kserve.parse_request(body, None, regions, max_json, max_input)``: the same request, or the same
@@ -72,13 +136,8 @@ class Templates:
             return kserve.InferRequest({known.name: arr}, t.outputs, t.binary_output, t.id, dict(t.parameters),
                                        t.priority, t.timeout_s)
         req = kserve.parse_request(body, None, regions, max_json, max_input)
-        if key in self._seen:
-            self._seen.discard(key)
+        if self._again(key):
             self._learn(key, body, start, end, req, max_json, max_input)
-        else:
-            if len(self._seen) >= MAX_SEEN:
-                self._seen.clear()
-            self._seen.add(key)
         return req
 
     def _learn(self, key: bytes, body: bytes, start: int, end: int, req: kserve.InferRequest, max_json: int,
