@@ -1,17 +1,19 @@
 """Instructions per request through the sidecar's whole infer route, in one process, counted by callgrind.
 
-    python benchmarks/route_instructions.py [--model tiny|mlp] [--few 100] [--many 600] [--base REV]
+    python benchmarks/route_instructions.py [--model tiny|mlp] [--few 100] [--many 1100] [--base REV]
 
 ``route_inplace.py``'s setup (the native server's connection and handlers, a stand-in front answering after
 one loop pass, no socket) runs ``--few`` and then ``--many`` requests under ``valgrind --tool=callgrind``; the
 difference of the two totals over the difference of the counts is what one request costs, start-up left out.
 Eight bodies of different numbers (and so different lengths) take turns, as a client's would. With ``--base``
 the same is counted for that revision's package (exported with ``git archive``), so two trees compare on a
-figure a busy host does not move. Needs valgrind (``apt-get install valgrind``); about a minute per count.
+figure a busy host does not move (the hash seed fixed, so that set and dict layouts repeat). Needs valgrind
+(``apt-get install valgrind``); about a minute per count.
 """
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import re
@@ -90,6 +92,8 @@ def drive(model: str, requests: int) -> None:
                                            "data": data}]}).encode()
             wires.append(b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % (model.encode(), len(body)) + body)
+        gc.collect()
+        gc.freeze()  # as the sidecar does once started
         for i in range(requests):
             transport.written = asyncio.Event()
             conn.data_received(wires[i % len(wires)])
@@ -106,7 +110,8 @@ def count(tree: str, model: str, requests: int) -> int:
         out = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable, __file__,
              "--drive", model, str(requests)],
-            cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
+            cwd=tree, env={**os.environ, "PYTHONPATH": tree, "PYTHONHASHSEED": "0"}, capture_output=True, text=True,
+            check=True)
     found = re.search(r"Collected : (\d+)", out.stderr)
     if found is None:
         raise SystemExit(f"callgrind gave no count:\n{out.stderr[-2000:]}")
@@ -124,7 +129,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--few", type=int, default=100)
-    p.add_argument("--many", type=int, default=600)
+    p.add_argument("--many", type=int, default=1100)
     p.add_argument("--base", help="a revision to count too")
     args = p.parse_args()
     trees = {"this tree": os.path.dirname(HERE)}

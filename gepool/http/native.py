@@ -213,7 +213,7 @@ class Head:
         start = len(self.before)
         end = data.find(b"\r\n", start, start + 16)
         digits = data[start:end]
-        # digits as the parser reads them: at most 15 (so at most 10**15 - 1), no sign, no leading zero
+        # digits as the parser reads them: at most 14, no sign, no leading zero
         if end <= start or not digits.isdigit() or (digits[0] == 48 and end - start > 1) \
                 or not data.startswith(self.after, end):
             return None
@@ -241,7 +241,9 @@ def known_head(data: bytes, body_size: int) -> tuple[bytes, bytes, int] | None:
     end = start
     while head[end:end + 1].isdigit():
         end += 1
-    if end == start or head[end:end + 2] != b"\r\n" or int(head[start:end]) != body_size:
+    # (a length with a leading zero is not kept: a later request's own spelling of it would be lost)
+    if end == start or head[end:end + 2] != b"\r\n" or head[start:start + 1] == b"0" and end - start > 1 \
+            or int(head[start:end]) != body_size:
         return None
     return head[:start], head[end:], body_size
 
@@ -347,6 +349,7 @@ class Connection(asyncio.Protocol):
             at = head.body_at(data)
             now = self.listener.fast.get(head.handler) if at is not None else None
             if now is not None:
+                self._head_bytes = 0  # a request ended in this chunk, as the parser's accounting below says
                 self._known(head, data, *at, now)
                 return
         self._ended_here = False

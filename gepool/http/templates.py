@@ -7,12 +7,14 @@ read only their list (with orjson, or as the full reading reads a long body's fl
 into doubles), through the same ``kserve._from_json`` as every JSON input. A body is learnt only
 where its reading cannot differ from the full one: orjson read it and it passed ``kserve._parse`` (not
 the json module's exact reading, which may read the same text otherwise), it has one input, and the list
-is that input's data (the body read again with a marker in its place finds the marker there); and only
-when its shape comes a second time (a body whose id differs every time is never learnt). Anything
+is that input's data (the body read again with either of two markers in its place finds that marker there);
+and only when its shape comes a second time (a body whose id differs every time is never learnt). Anything
 else, and any list that does not read or check, takes the full path, which names what is wrong.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import orjson
 
@@ -25,8 +27,10 @@ MAX_SEEN = 256  # bodies seen once, not learnt yet: a body is learnt when its sh
 # differs in every request makes every shape new, and learning costs a second reading)
 _DATA = b'"data"'
 _WHITESPACE = b" \t\n\r"  # JSON's
-_MARK = ["\x00gepool"]  # what no request's data is (a string, escaped as JSON must escape it)
-_MARK_TEXT = orjson.dumps(_MARK)
+# two lists put in the found list's place: only where it is the input's data do both come back as its data (a
+# request's own data may be either, not both)
+_MARKS = (["\x00gepool", 1], ["\x00gepool", 2])
+_MARK_TEXTS = tuple(orjson.dumps(m) for m in _MARKS)
 
 
 class Template:
@@ -98,7 +102,7 @@ class Templates:
             pos += size
         if len(self._binary) >= MAX_TEMPLATES:
             self._binary.clear()
-        self._binary[header] = Binary(inputs, pos, req, max_json, max_input)
+        self._binary[header] = Binary(inputs, pos, dataclasses.replace(req, inputs={}), max_json, max_input)
 
     def _again(self, key: bytes) -> bool:
         """Whether ``key`` was seen once before (it is then forgotten: it is learnt now), else noted."""
@@ -147,19 +151,23 @@ class Templates:
         try:
             header = orjson.loads(body)  # read as the full path read it first: that reading must have passed
             kserve._parse(body, len(body), header, None, max_input)
-            marked = orjson.loads(body[:start] + _MARK_TEXT + body[end:])
+            marked = [orjson.loads(body[:start] + text + body[end:]) for text in _MARK_TEXTS]
         except (orjson.JSONDecodeError, InvalidArgument):
             return
-        items = marked.get("inputs") if type(marked) is dict else None
-        if type(items) is not list or len(items) != 1 or type(items[0]) is not dict or items[0].get("data") != _MARK:
-            return
+        for read, mark in zip(marked, _MARKS):
+            items = read.get("inputs") if type(read) is dict else None
+            if type(items) is not list or len(items) != 1 or type(items[0]) is not dict \
+                    or items[0].get("data") != mark:
+                return
         (name,) = req.inputs
-        item = items[0]
+        item = marked[0]["inputs"][0]
         if item.get("name") != name:
             return
         if len(self._known) >= MAX_TEMPLATES:
             self._known.clear()
-        self._known[key] = Template(start, name, item["datatype"], list(item["shape"]), req, max_json, max_input)
+        # (its inputs are not kept: the first client's tensors would stay as long as the shape)
+        self._known[key] = Template(start, name, item["datatype"], list(item["shape"]),
+                                    dataclasses.replace(req, inputs={}), max_json, max_input)
 
 
 def _hole(body: bytes) -> tuple[int, int] | None:
@@ -174,6 +182,7 @@ def _hole(body: bytes) -> tuple[int, int] | None:
     if start < 0 or body[after:start].strip(_WHITESPACE) != b":":
         return None
     end = body.find(b"]", start)
-    if end < 0 or body.find(b"[", start + 1, end) >= 0:
+    # no list in it, and no object (nothing for orjson to nest in: load_header's bound on depth is not needed)
+    if end < 0 or body.find(b"[", start + 1, end) >= 0 or body.find(b"{", start + 1, end) >= 0:
         return None
     return start, end + 1
