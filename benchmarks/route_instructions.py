@@ -31,45 +31,11 @@ def drive(model: str, requests: int) -> None:
     """The route ``requests`` times (run inside callgrind, from the tree on sys.path)."""
     import uvloop
 
+    # the tree's own stand-ins (its route_inplace.py puts the tree first on sys.path, so gepool is the tree's)
+    sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+    from route_inplace import Front, Transport
+
     from gepool.http import native, rsgi, server
-
-    class Outputs(dict):
-        model_version = 1
-
-    class Front:
-        def __init__(self, output: np.ndarray) -> None:
-            self.output = output
-
-        async def infer(self, model, inputs, names, **kwargs) -> Outputs:
-            await asyncio.sleep(0)
-            return Outputs(OUTPUT=self.output)
-
-        def submit(self, model, inputs, names, done, **kwargs) -> bool:
-            asyncio.get_running_loop().call_soon(done, Outputs(OUTPUT=self.output), None)
-            return True
-
-    class Transport:
-        def __init__(self) -> None:
-            self.written: asyncio.Event | None = None
-            self.last = b""
-
-        def write(self, data) -> None:
-            self.last = bytes(data[:12])
-            self.written.set()
-
-        def writelines(self, parts) -> None:
-            self.write(parts[0])
-
-        def get_write_buffer_size(self) -> int:
-            return 0
-
-        def get_extra_info(self, *args, **kwargs):
-            return None
-
-        def pause_reading(self) -> None:
-            pass
-
-        resume_reading = close = abort = pause_reading
 
     async def run() -> None:
         width_in, width_out = SHAPES[model]

@@ -542,18 +542,10 @@ def _one_json(model: str, version: str, req: InferRequest, outputs: dict[str, np
     """The answer ``encode_response`` gives, sooner, for the common one: one numeric output in JSON, no id.
     The text around its data is written once for each model, version, output and shape, as the full path
     writes it; the data as the full path writes it. None where the full path is needed."""
-    if req.id is not None:
+    alone = _one_output(model, version, req, outputs, False, _JSON_DATATYPES)
+    if alone is None:
         return None
-    ((name, arr),) = outputs.items()
-    wanted = req.outputs
-    if wanted is None:
-        if req.binary_output:
-            return None
-    elif len(wanted) != 1 or (o := wanted[0]).name != name or o.binary or o.region is not None or o.class_count:
-        return None
-    datatype = _JSON_DATATYPES.get(arr.dtype)
-    if datatype is None or type(model) is not str or type(version) is not str or type(name) is not str:
-        return None
+    name, arr, datatype = alone
     key = (model, version, name, datatype, arr.shape)
     head = _answer_heads.get(key)
     if head is None:
@@ -580,19 +572,10 @@ def _one_binary(model: str, version: str, req: InferRequest, outputs: dict[str, 
     """The answer ``encode_response`` gives, sooner, for one fixed-size output as binary data, no id: its JSON
     header is written once for each model, version, output, datatype and shape. None where the full path is
     needed."""
-    if req.id is not None:
+    alone = _one_output(model, version, req, outputs, True, _BINARY_DATATYPES)
+    if alone is None:
         return None
-    ((name, arr),) = outputs.items()
-    wanted = req.outputs
-    if wanted is None:
-        if not req.binary_output:
-            return None
-    elif len(wanted) != 1 or (o := wanted[0]).name != name or not o.binary or o.region is not None \
-            or o.class_count:
-        return None
-    datatype = _BINARY_DATATYPES.get(arr.dtype)
-    if datatype is None or type(model) is not str or type(version) is not str or type(name) is not str:
-        return None
+    name, arr, datatype = alone
     key = (model, version, name, datatype, arr.shape)
     known = _binary_heads.get(key)
     if known is None:
@@ -606,6 +589,26 @@ def _one_binary(model: str, version: str, req: InferRequest, outputs: dict[str, 
         known = _binary_heads[key] = (header, _binary_headers(len(header)))
     header, headers = known
     return b"".join([header, _raw_view(arr)]), headers
+
+
+def _one_output(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray], binary: bool,
+                datatypes: dict) -> tuple[str, np.ndarray, str] | None:
+    """The one output of an answer with no id, its array and datatype, where it is asked for as ``binary`` says
+    (in JSON or as binary data), nowhere else, and its dtype is one of ``datatypes``; else None."""
+    if req.id is not None:
+        return None
+    ((name, arr),) = outputs.items()
+    wanted = req.outputs
+    if wanted is None:
+        if req.binary_output != binary:
+            return None
+    elif len(wanted) != 1 or (o := wanted[0]).name != name or o.binary != binary or o.region is not None \
+            or o.class_count:
+        return None
+    datatype = datatypes.get(arr.dtype)
+    if datatype is None or type(model) is not str or type(version) is not str or type(name) is not str:
+        return None
+    return name, arr, datatype
 
 
 def _binary_headers(header_length: int) -> FixedHeaders:
