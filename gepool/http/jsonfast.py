@@ -38,11 +38,8 @@ def load(raw: bytes, max_openings: int) -> dict | None:
     and '{' the text may hold (a bound on how deep its data can nest)."""
     if raw[:1] != b"{" or openings(raw) > max_openings:
         return None
-    parser = getattr(_local, "parser", None) if len(raw) <= KEEP_PARSER_BYTES else simdjson.Parser()
-    if parser is None:
-        parser = _local.parser = simdjson.Parser()
     try:
-        doc = parser.parse(raw)
+        doc = _parser(len(raw)).parse(raw)
         if not isinstance(doc, simdjson.Object):
             return None
         header = _fields(doc, "inputs")
@@ -57,16 +54,23 @@ def load(raw: bytes, max_openings: int) -> dict | None:
 
 def doubles(text: bytes) -> Doubles | None:
     """A flat JSON list of numbers as ``load`` reads an input's data, or None (not such a list, or refused)."""
-    parser = getattr(_local, "parser", None) if len(text) <= KEEP_PARSER_BYTES else simdjson.Parser()
-    if parser is None:
-        parser = _local.parser = simdjson.Parser()
     try:
-        doc = parser.parse(text)
+        doc = _parser(len(text)).parse(text)
         if not isinstance(doc, simdjson.Array):
             return None
         return Doubles(np.frombuffer(doc.as_buffer(of_type="d"), np.float64))
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError):
         return None
+
+
+def _parser(size: int) -> "simdjson.Parser":
+    """This thread's kept parser for a text of ``size`` bytes; a new one for a longer text."""
+    if size > KEEP_PARSER_BYTES:
+        return simdjson.Parser()
+    parser = getattr(_local, "parser", None)
+    if parser is None:
+        parser = _local.parser = simdjson.Parser()
+    return parser
 
 
 def _fields(obj: "simdjson.Object", skip: str) -> dict:
