@@ -6,7 +6,9 @@ returns is written straight to the transport. No task, timer or stream object is
 beyond the handler's own task: a body that came with its headers is handed over as it is, the
 connections' timeouts are kept by one sweep. A route may also have a fast path (``Listener.fast``), which
 serves a request whose body came in the same read as its head without even that task (the infer route's,
-``Gateway.infer_now``): it answers later through a callback, written as the handler's answer would be.
+``Gateway.infer_now``): it answers later through a callback, written as the handler's answer would be. A
+connection keeps the head of its last request to take a fast path (``Head``): a read that is the same head
+around other Content-Length digits, and then exactly that many bytes of body, is taken without the parser.
 
 A connection answers its requests one at a time, in order (pipelined ones wait, with reading paused);
 its headers must come within the idle timeout and fit ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` (431);
