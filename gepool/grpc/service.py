@@ -20,6 +20,7 @@ from gepool.common import errors, request_parameters
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import stats, tensors
 from gepool.grpc.access import GrpcRestrictions
+from gepool.grpc.calls import Calls
 from gepool.http import peer
 from gepool.http.limits import INLINE_PARSE_BYTES
 from gepool.http.server import answer_wait
@@ -109,6 +110,7 @@ class InferenceService:
         self.gw, self.host, self.port = gw, host, port
         self.restrictions = restrictions or GrpcRestrictions()
         self._answering: set[asyncio.Task] = set()  # infer_now's tasks
+        self.calls = Calls()  # _send_now's requests, by their shape
 
     # -- helpers ---------------------------------------------------------------------------
     def caller(self, context: grpc.aio.ServicerContext | str, why: str) -> int:
@@ -245,7 +247,7 @@ class InferenceService:
                   done: Callable[[pb.ModelInferResponse | None, BaseException | None], None]) -> None:
         """infer_now's part once a request with no shared memory has parsed: sent now, or answered by a task."""
         try:
-            call = tensors.parse(request, _no_regions, self.gw.max_body)
+            call = self.calls.parse(request, _no_regions, self.gw.max_body)
         except errors.GepoolError as exc:
             self._answer_later(done, self._unparsed(request, exc))
             return
