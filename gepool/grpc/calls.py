@@ -33,7 +33,7 @@ class Calls:
 
     def __init__(self) -> None:
         self._known: dict[bytes, Call] = {}
-        self._seen: set[bytes] = set()
+        self._seen: set[int] = set()  # the hashes of keys seen once (a collision only makes a learning try early)
 
     def parse(self, request: pb.ModelInferRequest, regions, max_input: int) -> tensors.InferCall:
         """``tensors.parse(request, regions, max_input)``: the same call, or the same error."""
@@ -54,13 +54,13 @@ class Calls:
                 return tensors.parse(request, regions, max_input)  # names what is wrong
             return dataclasses.replace(known.call, inputs=inputs)
         call = tensors.parse(request, regions, max_input)
-        if key in self._seen:
-            self._seen.discard(key)
+        if hash(key) in self._seen:
+            self._seen.discard(hash(key))
             self._learn(key, request, contents, call, max_input)
         else:
             if len(self._seen) >= MAX_SEEN:
                 self._seen.clear()
-            self._seen.add(key)
+            self._seen.add(hash(key))
         return call
 
     def _learn(self, key: bytes, request: pb.ModelInferRequest, contents: list[bytes], call: tensors.InferCall,

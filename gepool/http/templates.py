@@ -60,7 +60,7 @@ class Templates:
     def __init__(self) -> None:
         self._known: dict[bytes, Template] = {}
         self._binary: dict[bytes, Binary] = {}
-        self._seen: set[bytes] = set()
+        self._seen: set[int] = set()  # the hashes of keys seen once (a collision only makes a learning try early)
 
     def parse_binary(self, body: bytes, header_length: str, hlen: int, regions, max_json: int,
                      max_input: int) -> kserve.InferRequest:
@@ -106,12 +106,12 @@ class Templates:
 
     def _again(self, key: bytes) -> bool:
         """Whether ``key`` was seen once before (it is then forgotten: it is learnt now), else noted."""
-        if key in self._seen:
-            self._seen.discard(key)
+        if hash(key) in self._seen:
+            self._seen.discard(hash(key))
             return True
         if len(self._seen) >= MAX_SEEN:
             self._seen.clear()
-        self._seen.add(key)
+        self._seen.add(hash(key))
         return False
 
     def parse(self, body: bytes, regions, max_json: int, max_input: int) -> kserve.InferRequest:
