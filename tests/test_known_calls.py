@@ -7,6 +7,7 @@ import pytest
 from gepool.common.errors import InvalidArgument
 from gepool.grpc import calls, tensors
 from gepool.grpc import grpc_service_pb2 as pb
+from gepool.http import templates
 
 MAX_INPUT = 1 << 20
 RNG = np.random.default_rng(24)
@@ -145,9 +146,9 @@ def test_a_request_whose_inputs_do_not_all_come_as_contents_is_never_learnt():
 
 def test_the_book_is_bounded():
     book = calls.Calls()
-    for i in range(calls.MAX_SEEN + 20):  # a new id each time: seen once each, never learnt
+    for i in range(templates.MAX_SEEN + 20):  # a new id each time: seen once each, never learnt
         book.parse(request(SHAPE, CASES["other bytes"], id=str(i)), _no_regions, MAX_INPUT)
-        assert len(book._seen) <= calls.MAX_SEEN
+        assert len(book._seen) <= templates.MAX_SEEN
     assert not book._known
     for i in range(calls.MAX_CALLS + 10):
         for _ in range(2):

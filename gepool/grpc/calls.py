@@ -16,9 +16,9 @@ from gepool.common.errors import InvalidArgument
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import tensors
 from gepool.http import kserve
+from gepool.http.templates import SeenOnce
 
 MAX_CALLS = 64  # requests of another shape past this start the book again (a bound, not a cache policy)
-MAX_SEEN = 256  # keys seen once, not learnt yet (a request whose id differs every time is never learnt)
 
 
 class Call:
@@ -33,7 +33,7 @@ class Calls:
 
     def __init__(self) -> None:
         self._known: dict[bytes, Call] = {}
-        self._seen: set[int] = set()  # the hashes of keys seen once (a collision only makes a learning try early)
+        self._seen = SeenOnce()
 
     def parse(self, request: pb.ModelInferRequest, regions, max_input: int) -> tensors.InferCall:
         """``tensors.parse(request, regions, max_input)``: the same call, or the same error."""
@@ -54,13 +54,8 @@ class Calls:
                 return tensors.parse(request, regions, max_input)  # names what is wrong
             return dataclasses.replace(known.call, inputs=inputs)
         call = tensors.parse(request, regions, max_input)
-        if hash(key) in self._seen:
-            self._seen.discard(hash(key))
+        if self._seen.again(key):
             self._learn(key, request, contents, call, max_input)
-        else:
-            if len(self._seen) >= MAX_SEEN:
-                self._seen.clear()
-            self._seen.add(hash(key))
         return call
 
     def _learn(self, key: bytes, request: pb.ModelInferRequest, contents: list[bytes], call: tensors.InferCall,

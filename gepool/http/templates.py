@@ -33,6 +33,33 @@ _MARKS = (["\x00gepool", 1], ["\x00gepool", 2])
 _MARK_TEXTS = tuple(orjson.dumps(m) for m in _MARKS)
 
 
+class SeenOnce:
+    """The keys seen once and not learnt yet, by their hash (a collision only makes a learning try early: what
+    learns checks the request at hand); at most MAX_SEEN, past which the book starts again."""
+
+    def __init__(self) -> None:
+        self._hashes: set[int] = set()
+
+    def again(self, key: bytes) -> bool:
+        """Whether ``key`` was seen once before (it is then forgotten: it is learnt now), else noted."""
+        hashed = hash(key)
+        if hashed in self._hashes:
+            self._hashes.discard(hashed)
+            return True
+        if len(self._hashes) >= MAX_SEEN:
+            self._hashes.clear()
+        self._hashes.add(hashed)
+        return False
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+
+def _again_with(request: kserve.InferRequest, inputs: dict) -> kserve.InferRequest:
+    """A learnt request with this request's inputs (and parameters of its own: a handler may add to them)."""
+    return dataclasses.replace(request, inputs=inputs, parameters=dict(request.parameters))
+
+
 class Template:
     __slots__ = ("start", "name", "datatype", "shape", "request", "max_json", "max_input")
 
@@ -60,7 +87,7 @@ class Templates:
     def __init__(self) -> None:
         self._known: dict[bytes, Template] = {}
         self._binary: dict[bytes, Binary] = {}
-        self._seen: set[int] = set()  # the hashes of keys seen once (a collision only makes a learning try early)
+        self._seen = SeenOnce()
 
     def parse_binary(self, body: bytes, header_length: str, hlen: int, regions, max_json: int,
                      max_input: int) -> kserve.InferRequest:
@@ -78,11 +105,9 @@ class Templates:
                           for name, datatype, shape, pos, size in known.inputs}
             except InvalidArgument:
                 return kserve.parse_request(body, header_length, regions, max_json, max_input)
-            t = known.request
-            return kserve.InferRequest(inputs, t.outputs, t.binary_output, t.id, dict(t.parameters), t.priority,
-                                       t.timeout_s)
+            return _again_with(known.request, inputs)
         req = kserve.parse_request(body, header_length, regions, max_json, max_input)
-        if self._again(header):
+        if self._seen.again(header):
             self._learn_binary(header, body, hlen, req, max_json, max_input)
         return req
 
@@ -103,16 +128,6 @@ class Templates:
         if len(self._binary) >= MAX_TEMPLATES:
             self._binary.clear()
         self._binary[header] = Binary(inputs, pos, dataclasses.replace(req, inputs={}), max_json, max_input)
-
-    def _again(self, key: bytes) -> bool:
-        """Whether ``key`` was seen once before (it is then forgotten: it is learnt now), else noted."""
-        if hash(key) in self._seen:
-            self._seen.discard(hash(key))
-            return True
-        if len(self._seen) >= MAX_SEEN:
-            self._seen.clear()
-        self._seen.add(hash(key))
-        return False
 
     def parse(self, body: bytes, regions, max_json: int, max_input: int) -> kserve.InferRequest:
         """``kserve.parse_request(body, None, regions, max_json, max_input)``: the same request, or the same
@@ -136,11 +151,9 @@ class Templates:
                 arr = kserve._from_json(known.name, known.datatype, known.shape, data)
             except (orjson.JSONDecodeError, InvalidArgument):
                 return kserve.parse_request(body, None, regions, max_json, max_input)  # names what is wrong
-            t = known.request
-            return kserve.InferRequest({known.name: arr}, t.outputs, t.binary_output, t.id, dict(t.parameters),
-                                       t.priority, t.timeout_s)
+            return _again_with(known.request, {known.name: arr})
         req = kserve.parse_request(body, None, regions, max_json, max_input)
-        if self._again(key):
+        if self._seen.again(key):
             self._learn(key, body, start, end, req, max_json, max_input)
         return req
 
