@@ -1,8 +1,13 @@
 """The gateway under the peer harness's load: wrk (KServe v2 JSON), perf_analyzer (binary tensors over HTTP)
 and perf_analyzer over gRPC, with the CPU each process of the pool spends per request (benchmarks/README.md).
 
-    python benchmarks/gateway_bench.py [--seconds 10] [--levels 1,8,64] [--models tiny,mlp] [--tools wrk,pa,grpc]
-        [--sidecars N] [--profile-sidecar FILE.prof]
+    python benchmarks/gateway_bench.py [--seconds 10] [--levels 1,8,64] [--models tiny,mlp]
+        [--tools wrk,pa,grpc,wrkbin,h2grpc] [--sidecars N] [--profile-sidecar FILE.prof]
+
+perf_analyzer spends several times wrk's CPU per request, which on two cores it takes from the pool: to
+compare the three protocols' cost to the sidecar, ``wrkbin`` posts the binary tensor extension with wrk and
+``h2grpc`` posts gRPC ModelInfer frames with h2load (nghttp2-client: one connection, as many streams as the
+level), each the same row as wrk's JSON body, both clients in C.
 
 Both models get the peers' batching settings (max_batch_size 32, preferred [8, 16, 32], 1 ms delay).
 CPU per request is utime+stime from /proc/PID/stat over the level divided by the requests the pool
@@ -38,7 +43,6 @@ WRK_SCRIPT = """local f = assert(io.open("%s", "rb"))
 wrk.method = "POST"
 wrk.body = f:read("*a")
 f:close()
-wrk.headers["Content-Type"] = "application/json"
 """
 
 
@@ -134,13 +138,15 @@ def json_body(model: str) -> bytes:
                                    "data": x.tolist()}]}).encode()
 
 
-def run_wrk(url: str, model: str, conc: int, seconds: float, workdir: str) -> dict:
-    body = os.path.join(workdir, f"{model}.json")
-    with open(body, "wb") as f:
-        f.write(json_body(model))
+def run_wrk(url: str, model: str, conc: int, seconds: float, workdir: str, body: bytes | None = None,
+            headers: dict[str, str] | None = None) -> dict:
+    path = os.path.join(workdir, f"{model}.body")
+    with open(path, "wb") as f:
+        f.write(json_body(model) if body is None else body)
     script = os.path.join(workdir, f"{model}.lua")
     with open(script, "w") as f:
-        f.write(WRK_SCRIPT % body)
+        f.write(WRK_SCRIPT % path + "".join(f'wrk.headers["{k}"] = "{v}"\n'
+                                             for k, v in (headers or {"Content-Type": "application/json"}).items()))
     proc = subprocess.run(["wrk", "-t1", f"-c{conc}", f"-d{max(1, round(seconds))}s", "--latency", "-s", script,
                            f"{url}/v2/models/{model}/infer"], capture_output=True, text=True)
     text = proc.stdout
@@ -157,6 +163,64 @@ def run_wrk(url: str, model: str, conc: int, seconds: float, workdir: str) -> di
     return {"rps": float(rps.group(1)) if rps else float("nan"), "p50_ms": ms("50"), "p99_ms": ms("99"),
             "errors": (int(bad.group(1)) if bad else 0), "socket_errors": errs.group(0) if errs else "",
             "raw": text if rps is None else ""}
+
+
+def binary_body(model: str) -> tuple[bytes, int]:
+    """The binary extension's body of wrk's row (its answer asked as binary data too) and its JSON header's length."""
+    import json
+
+    name, width = SHAPES[model]
+    x = np.random.default_rng(0).standard_normal(width).astype(np.float32)
+    header = json.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": [1, width],
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    return header + x.tobytes(), len(header)
+
+
+def run_wrkbin(url: str, model: str, conc: int, seconds: float, workdir: str) -> dict:
+    body, header_length = binary_body(model)
+    return run_wrk(url, model, conc, seconds, workdir, body=body, headers={
+        "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)})
+
+
+def grpc_frame(model: str) -> bytes:
+    """wrk's row as one gRPC ModelInfer message, framed (the flag byte, the length, the message)."""
+    from gepool.grpc import grpc_service_pb2 as pb
+
+    name, width = SHAPES[model]
+    x = np.random.default_rng(0).standard_normal(width).astype(np.float32)
+    msg = pb.ModelInferRequest(model_name=model, inputs=[
+        pb.ModelInferRequest.InferInputTensor(name=name, datatype="FP32", shape=[1, width])],
+        raw_input_contents=[x.tobytes()]).SerializeToString()
+    return b"\0" + len(msg).to_bytes(4, "big") + msg
+
+
+def run_h2grpc(url: str, model: str, conc: int, seconds: float, workdir: str) -> dict:
+    if shutil.which("h2load") is None:
+        return {"rps": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan"), "errors": 0,
+                "raw": "h2load not found (apt-get install nghttp2-client)"}
+    data = os.path.join(workdir, f"{model}.grpc")
+    with open(data, "wb") as f:
+        f.write(grpc_frame(model))
+    log = os.path.join(workdir, "h2load.log")
+    proc = subprocess.run(["h2load", "-c1", f"-m{conc}", f"-D{max(1, round(seconds))}", "-d", data,
+                           "-H", "content-type: application/grpc", "-H", "te: trailers", f"--log-file={log}",
+                           f"http://{url}/inference.GRPCInferenceService/ModelInfer"],
+                          capture_output=True, text=True)
+    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded", proc.stdout)
+    rps = re.search(r"finished in [\d.]+\w*, ([\d.]+) req/s", proc.stdout)
+    times = []
+    if os.path.exists(log):
+        with open(log) as f:
+            times = sorted(int(line.split()[2]) for line in f if line.strip())
+        os.unlink(log)
+    if done is None or rps is None or not times:
+        return {"rps": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan"), "errors": 0,
+                "raw": proc.stdout[-800:] + proc.stderr[-800:]}
+    # (a gRPC failure is status 200 with a grpc-status trailer: the pool's count of requests shows it)
+    return {"rps": float(rps.group(1)), "p50_ms": times[len(times) // 2] / 1000,
+            "p99_ms": times[min(len(times) - 1, len(times) * 99 // 100)] / 1000,
+            "errors": int(done.group(1)) - int(done.group(2)), "raw": ""}
 
 
 def perf_analyzer_env() -> tuple[str, dict] | None:
@@ -249,8 +313,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per level and tool")
     parser.add_argument("--levels", default="1,8,64", help="client concurrencies")
     parser.add_argument("--models", default="tiny,mlp")
-    parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies), pa (perf_analyzer, binary) and/or "
-                                                          "grpc (perf_analyzer over gRPC)")
+    parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies), pa (perf_analyzer, binary), grpc "
+                        "(perf_analyzer over gRPC), wrkbin (wrk, binary) and/or h2grpc (h2load, gRPC)")
     parser.add_argument("--http-server", help="the sidecar's HTTP server: aiohttp, granian or httptools (default: "
                                               "the pool's)")
     parser.add_argument("--sidecars", type=int, help="sidecar processes sharing the port (default: the pool's)")
@@ -259,9 +323,10 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.levels.split(",")]
     models = args.models.split(",")
-    tools = {"wrk": run_wrk, "pa": run_pa, "grpc": functools.partial(run_pa, protocol="grpc")}
+    tools = {"wrk": run_wrk, "pa": run_pa, "grpc": functools.partial(run_pa, protocol="grpc"), "wrkbin": run_wrkbin,
+             "h2grpc": run_h2grpc}
     chosen = [(t, tools[t]) for t in args.tools.split(",")]
-    if shutil.which("wrk") is None and any(t == "wrk" for t, _ in chosen):
+    if shutil.which("wrk") is None and any(t in ("wrk", "wrkbin") for t, _ in chosen):
         raise SystemExit("wrk is not installed")
 
     from gepool import Pool
@@ -275,7 +340,7 @@ def main() -> None:
         extra = {"http_server": args.http_server} if args.http_server else {}  # older trees lack it
         if args.sidecars is not None:
             extra["sidecars"] = args.sidecars
-        grpc_port = free_port() if any(t == "grpc" for t, _ in chosen) else 0
+        grpc_port = free_port() if any(t in ("grpc", "h2grpc") for t, _ in chosen) else 0
         if grpc_port:
             extra["grpc_port"] = 0 if args.profile_sidecar else grpc_port
         with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
@@ -283,7 +348,8 @@ def main() -> None:
                 sidecar = start_profiled_sidecar(pool.endpoint, port, os.path.abspath(args.profile_sidecar),
                                                  args.http_server, grpc_port)
             urls = {"wrk": f"http://127.0.0.1:{port}", "pa": f"http://127.0.0.1:{port}",
-                    "grpc": f"127.0.0.1:{grpc_port}"}
+                    "grpc": f"127.0.0.1:{grpc_port}", "wrkbin": f"http://127.0.0.1:{port}",
+                    "h2grpc": f"127.0.0.1:{grpc_port}"}
             client = pool.client()
             procs = processes(pool.process.pid, sidecar.pid if sidecar else None)
             print("processes:", " ".join(f"{k}={v}" for k, v in procs.items()), flush=True)
@@ -294,7 +360,7 @@ def main() -> None:
                         r = level(tool, urls[name], client, procs, model, conc, args.seconds, workdir)
                         rows.append((model, name, conc, r))
                         cpu = " ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
-                        print(f"{model:5s} {name:3s} c={conc:<3d} {r['rps']:8.0f} req/s p50 {r['p50_ms']:7.2f} "
+                        print(f"{model:5s} {name:6s} c={conc:<3d} {r['rps']:8.0f} req/s p50 {r['p50_ms']:7.2f} "
                               f"p99 {r['p99_ms']:7.2f} ms  batch {r['avg_batch']:5.1f}  errors {r['errors']}  "
                               f"CPU us/req: {cpu}", flush=True)
                         if r.get("raw"):
@@ -307,10 +373,10 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
     labels = sorted({k for *_, r in rows for k in r["cpu_us"]}, key=lambda k: (k != "sidecar", k != "front", k))
-    print(f"{'model':5s} {'tool':4s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s} {'batch':>5s} "
+    print(f"{'model':5s} {'tool':6s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s} {'batch':>5s} "
           + " ".join(f"{k + ' us':>12s}" for k in labels))
     for model, name, conc, r in rows:
-        print(f"{model:5s} {name:4s} {conc:4d} {r['rps']:8.0f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} "
+        print(f"{model:5s} {name:6s} {conc:4d} {r['rps']:8.0f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} "
               f"{r['avg_batch']:5.1f} " + " ".join(f"{r['cpu_us'].get(k, float('nan')):12.0f}" for k in labels))
     print(f"(CPU us per request: utime+stime over the level / requests the pool counted; {time.strftime('%F %T')})")
     if args.profile_sidecar:

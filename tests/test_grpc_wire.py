@@ -297,6 +297,59 @@ def test_a_refused_call_gets_its_status_and_the_connection_serves_on(served, cas
     raw.close()
 
 
+def _call(raw: Raw, sid: int, block: bytes, message: bytes) -> tuple:
+    raw.send(native.frame(native.HEADERS, native.END_HEADERS, sid, block), raw.data(sid, message))
+    return raw.result(sid)
+
+
+# hand-made header fields (RFC 7541 6): :method POST and :scheme http indexed (static 3 and 6), then the rest
+_STATIC = b"\x83\x86" + native._literal(b"content-type", b"application/grpc") + native._literal(b"te", b"trailers")
+_AUTHORITY = b"\x01" + native._string(b"t")  # :authority (static name 1), literal without indexing
+
+
+def test_a_block_of_literals_not_indexed_is_known_again_until_the_table_changes(served):
+    """nghttp2's clients (curl, h2load, Envoy) never index the :path, so their repeated call is a block of
+    indexed fields and literals not indexed: it changes no table and is read once; a block that adds to the
+    table moves the dynamic indices, and the same bytes then name another method."""
+    raw = Raw(served.port)
+    insert_echo = _STATIC + _AUTHORITY + b"\x44" + native._string(b"/t.S/Echo")  # :path, incremental indexing
+    assert _call(raw, 1, insert_echo, b"one") == (OK, "", [b"one"])
+    # the dynamic entry 62 (":path", "/t.S/Echo") and a never indexed field (0x10, a new name)
+    repeated = _STATIC + b"\xbe" + _AUTHORITY + b"\x10" + native._string(b"x-token") + native._string(b"secret")
+    assert native._changes_no_table(repeated)
+    for sid in (3, 5, 7):
+        assert _call(raw, sid, repeated, b"again") == (OK, "", [b"again"])
+    (kept,) = served.connections("_kept")
+    assert repeated in kept[0]
+    insert_blob = _STATIC + _AUTHORITY + b"\x44" + native._string(b"/t.S/Blob")  # now entry 62; Echo's is 63
+    assert _call(raw, 9, insert_blob, b"3") == (OK, "", [bytes(3)])
+    assert _call(raw, 11, repeated, b"5") == (OK, "", [bytes(5)])
+    nghttp2_like = _STATIC + _AUTHORITY + b"\x04" + native._string(b"/t.S/Echo")  # :path not indexed
+    for sid in (13, 15):
+        assert _call(raw, sid, nghttp2_like, b"path") == (OK, "", [b"path"])
+    raw.close()
+
+
+@pytest.mark.parametrize("block, neutral", [
+    (b"\x83\x86\xbe", True),  # indexed only
+    (b"\x04\x05/t.S/", True),  # literal without indexing, indexed name
+    (b"\x00\x01a\x01b", True),  # literal without indexing, new name
+    (b"\x10\x01a\x81\xff", True),  # never indexed, new name, a Huffman value (its bytes not decoded here)
+    (b"\x0f\x10\x01a", True),  # a name index past the 4-bit prefix (31: content-type)
+    (b"\xff\x80\x01", True),  # an index past the 7-bit prefix (127 + 128)
+    (b"\x44\x01a", False),  # literal with incremental indexing
+    (b"\x83\x40\x01a\x01b", False),  # the same, new name, after an indexed field
+    (b"\x3f\xe1\x1f", False),  # a table size update
+    (b"\x20\x83", False),  # a table size update to 0
+    (b"\x04\x05/t.S", False),  # a value shorter than its length
+    (b"\x00\x01a", False),  # a name without its value
+    (b"\xff", False),  # an integer cut short
+    (b"\xff" + b"\x80" * 10 + b"\x01", False),  # an integer past 28 bits of continuation
+])
+def test_which_header_blocks_change_no_table(block, neutral):
+    assert native._changes_no_table(block) is neutral
+
+
 def test_more_calls_than_max_streams_are_refused_and_the_rest_run(served):
     raw = Raw(served.port)
     frames = []

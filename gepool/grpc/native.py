@@ -2,8 +2,8 @@
 
 grpc.aio hands each call between its reader thread, its polling thread and the event loop (9-10 context
 switches a request); here a call costs the handler's task and nothing else: frames are parsed where they
-arrive, a repeated header block (all indexed, as clients send them) is looked up instead of decoded, and
-an answer goes out in one write. The handlers are the ones grpc.aio serves (``grpc.RpcMethodHandler``).
+arrive, a repeated header block that changes no HPACK table (as clients send them) is looked up instead of
+decoded, and an answer goes out in one write. The handlers are the ones grpc.aio serves (``grpc.RpcMethodHandler``).
 A unary method may also have a fast path (``Listener.fast``) that takes a call with no deadline from the
 frame parser's callback and answers it through a callback, with no task at all.
 
@@ -59,6 +59,8 @@ IDLE_TIMEOUT_S = 300.0  # a connection with no call this long is sent GOAWAY (gr
 STALL_TIMEOUT_S = 30.0  # an answer the client's window has let nothing of through this long is reset
 MAX_PENDING_WRITE = 64 << 10  # frames gathered before they are handed to the transport (which may then pause us)
 MAX_INDEXED_BLOCK = 128  # longer all-indexed header blocks go through the decoder, which bounds the list's size
+MAX_KEPT_BLOCK = 256  # header blocks kept with what they say, at most KEPT_BLOCKS of them per connection
+KEPT_BLOCKS = 32
 STOP_GRACE_S = 5.0  # calls in flight when the gateway stops get this long to finish
 MAX_MESSAGE_TEXT = 1024  # the longest grpc-message sent (before percent-encoding): a trailers frame fits one frame
 MAX_ECHO = 200  # the most of a client's own text (a path, a header) repeated in an answer
@@ -124,6 +126,45 @@ def _echo(value: bytes | None) -> str:
         return "none"
     text = value[:MAX_ECHO].decode("ascii", "backslashreplace")
     return f"'{text}...'" if len(value) > MAX_ECHO else f"'{text}'"
+
+
+def _changes_no_table(block: bytes) -> bool:
+    """Whether a header block holds only indexed fields and literals without indexing or never indexed
+    (RFC 7541 6.1, 6.2.2, 6.2.3): no literal with incremental indexing, no table size update. A block that does
+    not parse as such is not (the decoder then says what is wrong with it)."""
+    at, end = 0, len(block)
+    while at < end:
+        first = block[at]
+        if first & 0x80:
+            at = _after_integer(block, at, 0x7F)[1]
+        elif first & 0xE0:  # 01xxxxxx adds to the table, 001xxxxx resizes it
+            return False
+        else:
+            name, at = _after_integer(block, at, 0x0F)
+            for _ in range(1 if name else 2):  # the name's string (index 0), then the value's
+                if at >= end:
+                    return False
+                length, at = _after_integer(block, at, 0x7F)
+                at += length
+    return at == end
+
+
+def _after_integer(block: bytes, at: int, mask: int) -> tuple[int, int]:
+    """The integer of prefix ``mask`` at ``at`` (RFC 7541 5.1) and where it ends; past the block's end where it
+    runs out (which ends the caller's walk)."""
+    value = block[at] & mask
+    at += 1
+    if value < mask:
+        return value, at
+    shift = 0
+    while at < len(block) and shift <= 28:
+        byte = block[at]
+        at += 1
+        value += (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+    return value, len(block) + 1
 
 
 def _read_head(fields: list[tuple[bytes, bytes]], wanted: frozenset[bytes]) -> tuple:
@@ -266,7 +307,7 @@ class Connection(asyncio.Protocol):
         self.opened_at = 0.0
         self.decoder = Decoder()
         self.decoder.max_header_list_size = MAX_HEADER_BLOCK
-        self._indexed: dict[bytes, tuple] = {}  # what all-indexed header blocks say, until the table changes
+        self._kept: dict[bytes, tuple] = {}  # what blocks that change no table say, until the table changes
         self.streams: dict[int, Stream] = {}
         self.last_sid = 0
         self.peer_window = 65535  # the client's SETTINGS_INITIAL_WINDOW_SIZE
@@ -317,7 +358,7 @@ class Connection(asyncio.Protocol):
             self._forget(s, cancel=True)
         self.blocked.clear()
         # a fast path's answer still to come holds this connection until it does: nothing big may stay with it
-        self.buf, self.writes, self.pending, self._indexed = bytearray(), [], 0, {}
+        self.buf, self.writes, self.pending, self._kept = bytearray(), [], 0, {}
 
     def pause_writing(self) -> None:
         # a client that does not read its answers is not read either: its PINGs and calls wait
@@ -546,10 +587,10 @@ class Connection(asyncio.Protocol):
             self.block_started = self.loop.time()
 
     def _head(self, block: bytes) -> tuple:
-        """What a call's headers say (``_read_head``). A block of
-        indexed fields only (a client's repeated call) changes no table, so what it says is kept until a
-        block that may change the table is decoded."""
-        head = self._indexed.get(block)
+        """What a call's headers say (``_read_head``). A block of indexed fields and literals not indexed only
+        (a client's repeated call: gRPC's encoders index everything, nghttp2's never the :path) changes no
+        table, so what it says is kept until a block that may change the table is decoded."""
+        head = self._kept.get(block)
         if head is not None:
             return head
         if 0 < len(block) <= MAX_INDEXED_BLOCK and all(0x80 < c < 0xFF for c in block):
@@ -559,11 +600,14 @@ class Connection(asyncio.Protocol):
             except HPACKError:
                 raise ConnectionError_(COMPRESSION_ERROR, "a header index out of the table") from None
             head = _read_head(fields, self.listener.restrictions.keys)
-            if len(self._indexed) < 64:
-                self._indexed[block] = head
-            return head
-        self._indexed.clear()
-        return _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
+        elif len(block) <= MAX_KEPT_BLOCK and _changes_no_table(block):
+            head = _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
+        else:
+            self._kept.clear()
+            return _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
+        if len(self._kept) < KEPT_BLOCKS:
+            self._kept[block] = head
+        return head
 
     def _headers(self, sid: int, flags: int, block: bytes) -> None:
         head = self._head(block)  # always decoded, so that the decoder's table stays the client's
