@@ -20,6 +20,7 @@ from gepool.common import errors
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import native, tensors
 from gepool.grpc import server as grpc_server
+from gepool.grpc.calls import Calls
 from gepool.grpc.service import SERVICE, InferenceService
 from gepool.http import server
 from tests import repo as test_repo
@@ -291,6 +292,76 @@ def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
     asyncio.run(main())
 
 
+REPEATED = ["raw contents", "two rows, an output named, an id", "versioned", "a priority", "the final-response flag",
+            "raw contents too short", "a wrong datatype", "wrong shape"]
+
+
+def test_a_call_known_again_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
+    """The same call four times around other tensor bytes: from the third on, known by its bytes (no protobuf
+    parse, its answer written around its output's bytes) and answered, byte for byte, as the handler answers
+    it; what is refused (by the parse, or by the pool) is refused alike."""
+    parsed: list[object] = []
+    parse = tensors.parse
+
+    def counted(request, *args, **kwargs):
+        parsed.append(request)
+        return parse(request, *args, **kwargs)
+
+    monkeypatch.setattr(tensors, "parse", counted)
+    known: list[bool] = []
+    by_bytes = Calls.known
+
+    def noted(self, raw, max_input):
+        found = by_bytes(self, raw, max_input)
+        known.append(found is not None)
+        return found
+
+    monkeypatch.setattr(Calls, "known", noted)
+    heads = []
+    monkeypatch.setattr(tensors, "_answer_heads", _Noted(heads))
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, call, taken, gw):
+            fast = listener.fast
+            for name in REPEATED:
+                message = CASES[name][0]
+                refused = name not in SERVED
+                for i in range(4):
+                    m = pb.ModelInferRequest()
+                    m.CopyFrom(message)
+                    m.raw_input_contents[0] = np.random.default_rng(i).bytes(len(m.raw_input_contents[0]))
+                    parsed.clear()
+                    known.clear()
+                    listener.fast = fast
+                    got = await _answer(call, m, {})
+                    # (of these, only "raw contents too short" does not parse: the rest is learnt, refused or not)
+                    assert known == [i >= 2 and name != "raw contents too short"], (name, i)
+                    assert len(parsed) == (0 if known[0] else 1), (name, i)
+                    listener.fast = {}
+                    assert got == await _answer(call, m, {}), (name, i)
+                    assert isinstance(got, tuple) == refused, (name, got)
+                    if not refused and m.model_name == "tiny" and not m.outputs:
+                        x = np.frombuffer(m.raw_input_contents[0], np.float32)
+                        out = pb.ModelInferResponse.FromString(got).raw_output_contents[0]
+                        assert out == (x * np.float32(2) + np.float32(1)).tobytes(), name
+            assert taken.count(True) == 4 * len(REPEATED)
+        assert heads and all(head is not None for head in heads)  # answers written around their contents
+
+    asyncio.run(main())
+
+
+class _Noted(dict):
+    """A book of answer heads that notes what is put in it."""
+
+    def __init__(self, noted: list) -> None:
+        super().__init__()
+        self.noted = noted
+
+    def __setitem__(self, key, value) -> None:
+        self.noted.append(value)
+        super().__setitem__(key, value)
+
+
 def test_the_fast_path_serves_what_the_model_computes(pool):
     """64 calls in flight at once on one connection, 5 each: every answer is 2x + 1 of its own rows."""
 
@@ -396,9 +467,9 @@ def test_a_stream_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
     sent: list[object] = []
     send_now = InferenceService._send_now
 
-    def counted(self, request, *args):
+    def counted(self, request, *args, **kwargs):
         sent.append(request)
-        return send_now(self, request, *args)
+        return send_now(self, request, *args, **kwargs)
 
     monkeypatch.setattr(InferenceService, "_send_now", counted)
 

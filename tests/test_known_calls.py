@@ -156,3 +156,168 @@ def test_the_book_is_bounded():
         assert len(book._known) <= calls.MAX_CALLS
     (known, *_) = book._known.values()
     assert known.call.inputs == {}  # no caller's tensors are kept
+
+
+# -- known by their bytes ------------------------------------------------------------------------------------
+def learnt_raw(book: calls.Calls, **fields) -> None:
+    for _ in range(2):
+        req = request(SHAPE, [RNG.bytes(64), RNG.bytes(24), strings(b"ab", b"cd")], **fields)
+        book.parse(req, _no_regions, MAX_INPUT, req.SerializeToString())
+    assert len(book._prefixes) == 1
+
+
+def known_outcome(book: calls.Calls, raw: bytes, limit: int = MAX_INPUT):
+    """What ``known`` makes of the bytes (None where it leaves them to the full reading), with the id it gives."""
+    found = book.known(raw, limit)
+    if found is None:
+        return None
+    call, less, request_id = found
+    assert less.inputs == {} and less.model == call.model and less.outputs == call.outputs
+    return outcome(lambda r: call, None), request_id
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_request_known_by_its_bytes_reads_as_the_full_reading_does(case, full_reads):
+    book = calls.Calls()
+    learnt_raw(book, id="a-1")
+    req = request(SHAPE, CASES[case], id="a-1")
+    full_reads.clear()
+    got = known_outcome(book, req.SerializeToString())
+    assert not full_reads
+    want = outcome(full, req)
+    if want[0] == "refused":  # left to the full reading, which names what is wrong
+        assert got is None, case
+    else:
+        assert got == (want, "a-1"), case
+
+
+def _field(number: int, data: bytes) -> bytes:
+    return calls._varint_bytes(number << 3 | 2) + calls._varint_bytes(len(data)) + data
+
+
+@pytest.mark.parametrize("case", ["a field after the contents", "a field between them", "another model",
+                                  "cut short", "a length past the end", "another limit", "contents alone"])
+def test_bytes_that_are_not_a_learnt_request_around_contents_are_not_known(case):
+    book = calls.Calls()
+    learnt_raw(book)
+    req = request(SHAPE, CASES["other bytes"])
+    raw = req.SerializeToString()
+    head = raw[:calls.contents_start(raw, 3)]
+    contents = [_field(7, c) for c in req.raw_input_contents]
+    limit = MAX_INPUT
+    if case == "a field after the contents":
+        raw += _field(3, b"late-id")  # the id, which the full reading takes (the last of a field wins)
+    elif case == "a field between them":
+        raw = head + contents[0] + _field(3, b"id") + contents[1] + contents[2]
+    elif case == "another model":
+        raw = _field(1, b"other") + raw
+    elif case == "cut short":
+        raw = raw[:-1]
+    elif case == "a length past the end":
+        raw = head + contents[0] + contents[1] + b"\x3a\x7f" + contents[2][2:]
+    elif case == "another limit":
+        limit = 32
+    else:
+        raw = b"".join(contents)
+    assert book.known(raw, limit) is None, case
+
+
+@pytest.mark.parametrize("case", ["contents not last", "typed contents", "contents alone"])
+def test_only_requests_whose_contents_come_last_are_kept_by_their_bytes(case):
+    req = request(SHAPE, CASES["other bytes"])
+    raw = req.SerializeToString()
+    if case == "contents not last":
+        raw += _field(3, b"")  # an empty id after them: the same request, but its bytes are not head + contents
+        assert pb.ModelInferRequest.FromString(raw) == req
+    elif case == "typed contents":
+        req.inputs[0].contents.fp32_contents.extend([1.0] * 16)
+        raw = req.SerializeToString()
+    else:
+        raw = b"".join(_field(7, c) for c in req.raw_input_contents)
+        req = pb.ModelInferRequest.FromString(raw)
+    book = calls.Calls()
+    for _ in range(3):
+        try:
+            book.parse(pb.ModelInferRequest.FromString(raw), _no_regions, MAX_INPUT, raw)
+        except InvalidArgument:
+            pass
+    assert not book._prefixes, case
+    if case != "contents not last":
+        return
+    assert len(book._known) == 1  # still known by its key
+
+
+@pytest.mark.parametrize("raw, count, start", [
+    (b"", 0, None),
+    (b"\x0a\x01a\x3a\x00", 1, 3),
+    (b"\x0a\x01a\x3a\x00\x3a\x02xy", 2, 3),
+    (b"\x0a\x01a\x3a\x00\x3a\x02xy", 1, None),  # as many as said, no fewer
+    (b"\x3a\x00\x0a\x01a", 1, None),  # another field after them
+    (b"\x08\x96\x01\x11" + bytes(8) + b"\x1d" + bytes(4) + b"\x3a\x00", 1, 17),  # varint, fixed64, fixed32 first
+    (b"\x38\x01", 1, None),  # field 7 as a varint
+    (b"\x0b\x0c\x3a\x00", 1, None),  # a group
+    (b"\x0a\x05a", 0, None),  # a length past the end
+    (b"\x0a" + b"\xff" * 11, 0, None),  # a varint over 64 bits
+])
+def test_where_the_contents_start(raw, count, start):
+    assert calls.contents_start(raw, count) == start
+
+
+def test_the_bytes_kept_are_bounded():
+    book = calls.Calls()
+    for i in range(calls.MAX_PREFIXES + 5):
+        for _ in range(2):
+            req = request(SHAPE, CASES["other bytes"], id=f"x{i}")
+            book.parse(req, _no_regions, MAX_INPUT, req.SerializeToString())
+        assert len(book._prefixes) <= calls.MAX_PREFIXES
+    newest = request(SHAPE, CASES["other strings"], id=f"x{calls.MAX_PREFIXES + 4}")
+    assert known_outcome(book, newest.SerializeToString())[1] == newest.id
+    long = request(SHAPE, CASES["other bytes"], id="y" * calls.MAX_PREFIX_BYTES)
+    for _ in range(2):
+        book.parse(long, _no_regions, MAX_INPUT, long.SerializeToString())
+    assert all(len(p.head) <= calls.MAX_PREFIX_BYTES for p in book._prefixes)
+    assert book.known(long.SerializeToString(), MAX_INPUT) is None
+
+
+# -- answers written around their contents ---------------------------------------------------------------------
+ANSWER_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                 np.uint32, np.uint64, np.bool_]
+
+
+class Outputs(dict):
+    model_version = 3
+
+
+def _answer_call(outputs=None, mark_final=False) -> tensors.InferCall:
+    return tensors.InferCall("tiny", None, {}, outputs, None, mark_final)
+
+
+@pytest.mark.parametrize("dtype", ANSWER_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("how", ["every output", "asked by name", "final flag"])
+def test_an_answer_written_around_its_contents_is_the_messages_bytes(dtype, how):
+    tensors._answer_heads.clear()
+    wanted = [tensors.OutputRequest("OUT")] if how == "asked by name" else None
+    call = _answer_call(wanted, how == "final flag")
+    for shape in [(1, 16), (1, 16), (2, 300), (1, 0), (1, 16)]:  # (2, 300) past a one-byte length; (1, 0) empty
+        arr = (RNG.standard_normal(shape) * 100).astype(dtype)
+        outputs = Outputs(OUT=arr)
+        want = tensors.response("", call, "3", outputs, _no_regions).SerializeToString()
+        assert tensors.response_bytes("", call, "3", outputs) == want, shape
+    assert all(head is not None for head in tensors._answer_heads.values())
+
+
+@pytest.mark.parametrize("case", ["an id", "two outputs", "strings", "another output asked", "a region"])
+def test_answers_the_bytes_do_not_cover_go_the_full_way(case):
+    arr = np.ones((1, 4), np.float32)
+    outputs, call, request_id = Outputs(OUT=arr), _answer_call(), ""
+    if case == "an id":
+        request_id = "r-1"
+    elif case == "two outputs":
+        outputs["OTHER"] = arr
+    elif case == "strings":
+        outputs["OUT"] = np.array([b"a", b"b"], dtype=object)
+    elif case == "another output asked":
+        call = _answer_call([tensors.OutputRequest("OUT"), tensors.OutputRequest("OTHER")])
+    else:
+        call = _answer_call([tensors.OutputRequest("OUT", "region", 16)])
+    assert tensors.response_bytes(request_id, call, "3", outputs) is None

@@ -6,6 +6,11 @@ learnt the second time the key comes from a request whose every input came from 
 shared memory or in typed ``contents``). A later request with that key and as many contents reads only them,
 through ``kserve.tensor_from_bytes`` as the full reading does; one that does not read takes the full reading,
 which names what is wrong. Equal keys are equal messages but for the contents, so the rest reads the same.
+
+A client's own bytes say as much, sooner: a learnt request whose contents were its last fields (as every
+protobuf serializer writes them: field 7 follows the others) keeps its bytes before them, and a later message
+that starts with exactly those bytes and has as many contents after them, nothing else, is that request around
+other contents, with no protobuf parse at all (``known``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from gepool.http import kserve
 from gepool.http.templates import SeenOnce
 
 MAX_CALLS = 64  # requests of another shape past this start the book again (a bound, not a cache policy)
+MAX_PREFIXES = 8  # learnt requests' bytes before their contents, looked at in turn (the newest first)
+MAX_PREFIX_BYTES = 4096
+CONTENTS_TAG = 0x3A  # raw_input_contents: field 7, length-delimited
 
 
 class Call:
@@ -28,15 +36,52 @@ class Call:
         self.call, self.inputs, self.max_input = call, inputs, max_input
 
 
+class Prefix:
+    __slots__ = ("head", "known", "request_id")
+
+    def __init__(self, head: bytes, known: Call, request_id: str) -> None:
+        self.head, self.known, self.request_id = head, known, request_id
+
+
 class Calls:
     """The shapes of request this gateway has seen (one loop's own: not shared across threads)."""
 
     def __init__(self) -> None:
         self._known: dict[bytes, Call] = {}
         self._seen = SeenOnce()
+        self._prefixes: list[Prefix] = []
 
-    def parse(self, request: pb.ModelInferRequest, regions, max_input: int) -> tensors.InferCall:
-        """``tensors.parse(request, regions, max_input)``: the same call, or the same error."""
+    def known(self, raw: bytes, max_input: int) -> tuple[tensors.InferCall, tensors.InferCall, str] | None:
+        """What ``tensors.parse`` makes of the serialized request ``raw``, with no shared memory, where its bytes
+        before its contents are a learnt request's: (the call, the call less its inputs, the request's id).
+        None where they are not, or its contents do not read (the full reading then names what is wrong)."""
+        for prefix in self._prefixes:
+            if not raw.startswith(prefix.head):
+                continue
+            known = prefix.known
+            if known.max_input != max_input:
+                return None
+            at, end, inputs = len(prefix.head), len(raw), {}
+            for name, datatype, shape in known.inputs:
+                if at >= end or raw[at] != CONTENTS_TAG:
+                    return None
+                length, at = _varint(raw, at + 1)
+                if length is None or at + length > end:
+                    return None
+                try:
+                    inputs[name] = kserve.tensor_from_bytes(name, datatype, shape, raw[at:at + length])
+                except InvalidArgument:
+                    return None
+                at += length
+            if at != end:
+                return None
+            return dataclasses.replace(known.call, inputs=inputs), known.call, prefix.request_id
+        return None
+
+    def parse(self, request: pb.ModelInferRequest, regions, max_input: int, raw: bytes | None = None) \
+            -> tensors.InferCall:
+        """``tensors.parse(request, regions, max_input)``: the same call, or the same error. ``raw``: the
+        request's bytes, where a learnt request may be known by them later."""
         contents = list(request.raw_input_contents)
         if not contents:
             return tensors.parse(request, regions, max_input)
@@ -55,11 +100,11 @@ class Calls:
             return dataclasses.replace(known.call, inputs=inputs)
         call = tensors.parse(request, regions, max_input)
         if self._seen.again(key):
-            self._learn(key, request, contents, call, max_input)
+            self._learn(key, request, contents, call, max_input, raw)
         return call
 
     def _learn(self, key: bytes, request: pb.ModelInferRequest, contents: list[bytes], call: tensors.InferCall,
-               max_input: int) -> None:
+               max_input: int, raw: bytes | None) -> None:
         items = request.inputs
         if not len(items) == len(contents) == len(call.inputs):
             return
@@ -71,4 +116,67 @@ class Calls:
         if len(self._known) >= MAX_CALLS:
             self._known.clear()
         # (its inputs are not kept: the first caller's tensors would stay as long as the shape)
-        self._known[key] = Call(dataclasses.replace(call, inputs={}), inputs, max_input)
+        known = self._known[key] = Call(dataclasses.replace(call, inputs={}), inputs, max_input)
+        start = None if raw is None else contents_start(raw, len(contents))
+        if start is not None and start <= MAX_PREFIX_BYTES:
+            if len(self._prefixes) >= MAX_PREFIXES:
+                self._prefixes.pop()
+            self._prefixes.insert(0, Prefix(raw[:start], known, request.id))
+
+
+def contents_start(raw: bytes, count: int) -> int | None:
+    """Where a serialized request's raw_input_contents start, if they are its last ``count`` top-level fields
+    and it has no others; else None (or where its bytes do not parse as protobuf's wire format)."""
+    at, end, first, seen = 0, len(raw), None, 0
+    while at < end:
+        begin = at
+        tag, at = _varint(raw, at)
+        if tag is None:
+            return None
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, at = _varint(raw, at)
+            if value is None:
+                return None
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        elif wire == 2:
+            length, at = _varint(raw, at)
+            if length is None:
+                return None
+            at += length
+        else:  # (groups: not in this message)
+            return None
+        if field == 7:
+            if wire != 2:
+                return None
+            first = begin if first is None else first
+            seen += 1
+        elif first is not None:  # another field after the contents
+            return None
+    return first if at == end and seen == count else None
+
+
+def _varint_bytes(value: int) -> bytes:
+    """A base-128 varint's bytes (what ``_varint`` reads)."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _varint(raw: bytes, at: int) -> tuple[int | None, int]:
+    """The base-128 varint at ``at`` and where it ends; None where it runs out or is over 64 bits."""
+    value = shift = 0
+    while at < len(raw) and shift < 64:
+        byte = raw[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+    return None, at

@@ -842,9 +842,10 @@ class Connection(asyncio.Protocol):
 
     def _start_fast(self, s: Stream) -> bool:
         """Hands a unary call's request to its method's fast path: ``now(request, peer, done) -> bool``, which
-        takes it (True) and calls ``done(reply, None)`` or ``done(None, exc)`` once, later or at once, or
-        declines it (False) having done nothing. A taken call counts as running until it is answered or
-        forgotten (reset, its connection lost), as a task does until it ends or is cancelled."""
+        takes it (True) and calls ``done(reply, None)`` (the reply's message, or its serialized bytes) or
+        ``done(None, exc)`` once, later or at once, or declines it (False) having done nothing. A taken call
+        counts as running until it is answered or forgotten (reset, its connection lost), as a task does until
+        it ends or is cancelled."""
         if len(s.messages) != 1 or isinstance(s.messages[0], tuple):  # none, or compressed: the task says why
             return False
         done = functools.partial(self._fast_done, s)  # (answers once: the first call clears held_fast)
@@ -875,7 +876,7 @@ class Connection(asyncio.Protocol):
             return
         if exc is None:
             try:
-                self._queue_message(s, s.serialize(reply))
+                self._queue_message(s, reply if type(reply) is bytes else s.serialize(reply))
             except Exception as failed:  # (not kept in exc: its traceback holds this frame, and the reply)
                 self._failed(s, failed)
                 return

@@ -226,6 +226,10 @@ class InferenceService:
         is never handed back: what the fast path cannot send, or what did not parse, a task here answers."""
         if not self._now(raw):
             return False
+        known = self.calls.known(raw, self.gw.max_body)
+        if known is not None:  # a learnt request around other contents: nothing else to parse
+            self._submit(*known, done)
+            return True
         try:
             request = parse_message(pb.ModelInferRequest, raw)
         except errors.GepoolError as exc:
@@ -234,7 +238,7 @@ class InferenceService:
         if _in_regions(request):
             self._answer_later(done, self._infer(request, peer_text))
         else:
-            self._send_now(request, done)
+            self._send_now(request, done, raw)
         return True
 
     def _now(self, raw: bytes) -> bool:
@@ -244,25 +248,34 @@ class InferenceService:
             and len(raw) <= INLINE_PARSE_BYTES
 
     def _send_now(self, request: pb.ModelInferRequest,
-                  done: Callable[[pb.ModelInferResponse | None, BaseException | None], None]) -> None:
-        """infer_now's part once a request with no shared memory has parsed: sent now, or answered by a task."""
+                  done: Callable[[pb.ModelInferResponse | bytes | None, BaseException | None], None],
+                  raw: bytes | None = None, as_bytes: bool = True) -> None:
+        """infer_now's part once a request with no shared memory has parsed: sent now, or answered by a task.
+        ``as_bytes``: the answer may come as its serialized bytes (``_submit``)."""
         try:
-            call = self.calls.parse(request, _no_regions, self.gw.max_body)
+            call = self.calls.parse(request, _no_regions, self.gw.max_body, raw)
         except errors.GepoolError as exc:
             self._answer_later(done, self._unparsed(request, exc))
             return
         if not call.inputs:
             self._answer_later(done, self._no_inputs(call))
             return
+        self._submit(call, dataclasses.replace(call, inputs={}), request.id, done, as_bytes)
 
-        # what the answer needs, and no more: the callback lives until the front answers, even when the call's
-        # connection has gone (the request and its inputs would stay with it)
-        request_id, wanted = request.id, dataclasses.replace(call, inputs={})
+    def _submit(self, call: tensors.InferCall, wanted: tensors.InferCall, request_id: str,
+                done: Callable[[pb.ModelInferResponse | bytes | None, BaseException | None], None],
+                as_bytes: bool = True) -> None:
+        """Sends a parsed call with inputs now, or has a task answer it. ``wanted``: the call less its inputs,
+        all that the answer needs (the callback lives until the front answers, even when the call's connection
+        has gone: the request and its inputs would stay with it). With ``as_bytes``, the answer is its serialized
+        bytes where ``tensors.response_bytes`` writes them."""
 
         def answered(outputs: dict | None, exc: BaseException | None) -> None:
             if exc is None:
                 try:
-                    reply = tensors.response(request_id, wanted, _served(wanted, outputs), outputs, _no_regions)
+                    served = _served(wanted, outputs)
+                    reply = as_bytes and tensors.response_bytes(request_id, wanted, served, outputs) \
+                        or tensors.response(request_id, wanted, served, outputs, _no_regions)
                 except Exception as failed:
                     done(None, failed)
                     return
@@ -278,7 +291,7 @@ class InferenceService:
         except errors.GepoolError as exc:
             asyncio.get_running_loop().call_soon(done, None, exc)
             return
-        self._answer_later(done, self._infer_parsed(request, call))  # longer than one lane record
+        self._answer_later(done, self._infer_parsed(request_id, call))  # longer than one lane record
 
     def _answer_later(self, done: Callable, work: Coroutine) -> None:
         """A task calls ``done`` with what ``work`` returns or raises."""
@@ -314,9 +327,9 @@ class InferenceService:
                                                    timeout=call.timeout_s, priority=call.priority,
                                                    origin=Origin.GRPC, wait=answer_wait(call.timeout_s))
 
-    async def _infer_parsed(self, request: pb.ModelInferRequest, call: tensors.InferCall) -> pb.ModelInferResponse:
+    async def _infer_parsed(self, request_id: str, call: tensors.InferCall) -> pb.ModelInferResponse:
         outputs = await self._ask(call)
-        return tensors.response(request.id, call, _served(call, outputs), outputs, _no_regions)
+        return tensors.response(request_id, call, _served(call, outputs), outputs, _no_regions)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         return await self.infer(request, context)
@@ -418,7 +431,7 @@ class InferenceService:
                 # even once the stream is over
                 done = answering(_named(request))
                 try:
-                    self._send_now(request, done)
+                    self._send_now(request, done, as_bytes=False)
                 except Exception as exc:  # (as one task's failure: that request's answer, and the stream goes on)
                     done(None, exc)
             if sent:
