@@ -3,6 +3,7 @@ shape less its data (``templates.Templates``), an answer's text less its data (`
 give exactly what the full reading or writing gives, and step aside for anything else."""
 
 import asyncio
+import dataclasses
 import json
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gepool.common.errors import InvalidArgument
+from gepool.grpc import tensors
 from gepool.http import kserve, templates
 from gepool.http.jsonfast import FAST_MIN_BYTES
 from gepool.http.limits import BodyLimit
@@ -601,3 +603,19 @@ def test_data_holding_an_object_is_read_in_full(full_reads):
     full_reads.clear()
     assert outcome(lambda b: book.parse(b, None, MAX_JSON, MAX_INPUT), body) == outcome(full, body)
     assert full_reads and full_reads[0] == body
+
+
+@pytest.mark.parametrize("cls", [kserve.InferRequest, tensors.InferCall], ids=lambda c: c.__name__)
+def test_a_copy_with_changes_is_what_dataclasses_replace_gives(cls):
+    """``templates.copied`` stands for ``dataclasses.replace`` on the classes it copies: plain dataclasses,
+    whose fields are their instance dict."""
+    params = cls.__dataclass_params__
+    assert not params.frozen and not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    original = cls(**{name: [name] for name in fields})
+    for name in fields:
+        changes = {name: {"new": name}}
+        got, want = templates.copied(original, **changes), dataclasses.replace(original, **changes)
+        assert type(got) is cls and got == want and got is not original
+        assert vars(got) == vars(want)
+    assert vars(original) == {name: [name] for name in fields}  # the original is untouched

@@ -21,7 +21,7 @@ from gepool.common.errors import InvalidArgument
 from gepool.grpc import grpc_service_pb2 as pb
 from gepool.grpc import tensors
 from gepool.http import kserve
-from gepool.http.templates import SeenOnce
+from gepool.http.templates import SeenOnce, copied
 
 MAX_CALLS = 64  # requests of another shape past this start the book again (a bound, not a cache policy)
 MAX_PREFIXES = 8  # learnt requests' bytes before their contents, looked at in turn (the newest first)
@@ -75,7 +75,7 @@ class Calls:
                 at += length
             if at != end:
                 return None
-            return dataclasses.replace(known.call, inputs=inputs), known.call, prefix.request_id
+            return copied(known.call, inputs=inputs), known.call, prefix.request_id
         return None
 
     def parse(self, request: pb.ModelInferRequest, regions, max_input: int, raw: bytes | None = None) \
@@ -97,7 +97,7 @@ class Calls:
                           for (name, datatype, shape), data in zip(known.inputs, contents)}
             except InvalidArgument:
                 return tensors.parse(request, regions, max_input)  # names what is wrong
-            return dataclasses.replace(known.call, inputs=inputs)
+            return copied(known.call, inputs=inputs)
         call = tensors.parse(request, regions, max_input)
         if self._seen.again(key):
             self._learn(key, request, contents, call, max_input, raw)
