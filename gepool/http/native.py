@@ -93,7 +93,8 @@ class Request:
         self.done = False  # the whole body has arrived
         self._error: Exception | None = None
         self._waiter: asyncio.Future | None = None
-        self._continue = headers.get("expect", "").lower() == "100-continue"
+        expect = dict.get(headers, "expect")  # (its keys are lower-cased)
+        self._continue = expect is not None and expect.lower() == "100-continue"
         self._linger_until: float | None = None  # dropping what still comes of the body, until then
 
     # -- fed by the connection ------------------------------------------------------------------
@@ -125,7 +126,7 @@ class Request:
     # -- read by the handler --------------------------------------------------------------------
     def body_now(self) -> bytes | None:
         """The whole body if it has all arrived, unencoded and unrefused, else None; ``read_body`` still reads it."""
-        if not self.done or self._error is not None or "content-encoding" in self.headers:
+        if not self.done or self._error is not None or dict.__contains__(self.headers, "content-encoding"):
             return None
         parts = self._parts
         if len(parts) > 1:
@@ -531,9 +532,12 @@ class Connection(asyncio.Protocol):
             headers["content-length"] = str(length)
         req = Request(self, "POST", head.path, headers, True, False)
         req.match_info = head.match_info
-        if length:
-            req._body(data[start:])
-        req._complete()
+        if length > req._limit:
+            req._body(data[start:])  # (refused by its size, as the parser's callback would have)
+        elif length:  # as _body and _complete take it, with no one waiting for it yet
+            req._parts.append(data[start:])
+            req._size = length
+        req.done = True
         self.queue.append(req)
         self._start_fast(req, now)
 
@@ -664,10 +668,11 @@ class Connection(asyncio.Protocol):
     def _write_response(self, req: Request | None, response: web.StreamResponse, close: bool) -> None:
         if self.closing:
             return
-        body = response.body if isinstance(response, web.Response | rsgi.Reply) else None
+        # (the fast path's Reply first: aiohttp's Response is a mapping, whose isinstance goes through abc)
+        body = response.body if type(response) is rsgi.Reply or isinstance(response, web.Response) else None
         if body is None:
             body = b""
-        elif not isinstance(body, bytes | bytearray | memoryview):
+        elif type(body) is not bytes and not isinstance(body, bytearray | memoryview):
             raise TypeError(f"a response body of type {type(body).__name__} cannot be written")
         status = response.status
         headers = response.headers
