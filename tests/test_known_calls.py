@@ -263,6 +263,21 @@ def test_where_the_contents_start(raw, count, start):
     assert calls.contents_start(raw, count) == start
 
 
+def test_a_learnt_request_whose_bytes_start_another_ones_leaves_it_known():
+    """A request without outputs is, byte for byte, the start of the same request with them (fields go in order):
+    each is known by its own bytes, whichever was learnt first."""
+    book = calls.Calls()
+    fuller = request(SHAPE, CASES["other bytes"])
+    shorter = request(SHAPE, CASES["other bytes"])
+    shorter.ClearField("outputs")
+    for req in (fuller, fuller, shorter, shorter):
+        book.parse(req, _no_regions, MAX_INPUT, req.SerializeToString())
+    assert len(book._prefixes) == 2 and fuller.SerializeToString().startswith(book._prefixes[0].head)
+    for req in (fuller, shorter):
+        req.raw_input_contents[0] = RNG.bytes(64)
+        assert known_outcome(book, req.SerializeToString()) == (outcome(full, req), "")
+
+
 def test_the_bytes_kept_are_bounded():
     book = calls.Calls()
     for i in range(calls.MAX_PREFIXES + 5):
@@ -306,7 +321,8 @@ def test_an_answer_written_around_its_contents_is_the_messages_bytes(dtype, how)
     assert all(head is not None for head in tensors._answer_heads.values())
 
 
-@pytest.mark.parametrize("case", ["an id", "two outputs", "strings", "another output asked", "a region"])
+@pytest.mark.parametrize("case", ["an id", "two outputs", "strings", "fixed-width bytes", "fixed-width text",
+                                  "another output asked", "a region"])
 def test_answers_the_bytes_do_not_cover_go_the_full_way(case):
     arr = np.ones((1, 4), np.float32)
     outputs, call, request_id = Outputs(OUT=arr), _answer_call(), ""
@@ -316,6 +332,12 @@ def test_answers_the_bytes_do_not_cover_go_the_full_way(case):
         outputs["OTHER"] = arr
     elif case == "strings":
         outputs["OUT"] = np.array([b"a", b"b"], dtype=object)
+    elif case == "fixed-width bytes":  # (empty first: its four length bytes alone would pass a check of the head)
+        outputs["OUT"] = np.array([b""], "S4")
+        tensors.response_bytes(request_id, call, "3", outputs)
+        outputs["OUT"] = np.array([b"abcd"], "S4")
+    elif case == "fixed-width text":
+        outputs["OUT"] = np.array(["é"], "U1")
     elif case == "another output asked":
         call = _answer_call([tensors.OutputRequest("OUT"), tensors.OutputRequest("OTHER")])
     else:

@@ -56,26 +56,13 @@ class Calls:
         before its contents are a learnt request's: (the call, the call less its inputs, the request's id).
         None where they are not, or its contents do not read (the full reading then names what is wrong)."""
         for prefix in self._prefixes:
-            if not raw.startswith(prefix.head):
+            if not raw.startswith(prefix.head) or prefix.known.max_input != max_input:
                 continue
-            known = prefix.known
-            if known.max_input != max_input:
-                return None
-            at, end, inputs = len(prefix.head), len(raw), {}
-            for name, datatype, shape in known.inputs:
-                if at >= end or raw[at] != CONTENTS_TAG:
-                    return None
-                length, at = _varint(raw, at + 1)
-                if length is None or at + length > end:
-                    return None
-                try:
-                    inputs[name] = kserve.tensor_from_bytes(name, datatype, shape, raw[at:at + length])
-                except InvalidArgument:
-                    return None
-                at += length
-            if at != end:
-                return None
-            return copied(known.call, inputs=inputs), known.call, prefix.request_id
+            found = _around(raw, len(prefix.head), prefix.known)
+            if found is not None:
+                return found, prefix.known.call, prefix.request_id
+            # (another learnt request's bytes may start with this one's: a request with outputs, say, and the
+            # same without)
         return None
 
     def parse(self, request: pb.ModelInferRequest, regions, max_input: int, raw: bytes | None = None) \
@@ -122,6 +109,24 @@ class Calls:
             if len(self._prefixes) >= MAX_PREFIXES:
                 self._prefixes.pop()
             self._prefixes.insert(0, Prefix(raw[:start], known, request.id))
+
+
+def _around(raw: bytes, at: int, known: Call) -> tensors.InferCall | None:
+    """``known``'s call with the contents that ``raw`` holds from ``at`` on, if it holds as many as the call has
+    inputs and nothing else, and they read; else None."""
+    end, inputs = len(raw), {}
+    for name, datatype, shape in known.inputs:
+        if at >= end or raw[at] != CONTENTS_TAG:
+            return None
+        length, at = _varint(raw, at + 1)
+        if length is None or at + length > end:
+            return None
+        try:
+            inputs[name] = kserve.tensor_from_bytes(name, datatype, shape, raw[at:at + length])
+        except InvalidArgument:
+            return None
+        at += length
+    return copied(known.call, inputs=inputs) if at == end else None
 
 
 def contents_start(raw: bytes, count: int) -> int | None:

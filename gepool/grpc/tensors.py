@@ -180,7 +180,7 @@ def response_bytes(request_id: str, call: InferCall, served: str, outputs: dict[
     ((name, arr),) = outputs.items()
     wanted = call.outputs
     if wanted is not None and (len(wanted) != 1 or wanted[0].name != name or wanted[0].region is not None) \
-            or type(arr) is not np.ndarray or arr.dtype == object:
+            or type(arr) is not np.ndarray or arr.dtype.kind in "OSU":  # (strings: a length before each element)
         return None
     key = (call.model, served, call.mark_final, name, arr.dtype, arr.shape, wanted is None)
     head = _answer_heads.get(key, False)
