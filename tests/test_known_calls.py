@@ -18,7 +18,7 @@ def _no_regions(*args):
 
 
 def request(inputs: list[tuple[str, str, list[int]]], contents: list[bytes], **fields) -> pb.ModelInferRequest:
-    req = pb.ModelInferRequest(model_name="tiny", **fields)
+    req = pb.ModelInferRequest(**{"model_name": "tiny", **fields})
     for name, datatype, shape in inputs:
         item = req.inputs.add()
         item.name, item.datatype = name, datatype
@@ -146,13 +146,13 @@ def test_a_request_whose_inputs_do_not_all_come_as_contents_is_never_learnt():
 
 def test_the_book_is_bounded():
     book = calls.Calls()
-    for i in range(templates.MAX_SEEN + 20):  # a new id each time: seen once each, never learnt
-        book.parse(request(SHAPE, CASES["other bytes"], id=str(i)), _no_regions, MAX_INPUT)
+    for i in range(templates.MAX_SEEN + 20):  # a new version each time: seen once each, never learnt
+        book.parse(request(SHAPE, CASES["other bytes"], model_version=str(i + 1)), _no_regions, MAX_INPUT)
         assert len(book._seen) <= templates.MAX_SEEN
     assert not book._known
     for i in range(calls.MAX_CALLS + 10):
         for _ in range(2):
-            book.parse(request(SHAPE, CASES["other bytes"], id=f"x{i}"), _no_regions, MAX_INPUT)
+            book.parse(request(SHAPE, CASES["other bytes"], model_version=f"{i + 1}0"), _no_regions, MAX_INPUT)
         assert len(book._known) <= calls.MAX_CALLS
     (known, *_) = book._known.values()
     assert known.call.inputs == {}  # no caller's tensors are kept
@@ -167,12 +167,15 @@ def learnt_raw(book: calls.Calls, **fields) -> None:
 
 
 def known_outcome(book: calls.Calls, raw: bytes, limit: int = MAX_INPUT):
-    """What ``known`` makes of the bytes (None where it leaves them to the full reading), with the id it gives."""
+    """What ``known`` makes of the bytes (None where it leaves them to the full reading), with the id it gives
+    (and the model name and version it gives checked against the request's own)."""
     found = book.known(raw, limit)
     if found is None:
         return None
-    call, less, request_id = found
+    call, less, (request_id, model_name, model_version) = found
     assert less.inputs == {} and less.model == call.model and less.outputs == call.outputs
+    req = pb.ModelInferRequest.FromString(raw)
+    assert (request_id, model_name, model_version) == (req.id, req.model_name, req.model_version)
     return outcome(lambda r: call, None), request_id
 
 
@@ -196,19 +199,25 @@ def _field(number: int, data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["a field after the contents", "a field between them", "another model",
-                                  "cut short", "a length past the end", "another limit", "contents alone"])
+                                  "cut short", "a length past the end", "another limit", "contents alone",
+                                  "an id twice", "an id of bytes that are not UTF-8"])
 def test_bytes_that_are_not_a_learnt_request_around_contents_are_not_known(case):
     book = calls.Calls()
     learnt_raw(book)
     req = request(SHAPE, CASES["other bytes"])
     raw = req.SerializeToString()
-    head = raw[:calls.contents_start(raw, 3)]
+    head = raw[:calls.layout(raw, 3)[2]]
     contents = [_field(7, c) for c in req.raw_input_contents]
     limit = MAX_INPUT
     if case == "a field after the contents":
         raw += _field(3, b"late-id")  # the id, which the full reading takes (the last of a field wins)
     elif case == "a field between them":
         raw = head + contents[0] + _field(3, b"id") + contents[1] + contents[2]
+    elif case == "an id twice":
+        raw = _field(1, b"tiny") + _field(3, b"first") + _field(3, b"second") + raw[len(_field(1, b"tiny")):]
+        assert pb.ModelInferRequest.FromString(raw).id == "second"
+    elif case == "an id of bytes that are not UTF-8":
+        raw = _field(1, b"tiny") + _field(3, b"\xff") + raw[len(_field(1, b"tiny")):]
     elif case == "another model":
         raw = _field(1, b"other") + raw
     elif case == "cut short":
@@ -247,20 +256,43 @@ def test_only_requests_whose_contents_come_last_are_kept_by_their_bytes(case):
     assert len(book._known) == 1  # still known by its key
 
 
-@pytest.mark.parametrize("raw, count, start", [
+@pytest.mark.parametrize("raw, count, found", [
     (b"", 0, None),
-    (b"\x0a\x01a\x3a\x00", 1, 3),
-    (b"\x0a\x01a\x3a\x00\x3a\x02xy", 2, 3),
+    (b"\x0a\x01a\x3a\x00", 1, (3, 3, 3)),
+    (b"\x0a\x01a\x3a\x00\x3a\x02xy", 2, (3, 3, 3)),
     (b"\x0a\x01a\x3a\x00\x3a\x02xy", 1, None),  # as many as said, no fewer
     (b"\x3a\x00\x0a\x01a", 1, None),  # another field after them
-    (b"\x08\x96\x01\x11" + bytes(8) + b"\x1d" + bytes(4) + b"\x3a\x00", 1, 17),  # varint, fixed64, fixed32 first
+    (b"\x08\x96\x01\x11" + bytes(8) + b"\x25" + bytes(4) + b"\x3a\x00", 1, (12, 12, 17)),  # varint, fixed64, fixed32
+    (b"\x1d" + bytes(4) + b"\x3a\x00", 1, None),  # an id as a fixed32
     (b"\x38\x01", 1, None),  # field 7 as a varint
     (b"\x0b\x0c\x3a\x00", 1, None),  # a group
     (b"\x0a\x05a", 0, None),  # a length past the end
     (b"\x0a" + b"\xff" * 11, 0, None),  # a varint over 64 bits
+    (b"\x0a\x01a\x1a\x02id\x2a\x00\x3a\x00", 1, (3, 7, 9)),  # an id, between fields 1 and 5
+    (b"\x0a\x01a\x1a\x00\x3a\x00", 1, (3, 5, 5)),  # an empty id
+    (b"\x0a\x01a\x2a\x00\x3a\x00", 1, (3, 3, 5)),  # none: where it would be, before field 5
+    (b"\x0a\x01a\x1a\x01x\x1a\x01y\x3a\x00", 1, None),  # an id twice
+    (b"\x0a\x01a\x2a\x00\x1a\x01x\x3a\x00", 1, None),  # an id after a field past it
+    (b"\x0a\x01a\x18\x01\x3a\x00", 1, None),  # an id as a varint
 ])
-def test_where_the_contents_start(raw, count, start):
-    assert calls.contents_start(raw, count) == start
+def test_where_the_id_and_contents_lie(raw, count, found):
+    assert calls.layout(raw, count) == found
+
+
+def test_a_request_is_known_by_its_bytes_whatever_its_id(full_reads):
+    """Learnt from two requests of other ids; then each of the ids a client may give (none, empty, long, not
+    ASCII) is known, and given back as the full reading gives it."""
+    book = calls.Calls()
+    for rid in ("first", "second"):
+        req = request(SHAPE, CASES["other bytes"], id=rid)
+        book.parse(req, _no_regions, MAX_INPUT, req.SerializeToString())
+    assert len(book._known) == 1 and len(book._prefixes) == 1
+    full_reads.clear()
+    for rid in ("", "a-1", "x" * 300, "é-ü-≈"):
+        req = request(SHAPE, [RNG.bytes(64), RNG.bytes(24), strings(b"q", b"")], id=rid)
+        got = known_outcome(book, req.SerializeToString())
+        assert got == (outcome(full, req), rid), rid
+    assert len(full_reads) == 4  # (the outcomes compared against, not known's)
 
 
 def test_a_learnt_request_whose_bytes_start_another_ones_leaves_it_known():
@@ -272,7 +304,8 @@ def test_a_learnt_request_whose_bytes_start_another_ones_leaves_it_known():
     shorter.ClearField("outputs")
     for req in (fuller, fuller, shorter, shorter):
         book.parse(req, _no_regions, MAX_INPUT, req.SerializeToString())
-    assert len(book._prefixes) == 2 and fuller.SerializeToString().startswith(book._prefixes[0].head)
+    assert len(book._prefixes) == 2
+    assert fuller.SerializeToString().startswith(book._prefixes[0].head + book._prefixes[0].tail)
     for req in (fuller, shorter):
         req.raw_input_contents[0] = RNG.bytes(64)
         assert known_outcome(book, req.SerializeToString()) == (outcome(full, req), "")
@@ -282,15 +315,15 @@ def test_the_bytes_kept_are_bounded():
     book = calls.Calls()
     for i in range(calls.MAX_PREFIXES + 5):
         for _ in range(2):
-            req = request(SHAPE, CASES["other bytes"], id=f"x{i}")
+            req = request(SHAPE, CASES["other bytes"], model_version=f"{i + 1}")
             book.parse(req, _no_regions, MAX_INPUT, req.SerializeToString())
         assert len(book._prefixes) <= calls.MAX_PREFIXES
-    newest = request(SHAPE, CASES["other strings"], id=f"x{calls.MAX_PREFIXES + 4}")
-    assert known_outcome(book, newest.SerializeToString())[1] == newest.id
-    long = request(SHAPE, CASES["other bytes"], id="y" * calls.MAX_PREFIX_BYTES)
+    newest = request(SHAPE, CASES["other strings"], model_version=f"{calls.MAX_PREFIXES + 5}", id="n")
+    assert known_outcome(book, newest.SerializeToString())[1] == "n"
+    long = request(SHAPE, CASES["other bytes"], model_name="y" * calls.MAX_PREFIX_BYTES)
     for _ in range(2):
         book.parse(long, _no_regions, MAX_INPUT, long.SerializeToString())
-    assert all(len(p.head) <= calls.MAX_PREFIX_BYTES for p in book._prefixes)
+    assert all(len(p.head) + len(p.tail) <= calls.MAX_PREFIX_BYTES for p in book._prefixes)
     assert book.known(long.SerializeToString(), MAX_INPUT) is None
 
 
@@ -313,22 +346,21 @@ def test_an_answer_written_around_its_contents_is_the_messages_bytes(dtype, how)
     tensors._answer_heads.clear()
     wanted = [tensors.OutputRequest("OUT")] if how == "asked by name" else None
     call = _answer_call(wanted, how == "final flag")
-    for shape in [(1, 16), (1, 16), (2, 300), (1, 0), (1, 16)]:  # (2, 300) past a one-byte length; (1, 0) empty
+    shapes = [(1, 16), (1, 16), (2, 300), (1, 0), (1, 16)]  # (2, 300) past a one-byte length; (1, 0) empty
+    for shape, rid in zip(shapes, ["", "r-1", "", "é" * 200, "x"]):  # (200 characters: a two-byte length)
         arr = (RNG.standard_normal(shape) * 100).astype(dtype)
         outputs = Outputs(OUT=arr)
-        want = tensors.response("", call, "3", outputs, _no_regions).SerializeToString()
-        assert tensors.response_bytes("", call, "3", outputs) == want, shape
+        want = tensors.response(rid, call, "3", outputs, _no_regions).SerializeToString()
+        assert tensors.response_bytes(rid, call, "3", outputs) == want, (shape, rid)
     assert all(head is not None for head in tensors._answer_heads.values())
 
 
-@pytest.mark.parametrize("case", ["an id", "two outputs", "strings", "fixed-width bytes", "fixed-width text",
+@pytest.mark.parametrize("case", ["two outputs", "strings", "fixed-width bytes", "fixed-width text",
                                   "another output asked", "a region"])
 def test_answers_the_bytes_do_not_cover_go_the_full_way(case):
     arr = np.ones((1, 4), np.float32)
     outputs, call, request_id = Outputs(OUT=arr), _answer_call(), ""
-    if case == "an id":
-        request_id = "r-1"
-    elif case == "two outputs":
+    if case == "two outputs":
         outputs["OTHER"] = arr
     elif case == "strings":
         outputs["OUT"] = np.array([b"a", b"b"], dtype=object)

@@ -1,16 +1,18 @@
 """ModelInferRequests alike but for their raw_input_contents: the rest is read once, each call's tensors alone.
 
-A client sends the same request around other tensor bytes, call after call. The request less its
-``raw_input_contents``, serialized deterministically, is the key of what ``tensors.parse`` made of it,
+A client sends the same request around other tensor bytes (and, often, another id), call after call. The request
+less its ``raw_input_contents`` and its ``id``, serialized deterministically, is the key of what ``tensors.parse``
+(which reads no id) made of it,
 learnt the second time the key comes from a request whose every input came from those contents (none in
 shared memory or in typed ``contents``). A later request with that key and as many contents reads only them,
 through ``kserve.tensor_from_bytes`` as the full reading does; one that does not read takes the full reading,
 which names what is wrong. Equal keys are equal messages but for the contents, so the rest reads the same.
 
 A client's own bytes say as much, sooner: a learnt request whose contents were its last fields (as every
-protobuf serializer writes them: field 7 follows the others) keeps its bytes before them, and a later message
-that starts with exactly those bytes and has as many contents after them, nothing else, is that request around
-other contents, with no protobuf parse at all (``known``).
+protobuf serializer writes them: field 7 follows the others) keeps its bytes before them, less its id (field 3,
+where serializers put it: after fields 1 and 2), and a later message that is exactly those bytes around an id
+of its own (or none) and then as many contents, nothing else, is that request with that id around other
+contents, with no protobuf parse at all (``known``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ MAX_CALLS = 64  # requests of another shape past this start the book again (a bo
 MAX_PREFIXES = 8  # learnt requests' bytes before their contents, looked at in turn (the newest first)
 MAX_PREFIX_BYTES = 4096
 CONTENTS_TAG = 0x3A  # raw_input_contents: field 7, length-delimited
+ID_TAG = 0x1A  # id: field 3, length-delimited
 
 
 class Call:
@@ -37,10 +40,12 @@ class Call:
 
 
 class Prefix:
-    __slots__ = ("head", "known", "request_id")
+    """A learnt request's bytes before its id (``head``) and from its id to its contents (``tail``)."""
 
-    def __init__(self, head: bytes, known: Call, request_id: str) -> None:
-        self.head, self.known, self.request_id = head, known, request_id
+    __slots__ = ("head", "tail", "known", "model", "version")
+
+    def __init__(self, head: bytes, tail: bytes, known: Call, model: str, version: str) -> None:
+        self.head, self.tail, self.known, self.model, self.version = head, tail, known, model, version
 
 
 class Calls:
@@ -51,16 +56,31 @@ class Calls:
         self._seen = SeenOnce()
         self._prefixes: list[Prefix] = []
 
-    def known(self, raw: bytes, max_input: int) -> tuple[tensors.InferCall, tensors.InferCall, str] | None:
+    def known(self, raw: bytes, max_input: int) \
+            -> tuple[tensors.InferCall, tensors.InferCall, tuple[str, str, str]] | None:
         """What ``tensors.parse`` makes of the serialized request ``raw``, with no shared memory, where its bytes
-        before its contents are a learnt request's: (the call, the call less its inputs, the request's id).
-        None where they are not, or its contents do not read (the full reading then names what is wrong)."""
+        before its contents are a learnt request's: (the call, the call less its inputs, the request's id, model
+        name and version as it gave them). None where they are not, or its contents do not read (the full
+        reading then names what is wrong)."""
+        end = len(raw)
         for prefix in self._prefixes:
             if not raw.startswith(prefix.head) or prefix.known.max_input != max_input:
                 continue
-            found = _around(raw, len(prefix.head), prefix.known)
+            at, request_id = len(prefix.head), ""
+            if at < end and raw[at] == ID_TAG:
+                length, at = _varint(raw, at + 1)
+                if length is None or at + length > end:
+                    continue
+                try:
+                    request_id = raw[at:at + length].decode("utf-8")  # (a proto3 string: the parse checks it too)
+                except UnicodeDecodeError:
+                    continue
+                at += length
+            if not raw.startswith(prefix.tail, at):
+                continue
+            found = _around(raw, at + len(prefix.tail), prefix.known)
             if found is not None:
-                return found, prefix.known.call, prefix.request_id
+                return found, prefix.known.call, (request_id, prefix.model, prefix.version)
             # (another learnt request's bytes may start with this one's: a request with outputs, say, and the
             # same without)
         return None
@@ -72,11 +92,14 @@ class Calls:
         contents = list(request.raw_input_contents)
         if not contents:
             return tensors.parse(request, regions, max_input)
+        request_id = request.id
         request.ClearField("raw_input_contents")
+        request.ClearField("id")
         try:
             key = request.SerializeToString(deterministic=True)
-        finally:
-            request.raw_input_contents.extend(contents)  # (the request is whole again for the full reading)
+        finally:  # (the request is whole again for the full reading)
+            request.raw_input_contents.extend(contents)
+            request.id = request_id
         known = self._known.get(key)
         if known is not None and known.max_input == max_input and len(contents) == len(known.inputs):
             try:
@@ -104,11 +127,13 @@ class Calls:
             self._known.clear()
         # (its inputs are not kept: the first caller's tensors would stay as long as the shape)
         known = self._known[key] = Call(dataclasses.replace(call, inputs={}), inputs, max_input)
-        start = None if raw is None else contents_start(raw, len(contents))
-        if start is not None and start <= MAX_PREFIX_BYTES:
+        found = None if raw is None else layout(raw, len(contents))
+        split, after_id, start = found or (0, 0, MAX_PREFIX_BYTES + 1)
+        if start - (after_id - split) <= MAX_PREFIX_BYTES:  # (the bytes kept: all but the id and the contents)
             if len(self._prefixes) >= MAX_PREFIXES:
                 self._prefixes.pop()
-            self._prefixes.insert(0, Prefix(raw[:start], known, request.id))
+            self._prefixes.insert(0, Prefix(raw[:split], raw[after_id:start], known, request.model_name,
+                                            request.model_version))
 
 
 def _around(raw: bytes, at: int, known: Call) -> tensors.InferCall | None:
@@ -129,10 +154,12 @@ def _around(raw: bytes, at: int, known: Call) -> tensors.InferCall | None:
     return copied(known.call, inputs=inputs) if at == end else None
 
 
-def contents_start(raw: bytes, count: int) -> int | None:
-    """Where a serialized request's raw_input_contents start, if they are its last ``count`` top-level fields
-    and it has no others; else None (or where its bytes do not parse as protobuf's wire format)."""
-    at, end, first, seen = 0, len(raw), None, 0
+def layout(raw: bytes, count: int) -> tuple[int, int, int] | None:
+    """Where a serialized request's id lies or would lie (its start and end: the same where it has none, before
+    its first field past 3), and where its raw_input_contents start, if they are its last ``count`` top-level
+    fields and the id is a string field at most once; else None (or where its bytes do not parse as
+    protobuf's wire format)."""
+    at, end, first, seen, split, after_id = 0, len(raw), None, 0, None, None
     while at < end:
         begin = at
         tag, at = _varint(raw, at)
@@ -154,14 +181,24 @@ def contents_start(raw: bytes, count: int) -> int | None:
             at += length
         else:  # (groups: not in this message)
             return None
+        if first is not None and field != 7:  # another field after the contents
+            return None
         if field == 7:
             if wire != 2:
                 return None
             first = begin if first is None else first
             seen += 1
-        elif first is not None:  # another field after the contents
-            return None
-    return first if at == end and seen == count else None
+        elif field == 3:
+            if wire != 2 or split is not None:  # (twice, or after a field past it: not where serializers put it)
+                return None
+            split, after_id = begin, at
+        elif field > 3 and split is None:
+            split = after_id = begin
+    if at != end or first is None or seen != count:
+        return None
+    if split is None:
+        split = after_id = first
+    return split, after_id, first
 
 
 def _varint_bytes(value: int) -> bytes:

@@ -228,7 +228,8 @@ class InferenceService:
             return False
         known = self.calls.known(raw, self.gw.max_body)
         if known is not None:  # a learnt request around other contents: nothing else to parse
-            self._submit(*known, done)
+            call, wanted, names = known
+            self._submit(call, wanted, names[0], done)
             return True
         try:
             request = parse_message(pb.ModelInferRequest, raw)
@@ -417,6 +418,16 @@ class InferenceService:
                 if write_now is None or not self._now(raw):
                     start(raw)
                     continue
+                known = self.calls.known(raw, self.gw.max_body)
+                if known is not None:  # a learnt request around other contents (as infer_now takes it)
+                    sent += 1
+                    call, wanted, names = known
+                    done = answering(names)
+                    try:
+                        self._submit(call, wanted, names[0], done, as_bytes=False)
+                    except Exception as exc:  # (as below)
+                        done(None, exc)
+                    continue
                 try:
                     request = parse_message(pb.ModelInferRequest, raw)
                 except errors.GepoolError as exc:
@@ -431,7 +442,7 @@ class InferenceService:
                 # even once the stream is over
                 done = answering(_named(request))
                 try:
-                    self._send_now(request, done, as_bytes=False)
+                    self._send_now(request, done, raw, as_bytes=False)
                 except Exception as exc:  # (as one task's failure: that request's answer, and the stream goes on)
                     done(None, exc)
             if sent:

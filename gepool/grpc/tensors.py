@@ -167,15 +167,18 @@ def parse(request: pb.ModelInferRequest, read_region: Callable[[str, int, int | 
 
 
 MAX_ANSWER_HEADS = 256
-_answer_heads: dict[tuple, bytes | None] = {}
+_answer_heads: dict[tuple, tuple[bytes, bytes] | None] = {}
+_ID_TAG = b"\x1a"  # ModelInferResponse.id: field 3, length-delimited
 _CONTENTS_TAG = b"\x32"  # ModelInferResponse.raw_output_contents: field 6, length-delimited
+_PROBE_ID = "\u00e9-id"  # (an id that the check of a head writes: not ASCII, so its bytes are not its characters)
 
 
 def response_bytes(request_id: str, call: InferCall, served: str, outputs: dict[str, np.ndarray]) -> bytes | None:
-    """``response(...).SerializeToString()`` sooner, for the common answer: one fixed-size output, raw, and no
-    id. The bytes before its contents are serialized once for each model, version, output, dtype and shape (and
-    kept only where the whole message serializes as they and the contents do). None where the full path is needed."""
-    if request_id or len(outputs) != 1:
+    """``response(...).SerializeToString()`` sooner, for the common answer: one fixed-size output, raw. The bytes
+    around its id (fields 1 and 2 before it, 4 and 5 after) are serialized once for each model, version, output,
+    dtype and shape, and kept only where the whole message, with an id and without, serializes as they, the id
+    and the contents do. None where the full path is needed."""
+    if len(outputs) != 1:
         return None
     ((name, arr),) = outputs.items()
     wanted = call.outputs
@@ -183,20 +186,35 @@ def response_bytes(request_id: str, call: InferCall, served: str, outputs: dict[
             or type(arr) is not np.ndarray or arr.dtype.kind in "OSU":  # (strings: a length before each element)
         return None
     key = (call.model, served, call.mark_final, name, arr.dtype, arr.shape, wanted is None)
-    head = _answer_heads.get(key, False)
+    parts = _answer_heads.get(key, False)
     data = np.ascontiguousarray(arr).tobytes()
-    if head is False:
-        whole = response("", call, served, outputs, _no_region).SerializeToString()
-        head = whole[:len(whole) - len(data) - len(_varint(len(data))) - 1]
-        if head + _CONTENTS_TAG + _varint(len(data)) + data != whole:
-            head = None  # (another serializer's order: the full path then, always)
+    if parts is False:
+        parts = _answer_parts(call, served, outputs, data)
         if len(_answer_heads) >= MAX_ANSWER_HEADS:
             _answer_heads.clear()
-        _answer_heads[key] = head
-        return whole
-    if head is None:
+        _answer_heads[key] = parts
+    if parts is None:
         return None
-    return b"".join((head, _CONTENTS_TAG, _varint(len(data)), data))
+    before, after = parts
+    if not request_id:
+        return b"".join((before, after, _CONTENTS_TAG, _varint(len(data)), data))
+    text = request_id.encode("utf-8")
+    return b"".join((before, _ID_TAG, _varint(len(text)), text, after, _CONTENTS_TAG, _varint(len(data)), data))
+
+
+def _answer_parts(call: InferCall, served: str, outputs: dict[str, np.ndarray], data: bytes) \
+        -> tuple[bytes, bytes] | None:
+    """The bytes of an answer before its id and after it, up to its contents; None where the whole message does
+    not serialize as they, an id and the contents do (another serializer's order: the full path then, always)."""
+    whole = response("", call, served, outputs, _no_region).SerializeToString()
+    tail = _CONTENTS_TAG + _varint(len(data)) + data
+    split = len(pb.ModelInferResponse(model_name=call.model, model_version=served).SerializeToString())
+    before, after = whole[:split], whole[split:len(whole) - len(tail)]
+    text = _PROBE_ID.encode("utf-8")
+    with_id = response(_PROBE_ID, call, served, outputs, _no_region).SerializeToString()
+    if before + after + tail != whole or before + _ID_TAG + _varint(len(text)) + text + after + tail != with_id:
+        return None
+    return before, after
 
 
 def _varint(value: int) -> bytes:
