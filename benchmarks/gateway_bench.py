@@ -2,7 +2,7 @@
 and perf_analyzer over gRPC, with the CPU each process of the pool spends per request (benchmarks/README.md).
 
     python benchmarks/gateway_bench.py [--seconds 10] [--levels 1,8,64] [--models tiny,mlp]
-        [--tools wrk,pa,grpc,wrkbin,h2grpc] [--sidecars N] [--profile-sidecar FILE.prof]
+        [--tools wrk,pa,grpc,stream,wrkbin,h2grpc] [--sidecars N] [--profile-sidecar FILE.prof]
 
 perf_analyzer spends several times wrk's CPU per request, which on two cores it takes from the pool: to
 compare the three protocols' cost to the sidecar, ``wrkbin`` posts the binary tensor extension with wrk and
@@ -239,7 +239,8 @@ def perf_analyzer_env() -> tuple[str, dict] | None:
     return exe, env
 
 
-def run_pa(url: str, model: str, conc: int, seconds: float, workdir: str, protocol: str = "http") -> dict:
+def run_pa(url: str, model: str, conc: int, seconds: float, workdir: str, protocol: str = "http",
+           streaming: bool = False) -> dict:
     found = perf_analyzer_env()
     if found is None:
         return {"rps": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan"), "errors": 0,
@@ -250,7 +251,8 @@ def run_pa(url: str, model: str, conc: int, seconds: float, workdir: str, protoc
     window_ms = max(300, int(seconds * 1000 / 3))
     proc = subprocess.run([exe, "-m", model, "-u", url.removeprefix("http://"), "-i", protocol,
                            "--concurrency-range", str(conc), "--measurement-interval", str(window_ms),
-                           "--stability-percentage", "1000", "--max-trials", "3", "-f", out],
+                           "--stability-percentage", "1000", "--max-trials", "3", "-f", out,
+                           *(["--streaming"] if streaming else [])],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not os.path.exists(out):
         return {"rps": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan"), "errors": 0,
@@ -314,7 +316,8 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,64", help="client concurrencies")
     parser.add_argument("--models", default="tiny,mlp")
     parser.add_argument("--tools", default="wrk,pa", help="wrk (JSON bodies), pa (perf_analyzer, binary), grpc "
-                        "(perf_analyzer over gRPC), wrkbin (wrk, binary) and/or h2grpc (h2load, gRPC)")
+                        "(perf_analyzer over gRPC), stream (the same, ModelStreamInfer), wrkbin (wrk, binary) "
+                        "and/or h2grpc (h2load, gRPC)")
     parser.add_argument("--http-server", help="the sidecar's HTTP server: aiohttp, granian or httptools (default: "
                                               "the pool's)")
     parser.add_argument("--sidecars", type=int, help="sidecar processes sharing the port (default: the pool's)")
@@ -324,7 +327,7 @@ def main() -> None:
     levels = [int(c) for c in args.levels.split(",")]
     models = args.models.split(",")
     tools = {"wrk": run_wrk, "pa": run_pa, "grpc": functools.partial(run_pa, protocol="grpc"), "wrkbin": run_wrkbin,
-             "h2grpc": run_h2grpc}
+             "h2grpc": run_h2grpc, "stream": functools.partial(run_pa, protocol="grpc", streaming=True)}
     chosen = [(t, tools[t]) for t in args.tools.split(",")]
     if shutil.which("wrk") is None and any(t in ("wrk", "wrkbin") for t, _ in chosen):
         raise SystemExit("wrk is not installed")
@@ -340,7 +343,7 @@ def main() -> None:
         extra = {"http_server": args.http_server} if args.http_server else {}  # older trees lack it
         if args.sidecars is not None:
             extra["sidecars"] = args.sidecars
-        grpc_port = free_port() if any(t in ("grpc", "h2grpc") for t, _ in chosen) else 0
+        grpc_port = free_port() if any(t in ("grpc", "h2grpc", "stream") for t, _ in chosen) else 0
         if grpc_port:
             extra["grpc_port"] = 0 if args.profile_sidecar else grpc_port
         with Pool(repo, http_port=0 if args.profile_sidecar else port, metrics_port=0, **extra) as pool:
@@ -349,7 +352,7 @@ def main() -> None:
                                                  args.http_server, grpc_port)
             urls = {"wrk": f"http://127.0.0.1:{port}", "pa": f"http://127.0.0.1:{port}",
                     "grpc": f"127.0.0.1:{grpc_port}", "wrkbin": f"http://127.0.0.1:{port}",
-                    "h2grpc": f"127.0.0.1:{grpc_port}"}
+                    "h2grpc": f"127.0.0.1:{grpc_port}", "stream": f"127.0.0.1:{grpc_port}"}
             client = pool.client()
             procs = processes(pool.process.pid, sidecar.pid if sidecar else None)
             print("processes:", " ".join(f"{k}={v}" for k, v in procs.items()), flush=True)
