@@ -528,9 +528,9 @@ def _on_and_off(pool: Pool, monkeypatch, answers, after=None) -> dict[bool, list
 
 
 def test_a_stream_of_requests_known_again_answers_byte_for_byte_as_with_a_task_each(pool, monkeypatch):
-    """REPEATED's cases four times each on one ModelStreamInfer call, around other tensor bytes, with the stream's
-    fast path on and off: the same answers, byte for byte (errors naming their request); on, the later ones are
-    known by their bytes."""
+    """REPEATED's cases four times each on one ModelStreamInfer call, around other tensor bytes and under other ids,
+    with the stream's fast path on and off: the same answers, byte for byte (errors naming their request); on, the
+    later ones are known by their bytes."""
     known: list[bool] = []
     by_bytes = Calls.known
 
@@ -542,9 +542,10 @@ def test_a_stream_of_requests_known_again_answers_byte_for_byte_as_with_a_task_e
     monkeypatch.setattr(Calls, "known", noted)
     messages = []
     for name in REPEATED:
-        for i in range(4):
+        for i, rid in enumerate(["", f"{name}-1", f"{name}-é", "x" * 200]):  # an id of its own each, as clients give
             m = pb.ModelInferRequest()
             m.CopyFrom(CASES[name][0])
+            m.id = rid
             m.raw_input_contents[0] = np.random.default_rng(i).bytes(len(m.raw_input_contents[0]))
             messages.append(m.SerializeToString())
 
@@ -567,6 +568,8 @@ def test_a_stream_of_requests_known_again_answers_byte_for_byte_as_with_a_task_e
     assert sorted(got[True]) == sorted(got[False])
     replies = [pb.ModelStreamInferResponse.FromString(a) for a in got[True]]
     assert sum(not r.error_message for r in replies) == 4 * len(set(REPEATED) & SERVED)
+    sent = [pb.ModelInferRequest.FromString(m) for m in messages]
+    assert sorted(r.infer_response.id for r in replies) == sorted(m.id for m in sent)  # errors named too
 
 
 def test_an_internal_failure_in_a_stream_is_that_requests_answer_on_either_path(pool, monkeypatch, caplog):

@@ -418,7 +418,11 @@ class InferenceService:
                 if write_now is None or not self._now(raw):
                     start(raw)
                     continue
-                known = self.calls.known(raw, self.gw.max_body)
+                try:
+                    known = self.calls.known(raw, self.gw.max_body)
+                except Exception:  # (a bug of the fast path's own: the full path reads the request)
+                    log.exception("internal error reading a ModelStreamInfer request by its bytes")
+                    known = None
                 if known is not None:  # a learnt request around other contents (as infer_now takes it)
                     sent += 1
                     call, wanted, names = known
