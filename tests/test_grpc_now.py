@@ -258,9 +258,8 @@ async def _answer(call, message, options: dict):
         return exc.code(), exc.details()
 
 
-def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
-    """Each call twice, with the fast path on and off: the same reply bytes (or the same status and details),
-    each request parsed once; what the fast path leaves to the handler, it leaves before parsing."""
+def _full_reads(monkeypatch) -> list[object]:
+    """The requests ``tensors.parse`` reads in full, in order."""
     parsed: list[object] = []
     parse = tensors.parse
 
@@ -269,6 +268,13 @@ def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
         return parse(request, *args, **kwargs)
 
     monkeypatch.setattr(tensors, "parse", counted)
+    return parsed
+
+
+def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
+    """Each call twice, with the fast path on and off: the same reply bytes (or the same status and details),
+    each request parsed once; what the fast path leaves to the handler, it leaves before parsing."""
+    parsed = _full_reads(monkeypatch)
 
     async def main() -> None:
         async with _gateway(pool) as (listener, call, taken, gw):
@@ -292,22 +298,8 @@ def test_the_fast_path_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
     asyncio.run(main())
 
 
-REPEATED = ["raw contents", "two rows, an output named, an id", "versioned", "a priority", "the final-response flag",
-            "raw contents too short", "a wrong datatype", "wrong shape"]
-
-
-def test_a_call_known_again_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
-    """The same call four times around other tensor bytes: from the third on, known by its bytes (no protobuf
-    parse, its answer written around its output's bytes) and answered, byte for byte, as the handler answers
-    it; what is refused (by the parse, or by the pool) is refused alike."""
-    parsed: list[object] = []
-    parse = tensors.parse
-
-    def counted(request, *args, **kwargs):
-        parsed.append(request)
-        return parse(request, *args, **kwargs)
-
-    monkeypatch.setattr(tensors, "parse", counted)
+def _known_hits(monkeypatch) -> list[bool]:
+    """Whether each request ``Calls.known`` is asked about was known by its bytes, in order."""
     known: list[bool] = []
     by_bytes = Calls.known
 
@@ -317,6 +309,19 @@ def test_a_call_known_again_answers_byte_for_byte_as_the_handler(pool, monkeypat
         return found
 
     monkeypatch.setattr(Calls, "known", noted)
+    return known
+
+
+REPEATED = ["raw contents", "two rows, an output named, an id", "versioned", "a priority", "the final-response flag",
+            "raw contents too short", "a wrong datatype", "wrong shape"]
+
+
+def test_a_call_known_again_answers_byte_for_byte_as_the_handler(pool, monkeypatch):
+    """The same call four times around other tensor bytes: from the third on, known by its bytes (no protobuf
+    parse, its answer written around its output's bytes) and answered, byte for byte, as the handler answers
+    it; what is refused (by the parse, or by the pool) is refused alike."""
+    parsed = _full_reads(monkeypatch)
+    known = _known_hits(monkeypatch)
     heads = []
     monkeypatch.setattr(tensors, "_answer_heads", _Noted(heads))
 
@@ -365,15 +370,7 @@ class _Noted(dict):
 def test_the_fast_path_serves_what_the_model_computes(pool, monkeypatch):
     """64 calls in flight at once on one connection, 5 each: every answer is 2x + 1 of its own rows, under its own
     id (all but the first two known by their bytes, whatever their ids)."""
-    known: list[bool] = []
-    by_bytes = Calls.known
-
-    def noted(self, raw, max_input):
-        found = by_bytes(self, raw, max_input)
-        known.append(found is not None)
-        return found
-
-    monkeypatch.setattr(Calls, "known", noted)
+    known = _known_hits(monkeypatch)
 
     async def one(call, i: int) -> None:
         for j in range(5):
@@ -531,15 +528,7 @@ def test_a_stream_of_requests_known_again_answers_byte_for_byte_as_with_a_task_e
     """REPEATED's cases four times each on one ModelStreamInfer call, around other tensor bytes and under other ids,
     with the stream's fast path on and off: the same answers, byte for byte (errors naming their request); on, the
     later ones are known by their bytes."""
-    known: list[bool] = []
-    by_bytes = Calls.known
-
-    def noted(self, raw, max_input):
-        found = by_bytes(self, raw, max_input)
-        known.append(found is not None)
-        return found
-
-    monkeypatch.setattr(Calls, "known", noted)
+    known = _known_hits(monkeypatch)
     messages = []
     for name in REPEATED:
         for i, rid in enumerate(["", f"{name}-1", f"{name}-é", "x" * 200]):  # an id of its own each, as clients give

@@ -195,7 +195,7 @@ def test_a_request_known_by_its_bytes_reads_as_the_full_reading_does(case, full_
 
 
 def _field(number: int, data: bytes) -> bytes:
-    return calls._varint_bytes(number << 3 | 2) + calls._varint_bytes(len(data)) + data
+    return tensors.varint(number << 3 | 2) + tensors.varint(len(data)) + data
 
 
 @pytest.mark.parametrize("case", ["a field after the contents", "a field between them", "another model",

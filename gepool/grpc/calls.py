@@ -201,18 +201,9 @@ def layout(raw: bytes, count: int) -> tuple[int, int, int] | None:
     return split, after_id, first
 
 
-def _varint_bytes(value: int) -> bytes:
-    """A base-128 varint's bytes (what ``_varint`` reads)."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _varint(raw: bytes, at: int) -> tuple[int | None, int]:
-    """The base-128 varint at ``at`` and where it ends; None where it runs out or is over 64 bits."""
+    """The base-128 varint at ``at`` (what ``tensors.varint`` writes) and where it ends; None where it runs out
+    or is over 64 bits."""
     value = shift = 0
     while at < len(raw) and shift < 64:
         byte = raw[at]

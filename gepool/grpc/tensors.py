@@ -197,9 +197,9 @@ def response_bytes(request_id: str, call: InferCall, served: str, outputs: dict[
         return None
     before, after = parts
     if not request_id:
-        return b"".join((before, after, _CONTENTS_TAG, _varint(len(data)), data))
+        return b"".join((before, after, _CONTENTS_TAG, varint(len(data)), data))
     text = request_id.encode("utf-8")
-    return b"".join((before, _ID_TAG, _varint(len(text)), text, after, _CONTENTS_TAG, _varint(len(data)), data))
+    return b"".join((before, _ID_TAG, varint(len(text)), text, after, _CONTENTS_TAG, varint(len(data)), data))
 
 
 def _answer_parts(call: InferCall, served: str, outputs: dict[str, np.ndarray], data: bytes) \
@@ -207,17 +207,18 @@ def _answer_parts(call: InferCall, served: str, outputs: dict[str, np.ndarray], 
     """The bytes of an answer before its id and after it, up to its contents; None where the whole message does
     not serialize as they, an id and the contents do (another serializer's order: the full path then, always)."""
     whole = response("", call, served, outputs, _no_region).SerializeToString()
-    tail = _CONTENTS_TAG + _varint(len(data)) + data
+    tail = _CONTENTS_TAG + varint(len(data)) + data
     split = len(pb.ModelInferResponse(model_name=call.model, model_version=served).SerializeToString())
     before, after = whole[:split], whole[split:len(whole) - len(tail)]
     text = _PROBE_ID.encode("utf-8")
     with_id = response(_PROBE_ID, call, served, outputs, _no_region).SerializeToString()
-    if before + after + tail != whole or before + _ID_TAG + _varint(len(text)) + text + after + tail != with_id:
+    if before + after + tail != whole or before + _ID_TAG + varint(len(text)) + text + after + tail != with_id:
         return None
     return before, after
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """A base-128 varint's bytes (protobuf's wire format)."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
