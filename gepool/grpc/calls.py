@@ -6,7 +6,8 @@ less its ``raw_input_contents`` and its ``id``, serialized deterministically, is
 learnt the second time the key comes from a request whose every input came from those contents (none in
 shared memory or in typed ``contents``). A later request with that key and as many contents reads only them,
 through ``kserve.tensor_from_bytes`` as the full reading does; one that does not read takes the full reading,
-which names what is wrong. Equal keys are equal messages but for the contents, so the rest reads the same.
+which names what is wrong. Equal keys are equal messages but for the contents and the id, so the rest reads
+the same.
 
 A client's own bytes say as much, sooner: a learnt request whose contents were its last fields (as every
 protobuf serializer writes them: field 7 follows the others) keeps its bytes before them, less its id (field 3,
