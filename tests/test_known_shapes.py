@@ -327,6 +327,45 @@ def test_one_binary_output_is_written_byte_for_byte_as_the_full_writer(datatype,
         assert taken == (datatype != "BYTES"), datatype
 
 
+IDS = {"none": None, "empty": "", "ascii": "req-17", "not ascii": "é-ü", "a quote": 'a"b\\c', "control": "a\nb",
+       "null in it": "nullable", "a lone surrogate": "\ud800", "long": "x" * 300}
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("rid", IDS)
+def test_an_answer_with_an_id_is_written_byte_for_byte_as_the_full_writer(rid, binary, monkeypatch):
+    """perf_analyzer sends "id": "" with every request; others an id of their own each time: the answer's text
+    is kept without it, and the id written after the outputs, as the full writer writes it (one with null in it,
+    or that orjson refuses, is the full writer's)."""
+    arr = random_tensor("FP32", (1, 16))
+    req = kserve.InferRequest({}, [kserve.OutputRequest("OUT", binary)], False, IDS[rid])
+    kserve._answer_heads.clear()
+    kserve._binary_heads.clear()
+    fast = [kserve.encode_response("tiny", "1", req, {"OUT": arr}) for _ in range(2)]
+    taken = bool(kserve._answer_heads or kserve._binary_heads)
+    with monkeypatch.context() as m:
+        m.setattr(kserve, "_one_json", lambda *a: None)
+        m.setattr(kserve, "_one_binary", lambda *a: None)
+        slow = kserve.encode_response("tiny", "1", req, {"OUT": arr})
+    for answer in fast:
+        assert answer[0] == slow[0] and dict(answer[1]) == dict(slow[1]), rid
+    assert taken == (rid not in ("null in it", "a lone surrogate")), rid
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_answers_under_ids_that_change_each_take_their_own(binary, monkeypatch):
+    """The last id's text is kept for the next answer: one under another id (or none) writes its own."""
+    arr = random_tensor("FP32", (1, 16))
+    for rid in ["a", "a", "bb", None, "a", "", "", "é", "bb"]:
+        req = kserve.InferRequest({}, [kserve.OutputRequest("OUT", binary)], False, rid)
+        fast = kserve.encode_response("tiny", "1", req, {"OUT": arr})
+        with monkeypatch.context() as m:
+            m.setattr(kserve, "_one_json", lambda *a: None)
+            m.setattr(kserve, "_one_binary", lambda *a: None)
+            slow = kserve.encode_response("tiny", "1", req, {"OUT": arr})
+        assert fast[0] == slow[0] and dict(fast[1]) == dict(slow[1]), rid
+
+
 def test_shared_headers_cannot_be_changed():
     with pytest.raises(TypeError):
         kserve.JSON_HEADERS["X"] = "1"
@@ -353,11 +392,10 @@ def test_a_name_the_full_writer_writes_otherwise_is_left_to_it(model, monkeypatc
 
 @pytest.mark.parametrize("req", [
     kserve.InferRequest({}, None, True),
-    kserve.InferRequest({}, None, False, "an-id"),
     kserve.InferRequest({}, [kserve.OutputRequest("OUT", True)], False),
     kserve.InferRequest({}, [kserve.OutputRequest("OUT", False, class_count=2)], False),
     kserve.InferRequest({}, [kserve.OutputRequest("OTHER", False)], False),
-], ids=["binary", "id", "binary output", "classification", "another output"])
+], ids=["binary", "binary output", "classification", "another output"])
 def test_answers_of_another_kind_are_left_to_the_full_writer(req, monkeypatch):
     arr = np.arange(4, dtype=np.float32).reshape(1, 4)
     assert kserve._one_json("m", "1", req, {"OUT": arr}) is None

@@ -480,7 +480,7 @@ class FixedHeaders(dict):
 JSON_HEADERS = FixedHeaders({"Content-Type": "application/json"})
 MAX_ANSWER_HEADS = 256  # the most answer texts (less their data) kept; past it the book starts again
 _answer_heads: dict[tuple, bytes] = {}
-_binary_heads: dict[tuple, tuple[bytes, FixedHeaders]] = {}
+_binary_heads: dict[tuple, tuple] = {}  # (header, its headers, (the last id, its header, their headers) or None)
 
 
 def encode_response(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray],
@@ -539,11 +539,14 @@ NUMPY_JSON_MIN = 128
 
 
 def _one_json(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray]) -> bytes | None:
-    """The answer ``encode_response`` gives, sooner, for the common one: one numeric output in JSON, no id.
-    The text around its data is written once for each model, version, output and shape, as the full path
-    writes it; the data as the full path writes it. None where the full path is needed."""
+    """The answer ``encode_response`` gives, sooner, for the common one: one numeric output in JSON. The text
+    around its data is written once for each model, version, output and shape, as the full path writes it; the
+    data, and an id, as the full path writes them (the id last). None where the full path is needed."""
     alone = _one_output(model, version, req, outputs, False, _JSON_DATATYPES)
     if alone is None:
+        return None
+    end = _id_end(req.id)
+    if end is None:
         return None
     name, arr, datatype = alone
     key = (model, version, name, datatype, arr.shape)
@@ -564,16 +567,38 @@ def _one_json(model: str, version: str, req: InferRequest, outputs: dict[str, np
         data = orjson.dumps(np.ascontiguousarray(arr).ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
     if _holds_null(data):
         return None
-    return b"".join((head, data, _END))
+    return b"".join((head, data, end))
+
+
+def _id_end(request_id: str | None) -> bytes | None:
+    """What follows an answer's outputs, as the full path writes it (the id its last key); None where the full
+    path writes it otherwise (a text holding null goes through the json module, as does what orjson refuses)."""
+    global _last_end
+    if request_id is None:
+        return _END
+    last = _last_end  # (one read: another thread may set it meanwhile)
+    if last[0] == request_id:
+        return last[1]
+    try:
+        text = orjson.dumps(request_id)
+    except orjson.JSONEncodeError:  # (a lone surrogate)
+        return None
+    end = None if b"null" in text else b"".join((_ID_KEY, text, b"}"))
+    if len(request_id) <= MAX_KEPT_ID:
+        _last_end = (request_id, end)
+    return end
 
 
 def _one_binary(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray]) \
         -> tuple[bytes, FixedHeaders] | None:
-    """The answer ``encode_response`` gives, sooner, for one fixed-size output as binary data, no id: its JSON
-    header is written once for each model, version, output, datatype and shape. None where the full path is
-    needed."""
+    """The answer ``encode_response`` gives, sooner, for one fixed-size output as binary data: its JSON header is
+    written once for each model, version, output, datatype and shape, and an id added as the full path adds it.
+    None where the full path is needed."""
     alone = _one_output(model, version, req, outputs, True, _BINARY_DATATYPES)
     if alone is None:
+        return None
+    end = _id_end(req.id)
+    if end is None:
         return None
     name, arr, datatype = alone
     key = (model, version, name, datatype, arr.shape)
@@ -586,17 +611,22 @@ def _one_binary(model: str, version: str, req: InferRequest, outputs: dict[str, 
             return None  # (the full path writes such a text with the json module)
         if len(_binary_heads) >= MAX_ANSWER_HEADS:
             _binary_heads.clear()
-        known = _binary_heads[key] = (header, _binary_headers(len(header)))
-    header, headers = known
+        known = _binary_heads[key] = (header, _binary_headers(len(header)), None)
+    header, headers, last = known
+    if req.id is not None:
+        if last is not None and last[0] == req.id:  # a client's id again (perf_analyzer's is always "")
+            _, header, headers = last
+        else:  # (the header's closing '}]}' becomes '}]' and the id's end)
+            header = b"".join((header[:-1], end[len(_END) - 1:]))
+            headers = _binary_headers(len(header))
+            _binary_heads[key] = (known[0], known[1], (req.id, header, headers))
     return b"".join([header, _raw_view(arr)]), headers
 
 
 def _one_output(model: str, version: str, req: InferRequest, outputs: dict[str, np.ndarray], binary: bool,
                 datatypes: dict) -> tuple[str, np.ndarray, str] | None:
-    """The one output of an answer with no id, its array and datatype, where it is asked for as ``binary`` says
-    (in JSON or as binary data), nowhere else, and its dtype is one of ``datatypes``; else None."""
-    if req.id is not None:
-        return None
+    """The one output of an answer, its array and datatype, where it is asked for as ``binary`` says (in JSON or
+    as binary data), nowhere else, and its dtype is one of ``datatypes``; else None."""
     ((name, arr),) = outputs.items()
     wanted = req.outputs
     if wanted is None:
@@ -625,6 +655,9 @@ def _binary_headers(header_length: int) -> FixedHeaders:
 _BINARY_HEADERS: dict[int, FixedHeaders] = {}
 _NULL_END = b"null}]}"
 _END = b"}]}"
+_ID_KEY = b'}],"id":'
+MAX_KEPT_ID = 256  # the last id's end is kept for the next answer (a client's id again) up to this length
+_last_end: tuple[str | None, bytes | None] = (None, _END)
 # the numeric types orjson writes as the full path does (bool and float16 aside: a bool array, and float16
 # through tolist, are written alike too, but are not worth a second path)
 _JSON_DATATYPES = {np.dtype(t): dtypes.from_numpy(np.dtype(t)) for t in (
