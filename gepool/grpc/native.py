@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 
 import grpc
-from hpack import Decoder, HPACKError
-from hpack.hpack import encode_integer
+from hpack import Decoder, HPACKDecodingError, HPACKError
+from hpack.hpack import decode_integer, encode_integer
 
 from gepool.grpc.access import GrpcRestrictions
 from gepool.http import listen
@@ -58,7 +58,6 @@ SWEEP_S = 1.0
 IDLE_TIMEOUT_S = 300.0  # a connection with no call this long is sent GOAWAY (grpc's max_connection_idle)
 STALL_TIMEOUT_S = 30.0  # an answer the client's window has let nothing of through this long is reset
 MAX_PENDING_WRITE = 64 << 10  # frames gathered before they are handed to the transport (which may then pause us)
-MAX_INDEXED_BLOCK = 128  # longer all-indexed header blocks go through the decoder, which bounds the list's size
 MAX_KEPT_BLOCK = 256  # header blocks kept with what they say, at most KEPT_BLOCKS of them per connection
 KEPT_BLOCKS = 32
 STOP_GRACE_S = 5.0  # calls in flight when the gateway stops get this long to finish
@@ -132,39 +131,23 @@ def _changes_no_table(block: bytes) -> bool:
     """Whether a header block holds only indexed fields and literals without indexing or never indexed
     (RFC 7541 6.1, 6.2.2, 6.2.3): no literal with incremental indexing, no table size update. A block that does
     not parse as such is not (the decoder then says what is wrong with it)."""
-    at, end = 0, len(block)
-    while at < end:
-        first = block[at]
-        if first & 0x80:
-            at = _after_integer(block, at, 0x7F)[1]
-        elif first & 0xE0:  # 01xxxxxx adds to the table, 001xxxxx resizes it
-            return False
-        else:
-            name, at = _after_integer(block, at, 0x0F)
-            for _ in range(1 if name else 2):  # the name's string (index 0), then the value's
-                if at >= end:
-                    return False
-                length, at = _after_integer(block, at, 0x7F)
-                at += length
+    view, at, end = memoryview(block), 0, len(block)
+    try:
+        while at < end:
+            first = block[at]
+            if first & 0x80:
+                at += decode_integer(view[at:], 7)[1]
+            elif first & 0xE0:  # 01xxxxxx adds to the table, 001xxxxx resizes it
+                return False
+            else:
+                name, used = decode_integer(view[at:], 4)
+                at += used
+                for _ in range(1 if name else 2):  # the name's string (index 0), then the value's
+                    length, used = decode_integer(view[at:], 7)  # (past the end: the decoder's error)
+                    at += used + length
+    except HPACKDecodingError:
+        return False
     return at == end
-
-
-def _after_integer(block: bytes, at: int, mask: int) -> tuple[int, int]:
-    """The integer of prefix ``mask`` at ``at`` (RFC 7541 5.1) and where it ends; past the block's end where it
-    runs out (which ends the caller's walk)."""
-    value = block[at] & mask
-    at += 1
-    if value < mask:
-        return value, at
-    shift = 0
-    while at < len(block) and shift <= 28:
-        byte = block[at]
-        at += 1
-        value += (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, at
-        shift += 7
-    return value, len(block) + 1
 
 
 def _read_head(fields: list[tuple[bytes, bytes]], wanted: frozenset[bytes]) -> tuple:
@@ -593,19 +576,11 @@ class Connection(asyncio.Protocol):
         head = self._kept.get(block)
         if head is not None:
             return head
-        if 0 < len(block) <= MAX_INDEXED_BLOCK and all(0x80 < c < 0xFF for c in block):
-            table = self.decoder.header_table
-            try:
-                fields = [table.get_by_index(c & 0x7F) for c in block]
-            except HPACKError:
-                raise ConnectionError_(COMPRESSION_ERROR, "a header index out of the table") from None
-            head = _read_head(fields, self.listener.restrictions.keys)
-        elif len(block) <= MAX_KEPT_BLOCK and _changes_no_table(block):
-            head = _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
-        else:
+        keep = len(block) <= MAX_KEPT_BLOCK and _changes_no_table(block)
+        if not keep:
             self._kept.clear()
-            return _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
-        if len(self._kept) < KEPT_BLOCKS:
+        head = _read_head(self.decoder.decode(block, raw=True), self.listener.restrictions.keys)
+        if keep and len(self._kept) < KEPT_BLOCKS:
             self._kept[block] = head
         return head
 

@@ -6,7 +6,6 @@ carry the same messages as over HTTP, with the gRPC status codes Triton uses.
 """
 
 import asyncio
-import dataclasses
 import ipaddress
 import logging
 from collections.abc import Callable, Coroutine
@@ -24,6 +23,7 @@ from gepool.grpc.calls import Calls
 from gepool.http import peer
 from gepool.http.limits import INLINE_PARSE_BYTES
 from gepool.http.server import answer_wait
+from gepool.http.templates import copied
 from gepool.ipc.protocol import ModelState, Origin
 
 log = logging.getLogger("gepool.grpc")
@@ -95,10 +95,6 @@ def _streamed(names: tuple[str, str, str] | None, reply: pb.ModelInferResponse |
 def _in_regions(request: pb.ModelInferRequest) -> bool:
     """Whether an input or output of the request is in shared memory."""
     return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
-
-
-def _no_regions(*args) -> None:
-    raise AssertionError("infer_now serves no shared memory")
 
 
 class InferenceService:
@@ -254,14 +250,14 @@ class InferenceService:
         """infer_now's part once a request with no shared memory has parsed: sent now, or answered by a task.
         ``as_bytes``: the answer may come as its serialized bytes (``_submit``)."""
         try:
-            call = self.calls.parse(request, _no_regions, self.gw.max_body, raw)
+            call = self.calls.parse(request, tensors.no_region, self.gw.max_body, raw)
         except errors.GepoolError as exc:
             self._answer_later(done, self._unparsed(request, exc))
             return
         if not call.inputs:
             self._answer_later(done, self._no_inputs(call))
             return
-        self._submit(call, dataclasses.replace(call, inputs={}), request.id, done, as_bytes)
+        self._submit(call, copied(call, inputs={}), request.id, done, as_bytes)
 
     def _submit(self, call: tensors.InferCall, wanted: tensors.InferCall, request_id: str,
                 done: Callable[[pb.ModelInferResponse | bytes | None, BaseException | None], None],
@@ -276,7 +272,7 @@ class InferenceService:
                 try:
                     served = _served(wanted, outputs)
                     reply = as_bytes and tensors.response_bytes(request_id, wanted, served, outputs) \
-                        or tensors.response(request_id, wanted, served, outputs, _no_regions)
+                        or tensors.response(request_id, wanted, served, outputs, tensors.no_region)
                 except Exception as failed:
                     done(None, failed)
                     return
@@ -330,7 +326,7 @@ class InferenceService:
 
     async def _infer_parsed(self, request_id: str, call: tensors.InferCall) -> pb.ModelInferResponse:
         outputs = await self._ask(call)
-        return tensors.response(request_id, call, _served(call, outputs), outputs, _no_regions)
+        return tensors.response(request_id, call, _served(call, outputs), outputs, tensors.no_region)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         return await self.infer(request, context)

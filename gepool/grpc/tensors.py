@@ -187,14 +187,16 @@ def response_bytes(request_id: str, call: InferCall, served: str, outputs: dict[
         return None
     key = (call.model, served, call.mark_final, name, arr.dtype, arr.shape, wanted is None)
     parts = _answer_heads.get(key, False)
+    if parts is None:
+        return None
     data = np.ascontiguousarray(arr).tobytes()
     if parts is False:
         parts = _answer_parts(call, served, outputs, data)
         if len(_answer_heads) >= MAX_ANSWER_HEADS:
             _answer_heads.clear()
         _answer_heads[key] = parts
-    if parts is None:
-        return None
+        if parts is None:
+            return None
     before, after = parts
     if not request_id:
         return b"".join((before, after, _CONTENTS_TAG, varint(len(data)), data))
@@ -206,12 +208,12 @@ def _answer_parts(call: InferCall, served: str, outputs: dict[str, np.ndarray], 
         -> tuple[bytes, bytes] | None:
     """The bytes of an answer before its id and after it, up to its contents; None where the whole message does
     not serialize as they, an id and the contents do (another serializer's order: the full path then, always)."""
-    whole = response("", call, served, outputs, _no_region).SerializeToString()
+    whole = response("", call, served, outputs, no_region).SerializeToString()
     tail = _CONTENTS_TAG + varint(len(data)) + data
     split = len(pb.ModelInferResponse(model_name=call.model, model_version=served).SerializeToString())
     before, after = whole[:split], whole[split:len(whole) - len(tail)]
     text = _PROBE_ID.encode("utf-8")
-    with_id = response(_PROBE_ID, call, served, outputs, _no_region).SerializeToString()
+    with_id = response(_PROBE_ID, call, served, outputs, no_region).SerializeToString()
     if before + after + tail != whole or before + _ID_TAG + varint(len(text)) + text + after + tail != with_id:
         return None
     return before, after
@@ -227,8 +229,9 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _no_region(*args) -> None:
-    raise AssertionError("an answer with no shared memory writes no region")
+def no_region(*args) -> None:
+    """The ``read_region`` and ``write_region`` of a call with no shared memory, which never reads or writes one."""
+    raise AssertionError("a call with no shared memory reads and writes no region")
 
 
 def response(request_id: str, call: InferCall, served: str, outputs: dict[str, np.ndarray],
