@@ -1,6 +1,8 @@
 """config.pbtxt parsing: Triton's field names, Ascend fields, and errors that name file, line and field."""
 
+import os
 import textwrap
+import threading
 
 import pytest
 
@@ -180,3 +182,27 @@ def test_a_symlink_out_of_the_repository_is_refused(tmp_path):
     assert model_dir(str(repo), "inside").endswith("inside")  # a link that stays inside is fine
     assert "outside the model repository" in load_source(str(repo), "escape").error
     assert "outside the model repository" in {s.name: s for s in scan(str(repo))}["escape"].error
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir])
+def test_a_config_that_is_not_a_regular_file_is_refused_on_the_descriptor_read(tmp_path, make):
+    # parse_config itself, with no check of the path before it: one made between a check and the open (a
+    # fifo swapped in) must be refused, not waited on
+    path = str(tmp_path / "config.pbtxt")
+    make(path)
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            parse_config(path, "m")
+        except ConfigError as exc:
+            outcome.append(str(exc))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)
+    if reader.is_alive():  # hung on the fifo: let it go before failing
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+        pytest.fail("reading a fifo config waited for a writer")
+    assert outcome and "is not a regular file" in outcome[0], outcome

@@ -7,6 +7,7 @@ names the file, the line and the field, so a user can fix a config without readi
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 from google.protobuf import text_format
@@ -170,7 +171,13 @@ def parse_config(path: str, model_name: str) -> ModelConfig:
 def read_message(path: str) -> tuple[pb.ModelConfig, str]:
     """The config.pbtxt at ``path`` as a protobuf message, and its text (for locating fields in messages)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        # non-blocking, then checked on the descriptor opened: a path checked first and opened after could be
+        # swapped for a fifo meanwhile, whose open (or read) would hang the front
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(path, None, None, "is not a regular file")
+        with open(fd, encoding="utf-8") as f:
             text = f.read(MAX_CONFIG_BYTES + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(path, None, None, f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
