@@ -8,6 +8,7 @@ import json
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from gepool import Pool
@@ -307,6 +308,22 @@ def test_an_absolute_url_without_a_path_is_not_found(port):
     with sock:
         sock.sendall(b"GET http://example HTTP/1.1\r\nHost: example\r\n\r\n")
         assert reader.response()[0] == 404
+
+
+def test_white_space_around_a_header_value_is_not_part_of_it(port):
+    """RFC 9110 5.5: spaces and tabs around a field value are not the value (aiohttp strips both sides, llhttp only
+    the leading): a binary header's length with them is read as its digits, on every server."""
+    header = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 64}}]}).encode()
+    body = header + np.arange(16, dtype=np.float32).tobytes()
+    sock, reader = _connect(port)
+    with sock:
+        for around in (b" %d \t", b"\t%d  ", b"%d"):
+            sock.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length:"
+                         + around % len(header) + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            status, _, answer = reader.response()
+            assert status == 200, (around, answer)
+            assert _answer(answer) == [float(2 * v + 1) for v in range(16)], around
 
 
 def test_requests_pipelined_after_a_refused_one_never_run(served):

@@ -448,10 +448,11 @@ class Connection(asyncio.Protocol):
         if self.listener.stopping:
             self._refuse(503, "the HTTP server is stopping")
             return
-        # the first copy of a repeated header wins: the dict keeps the value it is given last
+        # the first copy of a repeated header wins: the dict keeps the value it is given last; white space around a
+        # value is not part of it (RFC 9110 5.5; llhttp strips only what leads)
         headers = Headers()
         for name, value in reversed(self._raw):
-            headers[name.decode("latin-1").lower()] = value.decode("utf-8", "replace")
+            headers[name.decode("latin-1").lower()] = value.decode("utf-8", "replace").rstrip(" \t")
         try:
             path = httptools.parse_url(self._url).path or b"/"  # (none in an absolute URL without one)
         except httptools.HttpParserInvalidURLError:
