@@ -172,11 +172,9 @@ def model_config(path: str, name: str, reading: Reading = Reading()) -> ModelCon
     auto_complete = reading.auto_complete
     cfg_path = reading.config_path(path)
     if os.path.exists(cfg_path) or not auto_complete:
-        if os.path.exists(cfg_path) and not os.path.isfile(cfg_path):  # a folder; a fifo would hang the front
-            raise ConfigError(cfg_path, None, None, "is not a regular file")
-        if not os.path.isfile(cfg_path):
+        if not os.path.exists(cfg_path):
             raise ConfigError(cfg_path, None, None, "missing (auto-complete is disabled, so every model needs one)")
-        msg, text = read_message(cfg_path)
+        msg, text = read_message(cfg_path)  # (which refuses a folder or a fifo on the descriptor it opens)
         source = cfg_path
     else:
         msg, text, source = pb.ModelConfig(), "", path
