@@ -206,15 +206,26 @@ def test_whole_bodies_parse_as_before(datatype, nested):
 # -- answers --------------------------------------------------------------------------------------------------
 
 @settings(max_examples=1000, deadline=None)
-@given(st.binary(max_size=80).map(lambda b: bytes(b"nulx\\\"9,"[c % 8] for c in b)))
-def test_the_null_scan_finds_what_a_substring_search_finds(text):
+@given(st.binary(max_size=80).map(lambda b: bytes(b"nulx\\\"9,"[c % 8] for c in b)),
+       st.one_of(st.just(0), st.integers(kserve.SCAN_MIN - 80, kserve.SCAN_MIN + 100)), st.integers(0, 120))
+def test_the_rare_byte_scan_finds_what_a_substring_search_finds(text, pad, cut):
+    # padded past SCAN_MIN (the scan) or not (the plain search), cut short or not: both find what `in` finds
+    text = b"9" * pad + text
+    end = max(0, len(text) - cut)
     assert kserve._holds_null(text) == (b"null" in text)
+    assert kserve.holds(text, b"nul", 1, end) == (b"nul" in text[:end])
+    assert kserve.holds(text, b'x\\"', 2, end) == (b'x\\"' in text[:end])
 
 
-def test_the_null_scan_past_its_hits_searches_the_rest():
-    many = b"n" * (kserve.NULL_SCAN_HITS * 3)
+def test_the_rare_byte_scan_past_its_hits_searches_the_rest():
+    pad = b"9" * kserve.SCAN_MIN
+    many = pad + b"n" * (kserve.SCAN_HITS * 3)
     assert kserve._holds_null(many + b"null") and not kserve._holds_null(many + b"nul")
-    assert kserve._holds_null(b"n" * kserve.NULL_SCAN_HITS + b"null") and not kserve._holds_null(b"")
+    assert kserve._holds_null(pad + b"n" * kserve.SCAN_HITS + b"null") and not kserve._holds_null(b"")
+    key = b"shared_memory_region"
+    body = pad + b"_" * (kserve.SCAN_HITS * 3) + key
+    assert kserve.holds(body, key, 6) and not kserve.holds(body, key, 6, len(body) - 1)
+    assert kserve.holds(key + pad, key, 6) and not kserve.holds(key[1:] + pad, key, 5)
 
 
 def _answers(outputs: dict, binary: bool = False, rid: str | None = "r"):

@@ -667,23 +667,32 @@ _BINARY_DATATYPES = {np.dtype(t): dtypes.from_numpy(np.dtype(t)) for t in (
     np.uint32, np.uint64)}
 
 
-NULL_SCAN_MIN = 2048  # bytes of text from which skipping to each 'n' beats searching the whole text
-NULL_SCAN_HITS = 32  # 'n's looked at one by one before the rest of a text is searched for "null" as a whole
+SCAN_MIN = 2048  # bytes of text from which skipping to each rare byte beats searching the whole text
+SCAN_HITS = 32  # rare bytes looked at one by one before the rest of a text is searched as a whole
+
+
+def holds(text: bytes, needle: bytes, anchor: int, end: int | None = None) -> bool:
+    """``needle in text[:end]``, sooner where ``needle[anchor]`` is a byte the text seldom holds: memchr passes
+    over the rest to the next such byte (an answer is mostly digits, a request body mostly its data) where the
+    substring search looks at every byte. A short text is searched at once."""
+    if end is None:
+        end = len(text)
+    if end < SCAN_MIN:
+        return text.find(needle, 0, end) >= 0
+    rare = needle[anchor:anchor + 1]
+    pos = text.find(rare, anchor, end)
+    for _ in range(SCAN_HITS):
+        if pos < 0:
+            return False
+        if text.startswith(needle, pos - anchor, end):
+            return True
+        pos = text.find(rare, pos + 1, end)
+    # (every place before this one's was looked at: what is left starts here at the soonest)
+    return pos >= 0 and text.find(needle, pos - anchor, end) >= 0
 
 
 def _holds_null(text: bytes) -> bool:
-    """``b"null" in text``, sooner: an answer is mostly digits, which memchr passes over to the next 'n' (a
-    few, in its keys) where the substring search looks at every byte. A short text is searched at once."""
-    if len(text) < NULL_SCAN_MIN:
-        return b"null" in text
-    pos = text.find(b"n")
-    for _ in range(NULL_SCAN_HITS):
-        if pos < 0:
-            return False
-        if text.startswith(b"null", pos):
-            return True
-        pos = text.find(b"n", pos + 1)
-    return pos >= 0 and b"null" in text[pos:]
+    return holds(text, b"null", 0)
 
 
 def _raw_view(arr: np.ndarray) -> memoryview:

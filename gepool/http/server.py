@@ -71,6 +71,16 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+_SHM_KEY = b"shared_memory_region"
+_SHM_RARE = _SHM_KEY.index(b"_")  # where it holds a byte that no number does
+
+
+def _mentions_shm(body: bytes, end: int) -> bool:
+    """Whether the first ``end`` bytes of a body (its JSON) name a shared-memory region anywhere: such a body
+    is parsed with the regions at hand."""
+    return kserve.holds(body, _SHM_KEY, _SHM_RARE, end)
+
+
 class _Declined(Exception):
     """The fast path met what it leaves to the handler (an input in shared memory spelled with escapes)."""
 
@@ -333,7 +343,7 @@ class Gateway:
         try:
             try:
                 hlen = kserve.header_length(body, header_length)
-                shm = body.find(b"shared_memory_region", 0, hlen) >= 0
+                shm = _mentions_shm(body, hlen)
                 if self.regions.stale():  # not only when shm: the key may be spelled with escapes
                     await self.regions.current()
                 if INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
@@ -381,7 +391,7 @@ class Gateway:
             hlen = kserve.header_length(body, header_length)
         except errors.GepoolError:
             return False
-        if body.find(b"shared_memory_region", 0, hlen) >= 0:
+        if _mentions_shm(body, hlen):
             return False
         try:
             req = self.templates.parse(body, _no_regions, MAX_JSON_BYTES, max_body) if header_length is None \
