@@ -979,3 +979,31 @@ def test_a_compressed_request_is_not_offered_to_the_fast_path(served):
     assert raw.result(3) == (OK, "", [b"plain"])
     assert offered == [b"plain"]
 
+
+
+def test_a_failure_reading_a_call_by_its_bytes_leaves_it_to_the_full_reading(pool, monkeypatch, caplog):
+    """A bug in ``Calls.known`` (here: it raises) costs the unary call nothing but the full reading, as it
+    costs a stream's request: the same answer as with the fast path off, and the failure logged."""
+
+    def broken(self, raw, max_input):
+        raise RuntimeError("known broke")
+
+    monkeypatch.setattr(Calls, "known", broken)
+
+    async def main() -> None:
+        async with _gateway(pool) as (listener, call, taken, gw):
+            fast = listener.fast
+            m = CASES["raw contents"][0]
+            for _ in range(3):  # (a third time: the request would be known by its bytes)
+                listener.fast = fast
+                got = await _answer(call, m, {})
+                listener.fast = {}
+                assert got == await _answer(call, m, {})
+                x = np.frombuffer(m.raw_input_contents[0], np.float32)
+                assert pb.ModelInferResponse.FromString(got).raw_output_contents[0] == \
+                    (x * np.float32(2) + np.float32(1)).tobytes()
+            assert taken == [True] * 3
+
+    with caplog.at_level(logging.ERROR, logger="gepool"):
+        asyncio.run(main())
+    assert sum("reading a ModelInfer request by its bytes" in r.getMessage() for r in caplog.records) == 3

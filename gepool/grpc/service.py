@@ -222,7 +222,11 @@ class InferenceService:
         is never handed back: what the fast path cannot send, or what did not parse, a task here answers."""
         if not self._now(raw):
             return False
-        known = self.calls.known(raw, self.gw.max_body)
+        try:
+            known = self.calls.known(raw, self.gw.max_body)
+        except Exception:  # (a bug of the fast path's own: the full path reads the request, as a stream's does)
+            log.exception("internal error reading a ModelInfer request by its bytes")
+            known = None
         if known is not None:  # a learnt request around other contents: nothing else to parse
             call, wanted, names = known
             self._submit(call, wanted, names[0], done)
