@@ -10,7 +10,9 @@ load falls on both alike), each on its own package: a revision is exported with 
 temporary folder and laid out as the installed package (``gepool.ipc`` = ``ipc/``, ...) on PYTHONPATH,
 ahead of the editable install. The table at the end gives, per model, tool and concurrency, the median
 over the rounds of req/s and of each process's CPU microseconds per request (on a shared host the
-CPU per request is the figure to compare, not req/s), and the head's change against the base.
+CPU per request is the figure to compare, not req/s), and the head's change against the base, with each
+round's own change beside it: a difference smaller than their spread is noise (an A/A run of one tree
+against itself on a two-core host has given +7.8% for the sidecar's median).
 ``--base-http-server``/``--head-http-server`` choose the sidecar's HTTP server on each side
 (``gateway_bench.py --http-server``; without one, each side's pool default; a tree from before that option has
 only aiohttp).
@@ -145,8 +147,12 @@ def main() -> None:
             med = {label: statistics.median([r[key][f] for r in results[label] if key in r and f in r[key]])
                    for label in results}
             change = (med["head"] / med["base"] - 1) * 100 if med["base"] else float("nan")
+            # each round's own change (its base and head ran back to back): where they disagree in sign, the
+            # medians' difference is the host's noise, not the change's
+            rounds = [f"{(h[key][f] / b[key][f] - 1) * 100:+.1f}" for b, h in zip(results["base"], results["head"])
+                      if key in b and key in h and f in b[key] and f in h[key] and b[key][f]]
             print(f"{' '.join(map(str, key)):14s} {f:10s} base {med['base']:9.0f} head {med['head']:9.0f} "
-                  f"{change:+6.1f}%")
+                  f"{change:+6.1f}%  (rounds {' '.join(rounds)})")
 
 
 if __name__ == "__main__":
