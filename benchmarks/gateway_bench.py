@@ -160,7 +160,9 @@ def run_wrk(url: str, model: str, conc: int, seconds: float, workdir: str, body:
     rps = re.search(r"Requests/sec:\s+([\d.]+)", text)
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
     errs = re.search(r"Socket errors:.*", text)
+    done = re.search(r"(\d+) requests in", text)
     return {"rps": float(rps.group(1)) if rps else float("nan"), "p50_ms": ms("50"), "p99_ms": ms("99"),
+            "answered": int(done.group(1)) if done else 0,
             "errors": (int(bad.group(1)) if bad else 0), "socket_errors": errs.group(0) if errs else "",
             "raw": text if rps is None else ""}
 
