@@ -65,7 +65,7 @@ def serve(port: int, floor: str, model: str) -> None:
                 end = buf.find(b"\r\n\r\n")
                 if end < 0:
                     break
-                at = buf.lower().find(b"content-length:", 0, end) + len(b"content-length:")
+                at = buf[:end].lower().find(b"content-length:") + len(b"content-length:")
                 size = int(buf[at:buf.index(b"\r\n", at)])
                 if len(buf) < end + 4 + size:
                     break
