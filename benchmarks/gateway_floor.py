@@ -1,20 +1,26 @@
-"""The sidecar's CPU per request against the least any Python server on uvloop spends on the same wrk load.
+"""The sidecar's CPU per request against the least a Python server on uvloop spends on the same wrk load.
 
     python benchmarks/gateway_floor.py [--rounds 2] [--seconds 6] [--models mlp] [--levels 64]
 
-Two floors, each a bare ``asyncio.Protocol`` on uvloop that reads wrk's KServe JSON request (the body of
-``gateway_bench.py``'s wrk) and answers it with no model, no pool and no checks:
+Three floors, each a bare ``asyncio.Protocol`` on uvloop that reads wrk's KServe JSON request (the body of
+``gateway_bench.py``'s wrk) and answers it with no checks:
 
 - ``http``: a fixed answer of the model's output size, made once: the kernel's TCP loopback, uvloop and the
   least Python a request can take;
-- ``codecs``: the same, but the request's data read by simdjson into float32 and the answer's doubles written
-  by orjson, as gepool's JSON route does: the floor of any Python gateway that speaks this JSON.
+- ``codecs``: the request's data read by simdjson into float32 and the answer's doubles written by orjson,
+  as gepool's JSON route does (the answer is the input, cut to the output's size): the floor of any Python
+  gateway that speaks this JSON;
+- ``model``: the same codecs around the model itself. What one loop pass reads goes, in messages of at most
+  48 KiB as the sidecar's groups go, over a SOCK_SEQPACKET socket to a forked child, which runs what is
+  waiting (up to 32 rows) as one batch in onnxruntime (set up as gepool's worker) and sends each message
+  its rows back:
+  the least a gateway with a process hop to its model can spend, at the request rate the model allows.
 
 Then gepool's sidecar under the same load (``gateway_bench.py``'s pool: the peers' batching, its default HTTP
-server), alternating with the floors in rounds. What the sidecar spends over the codecs floor is its own
-route: HTTP checks, the learnt body, the lane to the front both ways, groups, the answer's assembly.
-CPU per request is utime+stime over the level divided by the requests answered (wrk's count for a floor, the
-pool's for gepool).
+server), alternating with the floors in rounds. What the sidecar spends over the model floor is its own
+route: HTTP checks, the learnt body, the lane protocol both ways, groups, the answer's assembly. CPU per
+request is utime+stime of the server's process alone (not the model floor's child, as not gepool's front and
+worker) over the level, divided by the requests answered (wrk's count for a floor, the pool's for gepool).
 """
 
 import argparse
@@ -27,12 +33,54 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 
 import gateway_bench
 import numpy as np
 
+from gepool.workers.backends.onnx import DEFAULT_ALLOW_SPINNING
+
 OUT_WIDTH = {"tiny": 16, "mlp": 1000}  # the model's answer: as many floats as gepool writes back
-FLOORS = ("http", "codecs")
+FLOORS = ("http", "codecs", "model")
+MAX_BATCH = 32  # the peers' batching: max_batch_size 32
+GROUP_BYTES = 48 << 10  # _groups.GROUP_MAX_BYTES
+
+
+def run_model(lane: socket.socket, model: str) -> None:
+    """The front and worker's stand-in (a forked child): the messages waiting on ``lane``, up to MAX_BATCH
+    rows, run as one batch by onnxruntime set up as gepool's worker sets it up (every core), each
+    message's rows of the answer sent back; until the server is gone."""
+    import onnxruntime as ort
+
+    repo = gateway_bench.make_repo()
+    options = ort.SessionOptions()  # as gepool's onnx backend sets it up on its own
+    options.intra_op_num_threads = len(os.sched_getaffinity(0))
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", DEFAULT_ALLOW_SPINNING)
+    session = ort.InferenceSession(f"{repo}/{model}/1/model.onnx", options, providers=["CPUExecutionProvider"])
+    shutil.rmtree(repo, ignore_errors=True)
+    (meta,) = session.get_inputs()
+    width = meta.shape[1]
+    lane.send(b"ready")
+    try:
+        while msg := lane.recv(1 << 20):  # (empty: the server is gone)
+            msgs = [np.frombuffer(msg, np.float32).reshape(-1, width)]
+            while sum(len(m) for m in msgs) < MAX_BATCH:
+                try:
+                    more = lane.recv(1 << 20, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                if not more:
+                    break
+                msgs.append(np.frombuffer(more, np.float32).reshape(-1, width))
+            (out,) = session.run(None, {meta.name: np.concatenate(msgs)})
+            at = 0
+            for m in msgs:
+                lane.send(np.ascontiguousarray(out[at:at + len(m)]).tobytes())
+                at += len(m)
+    except OSError:
+        pass
+    os._exit(0)
 
 
 def serve(port: int, floor: str, model: str) -> None:
@@ -46,14 +94,63 @@ def serve(port: int, floor: str, model: str) -> None:
             b'"data":' % (model.encode(), width))
     fixed = head + orjson.dumps(np.zeros(width), option=orjson.OPT_SERIALIZE_NUMPY) + b"}"
     parser = simdjson.Parser()
+    status = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 
-    def answer(body: bytes) -> bytes:
-        if floor == "http":
-            return fixed
+    def reply(transport, y: np.ndarray) -> None:
+        out = head + orjson.dumps(np.resize(y, width).astype(np.float64), option=orjson.OPT_SERIALIZE_NUMPY) + b"}"
+        transport.write(status % len(out) + out)
+
+    def read(body: bytes) -> np.ndarray:
         data = parser.parse(body)["inputs"][0]["data"]
-        x = np.frombuffer(data.as_buffer(of_type="d"), np.float64).astype(np.float32)
-        y = np.resize(x, width)
-        return head + orjson.dumps(y.astype(np.float64), option=orjson.OPT_SERIALIZE_NUMPY) + b"}"
+        return np.frombuffer(data.as_buffer(of_type="d"), np.float64).astype(np.float32)
+
+    lane, waiting, queued = None, deque(), []
+    if floor == "model":
+        lane, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if os.fork() == 0:
+            lane.close()
+            run_model(other, model)
+        other.close()
+        lane.recv(16)  # its model made and loaded: no request waits for that
+
+    outq: deque = deque()  # (message, its requests' transports) the socket had no room for yet
+    writing = []  # whether the loop watches the socket for room
+
+    def flush() -> None:
+        # what this loop pass read goes in messages of at most GROUP_BYTES, as the sidecar's groups go
+        rows = max(1, GROUP_BYTES // queued[0][1].nbytes)
+        for at in range(0, len(queued), rows):
+            batch = queued[at:at + rows]
+            outq.append((b"".join(x.tobytes() for _, x in batch), [t for t, _ in batch]))
+        queued.clear()
+        pump()
+
+    def pump() -> None:
+        while outq:
+            msg, transports = outq[0]
+            try:
+                lane.send(msg, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if not writing:
+                    asyncio.get_running_loop().add_writer(lane.fileno(), pump)
+                    writing.append(True)
+                return
+            outq.popleft()
+            waiting.append(transports)
+        if writing:
+            asyncio.get_running_loop().remove_writer(lane.fileno())
+            writing.clear()
+
+    def answered() -> None:
+        while True:
+            try:
+                msg = lane.recv(1 << 20, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            rows = np.frombuffer(msg, np.float32).reshape(len(waiting[0]), -1)
+            for transport, y in zip(waiting.popleft(), rows):
+                if not transport.is_closing():  # (wrk hung up at the end of its run)
+                    reply(transport, y)
 
     class Floor(asyncio.Protocol):
         def connection_made(self, transport) -> None:
@@ -69,14 +166,23 @@ def serve(port: int, floor: str, model: str) -> None:
                 size = int(buf[at:buf.index(b"\r\n", at)])
                 if len(buf) < end + 4 + size:
                     break
-                out = answer(buf[end + 4:end + 4 + size])
+                body = buf[end + 4:end + 4 + size]
                 buf = buf[end + 4 + size:]
-                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                                     % len(out) + out)
+                if floor == "http":
+                    self.transport.write(status % len(fixed) + fixed)
+                elif floor == "codecs":
+                    reply(self.transport, read(body))
+                else:
+                    if not queued:
+                        asyncio.get_running_loop().call_soon(flush)
+                    queued.append((self.transport, read(body)))
             self.buf = buf
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Floor, "127.0.0.1", port)
+        loop = asyncio.get_running_loop()
+        if lane is not None:
+            loop.add_reader(lane.fileno(), answered)
+        server = await loop.create_server(Floor, "127.0.0.1", port)
         async with server:
             await server.serve_forever()
 
@@ -154,13 +260,13 @@ def main() -> None:
                     print(f"round {r + 1} {model:5s} c={conc:<3d} {server:7s} {got['rps']:8.0f} req/s "
                           f"p99 {got['p99_ms']:7.2f} ms  {got['us']:6.1f} us/req  errors {got['errors']}", flush=True)
     print(f"\nmedians over {args.rounds} rounds: the server's CPU us per request ({time.strftime('%F %T')})")
-    print(f"{'model':5s} {'conc':>4s} {'http floor':>10s} {'codecs floor':>12s} {'gepool':>7s} {'over codecs':>11s}")
+    print(f"{'model':5s} {'conc':>4s} {'http':>7s} {'codecs':>7s} {'model':>7s} {'gepool':>7s} "
+          f"{'over codecs':>11s} {'over model':>10s}")
     for model in models:
         for conc in levels:
             med = {s: statistics.median(x["us"] for x in results[(model, conc, s)]) for s in servers}
-            print(f"{model:5s} {conc:4d} {med['http']:10.1f} {med['codecs']:12.1f} {med['gepool']:7.1f} "
-                  f"{med['gepool'] - med['codecs']:11.1f}")
-
+            print(f"{model:5s} {conc:4d} {med['http']:7.1f} {med['codecs']:7.1f} {med['model']:7.1f} "
+                  f"{med['gepool']:7.1f} {med['gepool'] - med['codecs']:11.1f} {med['gepool'] - med['model']:10.1f}")
 
 if __name__ == "__main__":
     main()
