@@ -13,8 +13,7 @@ Three floors, each a bare ``asyncio.Protocol`` on uvloop that reads wrk's KServe
 - ``model``: the same codecs around the model itself. What one loop pass reads goes, in messages of at most
   48 KiB as the sidecar's groups go, over a SOCK_SEQPACKET socket to a forked child, which runs what is
   waiting (up to 32 rows) as one batch in onnxruntime (set up as gepool's worker) and sends each message
-  its rows back:
-  the least a gateway with a process hop to its model can spend, at the request rate the model allows.
+  its rows back: the least a gateway with a process hop to its model can spend, at the rate the model allows.
 
 Then gepool's sidecar under the same load (``gateway_bench.py``'s pool: the peers' batching, its default HTTP
 server), alternating with the floors in rounds. What the sidecar spends over the model floor is its own
