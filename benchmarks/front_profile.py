@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -119,54 +118,45 @@ def main() -> None:
     for tool in ("wrk", "py-spy") + (() if args.no_syscalls else ("perf",)):
         if shutil.which(tool) is None:
             raise SystemExit(f"needs {tool}")
-    from gepool import Pool
     from gepool.bench.results import server_window
 
-    repo = gb.make_repo()
-    workdir = tempfile.mkdtemp(prefix="gepool-frontprof-")
-    port = gb.free_port()
-    try:
-        with Pool(repo, http_port=port, metrics_port=0) as pool:
-            url = f"http://127.0.0.1:{port}"
-            client = pool.client()
-            front = pool.process.pid
-            for model in args.models.split(","):
-                gb.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
-                for conc in [int(c) for c in args.levels.split(",")]:
-                    raw = os.path.join(args.raw_dir or workdir, f"front-{model}-c{conc}.txt")
-                    perf_out = os.path.join(workdir, "front.perf")
-                    before = client.stats()[model]
-                    cpu0, sw0 = user_system(front), switches(front)
-                    sampler = spy(front, args.seconds, args.rate, raw) if args.rate else None
-                    counter = None if args.no_syscalls else count_syscalls(front, args.seconds, perf_out)
-                    r = gb.run_wrk(url, model, conc, args.seconds, workdir)
-                    if sampler is not None:
-                        sampler.wait(60)
-                    if counter is not None:
-                        counter.wait(60)
-                    cpu1, sw1 = user_system(front), switches(front)
-                    window = server_window(before, client.stats()[model])
-                    n = max(window["requests"], 1)
-                    user, system = ((b - a) / n * 1e6 for a, b in zip(cpu0, cpu1))
-                    print(f"\n{model} c={conc}: {r['rps']:.0f} req/s, batch {window['avg_batch_size']:.1f}, "
-                          f"front CPU {user + system:.1f} us/request (user {user:.1f}, system {system:.1f}; "
-                          f"{'under py-spy' if args.rate else 'no py-spy'}), context switches per request: "
-                          f"voluntary {(sw1[0] - sw0[0]) / n:.2f} involuntary {(sw1[1] - sw0[1]) / n:.2f}")
-                    if counter is not None:
-                        counts = lane_syscalls.read_counts(perf_out)
-                        print("  syscalls per request: " + " ".join(
-                            f"{e} {c / n:.2f}" for e, c in sorted(counts.items(), key=lambda kv: -kv[1]) if c))
-                    if not args.rate or not os.path.exists(raw):
-                        print("  (no py-spy samples)" if args.rate else "")
-                        continue
-                    own, cum, total = parse_raw(raw)
-                    per_sample_us = 1e6 / args.rate / n
-                    print(f"  {total} samples = {total * per_sample_us:.1f} us/request of running Python")
-                    table("by self time", own, cum, per_sample_us, args.top)
-                    table("by cumulative time", cum, own, per_sample_us, args.top)
-    finally:
-        shutil.rmtree(repo, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with gb.served("gepool-frontprof-") as (pool, url, workdir):
+        client = pool.client()
+        front = pool.process.pid
+        for model in args.models.split(","):
+            gb.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
+            for conc in [int(c) for c in args.levels.split(",")]:
+                raw = os.path.join(args.raw_dir or workdir, f"front-{model}-c{conc}.txt")
+                perf_out = os.path.join(workdir, "front.perf")
+                before = client.stats()[model]
+                cpu0, sw0 = user_system(front), switches(front)
+                sampler = spy(front, args.seconds, args.rate, raw) if args.rate else None
+                counter = None if args.no_syscalls else count_syscalls(front, args.seconds, perf_out)
+                r = gb.run_wrk(url, model, conc, args.seconds, workdir)
+                if sampler is not None:
+                    sampler.wait(60)
+                if counter is not None:
+                    counter.wait(60)
+                cpu1, sw1 = user_system(front), switches(front)
+                window = server_window(before, client.stats()[model])
+                n = max(window["requests"], 1)
+                user, system = ((b - a) / n * 1e6 for a, b in zip(cpu0, cpu1))
+                print(f"\n{model} c={conc}: {r['rps']:.0f} req/s, batch {window['avg_batch_size']:.1f}, "
+                      f"front CPU {user + system:.1f} us/request (user {user:.1f}, system {system:.1f}; "
+                      f"{'under py-spy' if args.rate else 'no py-spy'}), context switches per request: "
+                      f"voluntary {(sw1[0] - sw0[0]) / n:.2f} involuntary {(sw1[1] - sw0[1]) / n:.2f}")
+                if counter is not None:
+                    counts = lane_syscalls.read_counts(perf_out)
+                    print("  syscalls per request: " + " ".join(
+                        f"{e} {c / n:.2f}" for e, c in sorted(counts.items(), key=lambda kv: -kv[1]) if c))
+                if not args.rate or not os.path.exists(raw):
+                    print("  (no py-spy samples)" if args.rate else "")
+                    continue
+                own, cum, total = parse_raw(raw)
+                per_sample_us = 1e6 / args.rate / n
+                print(f"  {total} samples = {total * per_sample_us:.1f} us/request of running Python")
+                table("by self time", own, cum, per_sample_us, args.top)
+                table("by cumulative time", cum, own, per_sample_us, args.top)
 
 
 if __name__ == "__main__":

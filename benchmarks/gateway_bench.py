@@ -15,6 +15,7 @@ counted over the same window: on a shared host that is the figure to compare, no
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import re
@@ -62,6 +63,23 @@ def make_repo() -> str:
         with open(path, "w") as f:
             f.write(text)
     return repo
+
+
+@contextlib.contextmanager
+def served(prefix: str):
+    """A pool of ``make_repo``'s models serving HTTP on a free port: (the pool, its URL, a scratch folder named
+    with ``prefix``), the repository and the folder removed afterwards."""
+    from gepool import Pool
+
+    repo = make_repo()
+    workdir = tempfile.mkdtemp(prefix=prefix)
+    port = free_port()
+    try:
+        with Pool(repo, http_port=port, metrics_port=0) as pool:
+            yield pool, f"http://127.0.0.1:{port}", workdir
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def free_port() -> int:

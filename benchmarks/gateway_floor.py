@@ -216,20 +216,10 @@ def floor_level(floor: str, model: str, conc: int, seconds: float) -> dict:
 
 def gepool_level(model: str, conc: int, seconds: float) -> dict:
     """One level against a fresh pool, as gateway_bench.py measures it."""
-    from gepool import Pool
-
-    repo = gateway_bench.make_repo()
-    workdir = tempfile.mkdtemp(prefix="gepool-floor-")
-    port = gateway_bench.free_port()
-    try:
-        with Pool(repo, http_port=port, metrics_port=0) as pool:
-            url = f"http://127.0.0.1:{port}"
-            gateway_bench.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
-            procs = gateway_bench.processes(pool.process.pid, None)
-            r = gateway_bench.level(gateway_bench.run_wrk, url, pool.client(), procs, model, conc, seconds, workdir)
-    finally:
-        shutil.rmtree(repo, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with gateway_bench.served("gepool-floor-") as (pool, url, workdir):
+        gateway_bench.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
+        procs = gateway_bench.processes(pool.process.pid, None)
+        r = gateway_bench.level(gateway_bench.run_wrk, url, pool.client(), procs, model, conc, seconds, workdir)
     return {"rps": r["rps"], "p99_ms": r["p99_ms"], "us": r["cpu_us"]["sidecar"], "errors": r["errors"]}
 
 

@@ -48,40 +48,30 @@ def read_counts(path: str) -> dict[str, int]:
 
 def measure(args: argparse.Namespace) -> None:
     """One run on the gepool that PYTHONPATH gives: a ROW line per model, level and process."""
-    from gepool import Pool
+    with gb.served("gepool-lanesys-") as (pool, url, workdir):
+        client = pool.client()
+        procs = {k: v for k, v in gb.processes(pool.process.pid, None).items() if k in ("front", "sidecar")}
+        for model in args.models.split(","):
+            gb.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
+            for conc in [int(c) for c in args.levels.split(",")]:
+                from gepool.bench.results import server_window
 
-    repo = gb.make_repo()
-    workdir = tempfile.mkdtemp(prefix="gepool-lanesys-")
-    port = gb.free_port()
-    try:
-        with Pool(repo, http_port=port, metrics_port=0) as pool:
-            url = f"http://127.0.0.1:{port}"
-            client = pool.client()
-            procs = {k: v for k, v in gb.processes(pool.process.pid, None).items() if k in ("front", "sidecar")}
-            for model in args.models.split(","):
-                gb.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
-                for conc in [int(c) for c in args.levels.split(",")]:
-                    from gepool.bench.results import server_window
-
-                    before_stats = client.stats()[model]
-                    cpu0 = {k: gb.cpu_seconds(p) for k, p in procs.items()}
-                    outs = {k: os.path.join(workdir, f"{k}.perf") for k in procs}
-                    counters = [perf_count(p, args.seconds, outs[k]) for k, p in procs.items()]
-                    r = gb.run_wrk(url, model, conc, args.seconds, workdir)
-                    for c in counters:
-                        c.wait(60)
-                    cpu1 = {k: gb.cpu_seconds(p) for k, p in procs.items()}
-                    n = max(server_window(before_stats, client.stats()[model])["requests"], 1)
-                    for k in procs:
-                        counts = read_counts(outs[k])
-                        fields = {"rps": r["rps"], "cpu_us": (cpu1[k] - cpu0[k]) / n * 1e6}
-                        fields.update({e: counts.get(e, 0) / n for e in ("sendmsg", "recvmsg")})
-                        fields["waits"] = sum(counts.get(e, 0) for e in WAITS) / n
-                        print(f"ROW {model} {conc} {k} " + " ".join(f"{f}={v:.3f}" for f, v in fields.items()),
-                              flush=True)
-    finally:
-        shutil.rmtree(repo, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+                before_stats = client.stats()[model]
+                cpu0 = {k: gb.cpu_seconds(p) for k, p in procs.items()}
+                outs = {k: os.path.join(workdir, f"{k}.perf") for k in procs}
+                counters = [perf_count(p, args.seconds, outs[k]) for k, p in procs.items()]
+                r = gb.run_wrk(url, model, conc, args.seconds, workdir)
+                for c in counters:
+                    c.wait(60)
+                cpu1 = {k: gb.cpu_seconds(p) for k, p in procs.items()}
+                n = max(server_window(before_stats, client.stats()[model])["requests"], 1)
+                for k in procs:
+                    counts = read_counts(outs[k])
+                    fields = {"rps": r["rps"], "cpu_us": (cpu1[k] - cpu0[k]) / n * 1e6}
+                    fields.update({e: counts.get(e, 0) / n for e in ("sendmsg", "recvmsg")})
+                    fields["waits"] = sum(counts.get(e, 0) for e in WAITS) / n
+                    print(f"ROW {model} {conc} {k} " + " ".join(f"{f}={v:.3f}" for f, v in fields.items()),
+                          flush=True)
 
 
 def main() -> None:
