@@ -61,17 +61,28 @@ def run_model(lane: socket.socket, model: str) -> None:
     (meta,) = session.get_inputs()
     width = meta.shape[1]
     lane.send(b"ready")
+    later = None  # a message that would have taken the batch past MAX_BATCH rows: the next batch's first
     try:
-        while msg := lane.recv(1 << 20):  # (empty: the server is gone)
+        while True:
+            msg = later if later is not None else lane.recv(1 << 20)
+            later = None
+            if not msg:  # the server is gone
+                break
             msgs = [np.frombuffer(msg, np.float32).reshape(-1, width)]
-            while sum(len(m) for m in msgs) < MAX_BATCH:
+            rows = len(msgs[0])
+            while rows < MAX_BATCH:
                 try:
                     more = lane.recv(1 << 20, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 if not more:
                     break
-                msgs.append(np.frombuffer(more, np.float32).reshape(-1, width))
+                more_rows = np.frombuffer(more, np.float32).reshape(-1, width)
+                if rows + len(more_rows) > MAX_BATCH:
+                    later = more
+                    break
+                msgs.append(more_rows)
+                rows += len(more_rows)
             (out,) = session.run(None, {meta.name: np.concatenate(msgs)})
             at = 0
             for m in msgs:
@@ -110,14 +121,16 @@ def serve(port: int, floor: str, model: str) -> None:
             lane.close()
             run_model(other, model)
         other.close()
-        lane.recv(16)  # its model made and loaded: no request waits for that
+        if lane.recv(16) != b"ready":  # its model made and loaded: no request waits for that
+            raise SystemExit("the model floor's child did not start")
 
     outq: deque = deque()  # (message, its requests' transports) the socket had no room for yet
     writing = []  # whether the loop watches the socket for room
 
     def flush() -> None:
-        # what this loop pass read goes in messages of at most GROUP_BYTES, as the sidecar's groups go
-        rows = max(1, GROUP_BYTES // queued[0][1].nbytes)
+        # what this loop pass read goes in messages of at most GROUP_BYTES and MAX_BATCH rows (the child's
+        # batches are whole messages), as the sidecar's groups go
+        rows = max(1, min(MAX_BATCH, GROUP_BYTES // queued[0][1].nbytes))
         for at in range(0, len(queued), rows):
             batch = queued[at:at + rows]
             outq.append((b"".join(x.tobytes() for _, x in batch), [t for t, _ in batch]))
@@ -146,6 +159,9 @@ def serve(port: int, floor: str, model: str) -> None:
                 msg = lane.recv(1 << 20, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
+            if not msg:  # (no answer can come any more: the run fails loudly, not at wrk's timeouts)
+                print("the model floor's child is gone", file=sys.stderr, flush=True)
+                os._exit(1)
             rows = np.frombuffer(msg, np.float32).reshape(len(waiting[0]), -1)
             for transport, y in zip(waiting.popleft(), rows):
                 if not transport.is_closing():  # (wrk hung up at the end of its run)

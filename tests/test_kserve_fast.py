@@ -226,6 +226,12 @@ def test_the_rare_byte_scan_past_its_hits_searches_the_rest():
     body = pad + b"_" * (kserve.SCAN_HITS * 3) + key
     assert kserve.holds(body, key, 6) and not kserve.holds(body, key, 6, len(body) - 1)
     assert kserve.holds(key + pad, key, 6) and not kserve.holds(key[1:] + pad, key, 5)
+    # (a reviewer's mutants: the rest searched from the last rare byte, not from where its match would start;
+    # the scan going on past the needle, not one byte; a match that runs past ``end``)
+    assert kserve.holds(pad + b"u" * kserve.SCAN_HITS + b"unulu", b"nul", 1)
+    assert kserve.holds(pad + b"_" * kserve.SCAN_HITS + key, key, 6)
+    assert kserve._holds_null(pad + b"nnull")
+    assert not kserve.holds(pad + b"null", b"null", 0, len(pad) + 3)
 
 
 def _answers(outputs: dict, binary: bool = False, rid: str | None = "r"):
