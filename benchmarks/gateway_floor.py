@@ -125,7 +125,7 @@ def serve(port: int, floor: str, model: str) -> None:
             raise SystemExit("the model floor's child did not start")
 
     outq: deque = deque()  # (message, its requests' transports) the socket had no room for yet
-    writing = []  # whether the loop watches the socket for room
+    writing = False  # whether the loop watches the socket for room
 
     def flush() -> None:
         # what this loop pass read goes in messages of at most GROUP_BYTES and MAX_BATCH rows (the child's
@@ -138,6 +138,7 @@ def serve(port: int, floor: str, model: str) -> None:
         pump()
 
     def pump() -> None:
+        nonlocal writing
         while outq:
             msg, transports = outq[0]
             try:
@@ -145,13 +146,13 @@ def serve(port: int, floor: str, model: str) -> None:
             except BlockingIOError:
                 if not writing:
                     asyncio.get_running_loop().add_writer(lane.fileno(), pump)
-                    writing.append(True)
+                    writing = True
                 return
             outq.popleft()
             waiting.append(transports)
         if writing:
             asyncio.get_running_loop().remove_writer(lane.fileno())
-            writing.clear()
+            writing = False
 
     def answered() -> None:
         while True:
@@ -272,6 +273,7 @@ def main() -> None:
             med = {s: statistics.median(x["us"] for x in results[(model, conc, s)]) for s in servers}
             print(f"{model:5s} {conc:4d} {med['http']:7.1f} {med['codecs']:7.1f} {med['model']:7.1f} "
                   f"{med['gepool']:7.1f} {med['gepool'] - med['codecs']:11.1f} {med['gepool'] - med['model']:10.1f}")
+
 
 if __name__ == "__main__":
     main()

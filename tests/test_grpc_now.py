@@ -980,7 +980,6 @@ def test_a_compressed_request_is_not_offered_to_the_fast_path(served):
     assert offered == [b"plain"]
 
 
-
 def test_a_failure_reading_a_call_by_its_bytes_leaves_it_to_the_full_reading(pool, monkeypatch, caplog):
     """A bug in ``Calls.known`` (here: it raises) costs the unary call nothing but the full reading, as it
     costs a stream's request: the same answer as with the fast path off, and the failure logged."""

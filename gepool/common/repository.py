@@ -171,8 +171,9 @@ def model_config(path: str, name: str, reading: Reading = Reading()) -> ModelCon
     ConfigError."""
     auto_complete = reading.auto_complete
     cfg_path = reading.config_path(path)
-    if os.path.exists(cfg_path) or not auto_complete:
-        if not os.path.exists(cfg_path):
+    exists = os.path.exists(cfg_path)
+    if exists or not auto_complete:
+        if not exists:
             raise ConfigError(cfg_path, None, None, "missing (auto-complete is disabled, so every model needs one)")
         msg, text = read_message(cfg_path)  # (which refuses a folder or a fifo on the descriptor it opens)
         source = cfg_path
