@@ -2,6 +2,7 @@
 
     python benchmarks/gateway_ab.py --base REV [--head REV] [--rounds 3] [--seconds 8] [--models tiny,mlp]
         [--levels 64] [--tools wrk] [--base-http-server SERVER] [--head-http-server SERVER]
+        [--base-path DIR] [--head-path DIR]
     python benchmarks/gateway_ab.py --base HEAD --head-http-server granian ...   (one tree, both servers)
 
 Each round runs the head's ``benchmarks/gateway_bench.py`` on the base and on the head (the working tree
@@ -15,7 +16,9 @@ round's own change beside it: a difference smaller than their spread is noise (a
 against itself on a two-core host has given +7.8% for the sidecar's median).
 ``--base-http-server``/``--head-http-server`` choose the sidecar's HTTP server on each side
 (``gateway_bench.py --http-server``; without one, each side's pool default; a tree from before that option has
-only aiohttp).
+only aiohttp). ``--base-path``/``--head-path`` put a folder on that side's PYTHONPATH after its package, ahead of
+site-packages: one tree against itself with another release of a dependency (``pip install --target DIR
+orjson==3.8.3``, then ``--base HEAD --base-path DIR``).
 """
 
 import argparse
@@ -77,10 +80,10 @@ def ab_rounds(script: str, base: str | None, head: str | None, rounds: int, args
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(src: str, root: str, args: argparse.Namespace, http_server: str | None) -> dict:
+def run(src: str, root: str, args: argparse.Namespace, http_server: str | None, path: str | None = None) -> dict:
     """{(model, tool, conc): {"rps": .., label: cpu us}} from one run of ``src``'s gateway_bench on ``root``'s
-    package."""
-    env = dict(os.environ, PYTHONPATH=root)
+    package (and ``path`` after it, ahead of site-packages)."""
+    env = dict(os.environ, PYTHONPATH=root if path is None else root + os.pathsep + os.path.abspath(path))
     cmd = [sys.executable, os.path.join(src, "benchmarks", "gateway_bench.py"), "--seconds", str(args.seconds),
            "--levels", args.levels, "--models", args.models, "--tools", args.tools]
     if http_server:
@@ -117,8 +120,15 @@ def main() -> None:
     p.add_argument("--base-http-server", help="the base's sidecar server: aiohttp, granian or httptools (default: "
                                               "its pool's)")
     p.add_argument("--head-http-server", help="the head's sidecar server (default: its pool's)")
+    p.add_argument("--base-path", help="a folder on the base's PYTHONPATH ahead of site-packages (another release "
+                                       "of a dependency, installed there with pip install --target)")
+    p.add_argument("--head-path", help="the same for the head")
     args = p.parse_args()
     servers = {"base": args.base_http_server, "head": args.head_http_server}
+    paths = {"base": args.base_path, "head": args.head_path}
+    for label, path in paths.items():
+        if path is not None and not os.path.isdir(path):
+            p.error(f"--{label}-path {path}: not a folder")
     work = tempfile.mkdtemp(prefix="gepool-ab-")
     try:
         versions = {}
@@ -130,13 +140,14 @@ def main() -> None:
             order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]  # ABBA: drift cancels
             for label, (_, root) in order:
                 # one harness for both: the head's script (a base's may lack a tool), each side's own package
-                results[label].append(run(versions["head"][0], root, args, servers[label]))
+                results[label].append(run(versions["head"][0], root, args, servers[label], paths[label]))
                 for key, row in sorted(results[label][-1].items()):
                     print(f"round {r + 1} {label:4s} {' '.join(map(str, key)):14s} "
                           + " ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    on = {label: server or "its default server" for label, server in servers.items()}
+    on = {label: (server or "its default server") + (f" with {paths[label]} first" if paths[label] else "")
+          for label, server in servers.items()}
     print(f"\nmedians over {args.rounds} rounds (base {args.base} on {on['base']}, head {args.head or 'working tree'} "
           f"on {on['head']}; p99 latency and CPU per request in us)")
     keys = sorted(set().union(*(set(r) for r in results["base"] + results["head"])))

@@ -489,7 +489,7 @@ def encode_response(model: str, version: str, req: InferRequest, outputs: dict[s
 
     Binary outputs travel as views of the output arrays, joined once into the body. JSON is written by
     orjson: floats as the doubles the json module wrote (the shortest text that reads back as the same
-    double; only the spelling of an exponent may differ, as 1e16 for 1e+16), so every client reads the
+    double; only the spelling may differ, as 1e-7 for 1e-07), so every client reads the
     same numbers as before. orjson writes NaN and infinities as null, which nothing else in a response
     is: a text with null in it is written again by the json module (NaN, Infinity, as before)."""
     if len(outputs) == 1:
