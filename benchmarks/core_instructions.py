@@ -22,6 +22,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WARM = 10  # batches in the shorter run: the longer one's extra batches are the ones counted
+# set iteration orders; no OpenBLAS thread (it spins after start-up for as long as the host lets it: counted)
+FIXED_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def child(iterations: int, batch: int) -> None:
@@ -58,7 +60,7 @@ def count(root: str, iterations: int, batch: int) -> int:
     proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
                            os.path.abspath(__file__), "--child", "--iterations", str(iterations), "--batch",
                            str(batch)], capture_output=True, text=True, cwd=root,
-                          env=dict(os.environ, PYTHONPATH=root, PYTHONHASHSEED="0"))  # set iteration orders
+                          env={**os.environ, **FIXED_ENV, "PYTHONPATH": root})
     m = re.search(r"Collected : (\d+)", proc.stderr)
     if proc.returncode != 0 or m is None:
         raise SystemExit(f"no count from {root}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

@@ -25,6 +25,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = {"tiny": (16, 16), "mlp": (1024, 1000)}  # floats in, floats out
+# the hash seed fixed, so that set and dict layouts repeat; no OpenBLAS thread: numpy's starts one per spare core,
+# which spins for a while after start-up (counted by callgrind as many instructions as the host's load lets it run)
+FIXED_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def drive(model: str, requests: int) -> None:
@@ -76,8 +79,7 @@ def count(tree: str, model: str, requests: int) -> int:
         out = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable, __file__,
              "--drive", model, str(requests)],
-            cwd=tree, env={**os.environ, "PYTHONPATH": tree, "PYTHONHASHSEED": "0"}, capture_output=True, text=True,
-            check=True)
+            cwd=tree, env={**os.environ, **FIXED_ENV, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
     found = re.search(r"Collected : (\d+)", out.stderr)
     if found is None:
         raise SystemExit(f"callgrind gave no count:\n{out.stderr[-2000:]}")
