@@ -314,8 +314,8 @@ def _region_name(what: str, params: dict) -> str:
     return region
 
 
-# orjson (3.8) has no nesting limit of its own and overflows the C stack somewhere past 10^5 levels: a
-# document with no more brackets than this cannot nest deeper, and one with more goes to the json module
+# orjson before 3.9 had no nesting limit and overflowed the C stack somewhere past 10^5 levels (later ones refuse
+# past 1,024): a document with no more brackets than this cannot nest deeper, and one with more goes to the json module
 ORJSON_MAX_BRACKETS = 1024
 
 
