@@ -37,12 +37,12 @@ from collections import deque
 import gateway_bench
 import numpy as np
 
+from gepool._groups import GROUP_MAX_BYTES
 from gepool.workers.backends.onnx import DEFAULT_ALLOW_SPINNING
 
 OUT_WIDTH = {"tiny": 16, "mlp": 1000}  # the model's answer: as many floats as gepool writes back
 FLOORS = ("http", "codecs", "model")
 MAX_BATCH = 32  # the peers' batching: max_batch_size 32
-GROUP_BYTES = 48 << 10  # _groups.GROUP_MAX_BYTES
 
 
 def run_model(lane: socket.socket, model: str) -> None:
@@ -128,9 +128,9 @@ def serve(port: int, floor: str, model: str) -> None:
     writing = False  # whether the loop watches the socket for room
 
     def flush() -> None:
-        # what this loop pass read goes in messages of at most GROUP_BYTES and MAX_BATCH rows (the child's
+        # what this loop pass read goes in messages of at most GROUP_MAX_BYTES and MAX_BATCH rows (the child's
         # batches are whole messages), as the sidecar's groups go
-        rows = max(1, min(MAX_BATCH, GROUP_BYTES // queued[0][1].nbytes))
+        rows = max(1, min(MAX_BATCH, GROUP_MAX_BYTES // queued[0][1].nbytes))
         for at in range(0, len(queued), rows):
             batch = queued[at:at + rows]
             outq.append((b"".join(x.tobytes() for _, x in batch), [t for t, _ in batch]))

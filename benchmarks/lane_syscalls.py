@@ -48,14 +48,14 @@ def read_counts(path: str) -> dict[str, int]:
 
 def measure(args: argparse.Namespace) -> None:
     """One run on the gepool that PYTHONPATH gives: a ROW line per model, level and process."""
+    from gepool.bench.results import server_window
+
     with gb.served("gepool-lanesys-") as (pool, url, workdir):
         client = pool.client()
         procs = {k: v for k, v in gb.processes(pool.process.pid, None).items() if k in ("front", "sidecar")}
         for model in args.models.split(","):
             gb.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
             for conc in [int(c) for c in args.levels.split(",")]:
-                from gepool.bench.results import server_window
-
                 before_stats = client.stats()[model]
                 cpu0 = {k: gb.cpu_seconds(p) for k, p in procs.items()}
                 outs = {k: os.path.join(workdir, f"{k}.perf") for k in procs}
