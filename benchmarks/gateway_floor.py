@@ -1,6 +1,6 @@
 """The sidecar's CPU per request against the least a Python server on uvloop spends on the same wrk load.
 
-    python benchmarks/gateway_floor.py [--rounds 2] [--seconds 6] [--models mlp] [--levels 64]
+    python benchmarks/gateway_floor.py [--rounds 2] [--seconds 6] [--models mlp] [--levels 64] [--by-library]
 
 Three floors, each a bare ``asyncio.Protocol`` on uvloop that reads wrk's KServe JSON request (the body of
 ``gateway_bench.py``'s wrk) and answers it with no checks:
@@ -20,12 +20,20 @@ server), alternating with the floors in rounds. What the sidecar spends over the
 route: HTTP checks, the learnt body, the lane protocol both ways, groups, the answer's assembly. CPU per
 request is utime+stime of the server's process alone (not the model floor's child, as not gepool's front and
 worker) over the level, divided by the requests answered (wrk's count for a floor, the pool's for gepool).
+
+``--by-library`` also samples each server's process with ``perf record -e cpu-clock`` over its level (Debian's
+linux-perf) and splits its CPU per request by the library it ran in (``perf report --sort dso``): the interpreter,
+the kernel, orjson, simdjson, libc, numpy, uvloop. Where gepool spends more than the model floor shows which of
+them the difference lies in.
 """
 
 import argparse
 import asyncio
+import contextlib
 import os
+import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -43,6 +51,8 @@ from gepool.workers.backends.onnx import DEFAULT_ALLOW_SPINNING
 OUT_WIDTH = {"tiny": 16, "mlp": 1000}  # the model's answer: as many floats as gepool writes back
 FLOORS = ("http", "codecs", "model")
 MAX_BATCH = 32  # the peers' batching: max_batch_size 32
+LIBRARIES = {"libpython": "python", "[kernel": "kernel", "orjson": "orjson", "csimdjson": "simdjson", "libc.": "libc",
+             "_multiarray": "numpy", "loop.cpython": "uvloop"}  # perf's dso name starts with: the column
 
 
 def run_model(lane: socket.socket, model: str) -> None:
@@ -205,8 +215,36 @@ def serve(port: int, floor: str, model: str) -> None:
     uvloop.run(main())
 
 
-def floor_level(floor: str, model: str, conc: int, seconds: float) -> dict:
-    """One level against a fresh floor server: req/s, p99 and its CPU µs per request."""
+@contextlib.contextmanager
+def sampled(pid: int | None, shares: dict):
+    """With a pid: ``perf record`` on that process while the block runs, then ``shares`` filled with each
+    library's share of its samples ({column: fraction}, the rest under "other"). Without one, nothing."""
+    if pid is None:
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "perf.data")
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "1999", "-p", str(pid), "-o", data],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            yield
+        finally:
+            perf.send_signal(signal.SIGINT)
+            perf.wait()
+        text = subprocess.run(["perf", "report", "-i", data, "--sort", "dso", "--stdio", "-q"], capture_output=True,
+                              text=True).stdout
+    for line in text.splitlines():
+        found = re.match(r"\s*([\d.]+)%\s+(\S+)", line)
+        if found is None:
+            continue
+        column = next((c for start, c in LIBRARIES.items() if found.group(2).startswith(start)), "other")
+        shares[column] = shares.get(column, 0.0) + float(found.group(1)) / 100
+    if not shares:
+        raise SystemExit(f"perf recorded nothing for pid {pid}:\n{text[-1500:]}")
+
+
+def floor_level(floor: str, model: str, conc: int, seconds: float, by_library: bool = False) -> dict:
+    """One level against a fresh floor server: req/s, p99 and its CPU µs per request (and by library)."""
     port = gateway_bench.free_port()
     workdir = tempfile.mkdtemp(prefix="gepool-floor-")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(port), floor, model])
@@ -219,25 +257,33 @@ def floor_level(floor: str, model: str, conc: int, seconds: float) -> dict:
                 time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         gateway_bench.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
-        before = gateway_bench.cpu_seconds(proc.pid)
-        r = gateway_bench.run_wrk(url, model, conc, seconds, workdir)  # the client gepool gets below
-        used = gateway_bench.cpu_seconds(proc.pid) - before
+        shares: dict[str, float] = {}
+        with sampled(proc.pid if by_library else None, shares):
+            before = gateway_bench.cpu_seconds(proc.pid)
+            r = gateway_bench.run_wrk(url, model, conc, seconds, workdir)  # the client gepool gets below
+            used = gateway_bench.cpu_seconds(proc.pid) - before
     finally:
         proc.kill()
         proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
     if not r["answered"]:
         raise SystemExit(f"wrk against the {floor} floor failed:\n{r['raw'][-1500:]}")
-    return {"rps": r["rps"], "p99_ms": r["p99_ms"], "us": used / r["answered"] * 1e6, "errors": r["errors"]}
+    us = used / r["answered"] * 1e6
+    return {"rps": r["rps"], "p99_ms": r["p99_ms"], "us": us, "errors": r["errors"],
+            "libraries": {c: share * us for c, share in shares.items()}}
 
 
-def gepool_level(model: str, conc: int, seconds: float) -> dict:
+def gepool_level(model: str, conc: int, seconds: float, by_library: bool = False) -> dict:
     """One level against a fresh pool, as gateway_bench.py measures it."""
     with gateway_bench.served("gepool-floor-") as (pool, url, workdir):
         gateway_bench.run_wrk(url, model, 8, 1.0, workdir)  # warm-up
         procs = gateway_bench.processes(pool.process.pid, None)
-        r = gateway_bench.level(gateway_bench.run_wrk, url, pool.client(), procs, model, conc, seconds, workdir)
-    return {"rps": r["rps"], "p99_ms": r["p99_ms"], "us": r["cpu_us"]["sidecar"], "errors": r["errors"]}
+        shares: dict[str, float] = {}
+        with sampled(procs["sidecar"] if by_library else None, shares):
+            r = gateway_bench.level(gateway_bench.run_wrk, url, pool.client(), procs, model, conc, seconds, workdir)
+    us = r["cpu_us"]["sidecar"]
+    return {"rps": r["rps"], "p99_ms": r["p99_ms"], "us": us, "errors": r["errors"],
+            "libraries": {c: share * us for c, share in shares.items()}}
 
 
 def main() -> None:
@@ -249,9 +295,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0, help="per server, level and round")
     p.add_argument("--models", default="mlp")
     p.add_argument("--levels", default="64")
+    p.add_argument("--by-library", action="store_true", help="split each server's CPU by library (perf)")
     args = p.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed")
+    if args.by_library and shutil.which("perf") is None:
+        raise SystemExit("--by-library needs perf (apt-get install linux-perf)")
     models, levels = args.models.split(","), [int(c) for c in args.levels.split(",")]
     servers = [*FLOORS, "gepool"]
     results: dict[tuple, list[dict]] = {}
@@ -260,8 +309,8 @@ def main() -> None:
         for model in models:
             for conc in levels:
                 for server in order:
-                    got = gepool_level(model, conc, args.seconds) if server == "gepool" \
-                        else floor_level(server, model, conc, args.seconds)
+                    got = gepool_level(model, conc, args.seconds, args.by_library) if server == "gepool" \
+                        else floor_level(server, model, conc, args.seconds, args.by_library)
                     results.setdefault((model, conc, server), []).append(got)
                     print(f"round {r + 1} {model:5s} c={conc:<3d} {server:7s} {got['rps']:8.0f} req/s "
                           f"p99 {got['p99_ms']:7.2f} ms  {got['us']:6.1f} us/req  errors {got['errors']}", flush=True)
@@ -273,6 +322,18 @@ def main() -> None:
             med = {s: statistics.median(x["us"] for x in results[(model, conc, s)]) for s in servers}
             print(f"{model:5s} {conc:4d} {med['http']:7.1f} {med['codecs']:7.1f} {med['model']:7.1f} "
                   f"{med['gepool']:7.1f} {med['gepool'] - med['codecs']:11.1f} {med['gepool'] - med['model']:10.1f}")
+    if args.by_library:
+        columns = [*dict.fromkeys(LIBRARIES.values()), "other"]
+        print(f"\nmedians over {args.rounds} rounds: the server's CPU us per request, by library (perf's samples)")
+        print(f"{'model':5s} {'conc':>4s} {'server':14s} " + " ".join(f"{c:>8s}" for c in columns))
+        for model in models:
+            for conc in levels:
+                med = {s: {c: statistics.median(x["libraries"].get(c, 0.0) for x in results[(model, conc, s)])
+                           for c in columns} for s in servers}
+                for server in ("model", "gepool"):
+                    print(f"{model:5s} {conc:4d} {server:14s} " + " ".join(f"{med[server][c]:8.1f}" for c in columns))
+                print(f"{model:5s} {conc:4d} {'gepool - model':14s} "
+                      + " ".join(f"{med['gepool'][c] - med['model'][c]:8.1f}" for c in columns))
 
 
 if __name__ == "__main__":
