@@ -10,7 +10,7 @@ from gepool.common.logsettings import FORMATS
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_SERVERS
 from gepool.ipc import naming
 from gepool.ipc.sockets import default_endpoint
-from gepool.scheduler.options import MODEL_LOAD_TIMEOUT_S, FrontOptions
+from gepool.scheduler.options import ALL_MODELS, MODEL_LOAD_TIMEOUT_S, FrontOptions
 
 if TYPE_CHECKING:
     from gepool.common.repository import Reading
@@ -38,7 +38,7 @@ class PoolOptions:
     server_id: str = "gepool"  # the server's name in its metadata (Triton's --id)
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
     model_control_mode: str = "none"  # Triton's none | explicit | poll
-    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start
+    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start ("*" alone: every model)
     poll_secs: float = 15.0  # poll mode: seconds between repository scans
     curve_secret_key: str | None = None  # a ZMQ certificate file: CURVE on a tcp endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; None: any key may connect
@@ -79,6 +79,8 @@ class PoolOptions:
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, not "
                              f"'{self.model_control_mode}'")
+        if self.model_control_mode == "explicit" and ALL_MODELS in self.load_models and len(set(self.load_models)) > 1:
+            raise ValueError(f"Wildcard model name '{ALL_MODELS}' must be the ONLY startup model if specified at all.")
         for name in ("http_host", "grpc_host", "metrics_host", "server_id", "log_format", "log_file",
                      "model_config_name"):
             if not isinstance(getattr(self, name), str):

@@ -18,7 +18,7 @@ from gepool.scheduler.batcher import QueueBudget
 from gepool.scheduler.books import Workers
 from gepool.scheduler.groups import Group
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
-from gepool.scheduler.options import FrontOptions, queued_bytes_limit
+from gepool.scheduler.options import ALL_MODELS, FrontOptions, queued_bytes_limit
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.states import ModelState, WorkerState, check_model
 
@@ -43,6 +43,8 @@ class ModelControl:
         self.opts, self.workers, self.out, self.clock = opts, workers, out, clock
         self.groups: dict[str, Group] = {}
         self.unloaded: dict[str, list[int]] = {}  # names unloaded since their last load: the versions they had
+        # explicit loads of ensembles, answered once no model under them is loading (answer_ensembles)
+        self.after_steps: dict[str, list[tuple[bytes, int]]] = {}
         self.generation = 0
         self.poll_at: float | None = None
         self.budget = QueueBudget(queued_bytes_limit(opts.max_queued_bytes))  # every model's queues share it
@@ -63,7 +65,8 @@ class ModelControl:
         opts = self.opts
         if not os.path.isdir(opts.repository):  # in every mode: explicit loads would only fail later
             raise FileNotFoundError(f"model repository '{opts.repository}' does not exist or is not a directory")
-        names = list(opts.load_models) if self.mode == "explicit" else model_names(opts.repository)
+        some = self.mode == "explicit" and ALL_MODELS not in opts.load_models
+        names = list(opts.load_models) if some else model_names(opts.repository)
         for name in names:
             self.load(name)
         if self.mode == "poll":
@@ -97,18 +100,30 @@ class ModelControl:
         return None
 
     def load(self, name: str, waiter: tuple[bytes, int] | None = None) -> None:
-        """Starts a new generation of every selected version beside what serves now."""
+        """Starts a new generation of every selected version beside what serves now. In explicit mode an
+        ensemble's step models that are not held are loaded with it (as Triton loads an ensemble's
+        dependencies), and its load is answered once none of them is loading (``answer_ensembles``)."""
         group = self.groups.get(name)
         if group is None or group.unloading and not group.models():
             group = self.groups[name] = Group(name)
         group.unloading = False
         self.unloaded.pop(name, None)
-        if waiter is not None:
-            group.waiters.append(waiter)
         if group.loading:
+            if waiter is not None:
+                group.waiters.append(waiter)
             return  # a load is under way; this request is answered when it settles
         group.signature = signature(self.opts.repository, name)
-        for src in load_sources(self.opts.repository, name, self.reading):
+        sources = load_sources(self.opts.repository, name, self.reading)
+        steps = {step.model_name for src in sources if not src.error and src.config is not None
+                 and src.config.ensemble is not None for step in src.config.ensemble.steps}
+        if waiter is not None:
+            (self.after_steps.setdefault(name, []) if steps else group.waiters).append(waiter)
+        if self.mode == "explicit":
+            for step in sorted(steps):  # (this group is held already: a cycle of ensembles ends here)
+                held = self.groups.get(step)
+                if (held is None or held.unloading) and os.path.isdir(os.path.join(self.opts.repository, step)):
+                    self.load(step)
+        for src in sources:
             self.generation += 1
             model = Model(src, group.version_stats(src.version), self.generation, self.clock,
                           self.budget)
@@ -168,6 +183,28 @@ class ModelControl:
         else:
             error = None
         self._answer(group, error)
+
+    def answer_ensembles(self) -> None:
+        """Answers each ensemble load waiting on its steps once none of the models it needs is loading: with
+        the ensemble's state then (the ensembles' states refreshed just before)."""
+        for name, waiters in list(self.after_steps.items()):
+            group = self.groups.get(name)
+            if group is None or group.unloading:
+                error = errors.Unavailable(f"model '{name}' was unloaded before its load finished")
+            elif group.loading or any(m.state == LOADING for m in group.serving.values()):
+                continue
+            elif group.serving and any(m.servable() for m in group.serving.values()):
+                error = None
+            else:
+                why = "; ".join(m.reason for m in group.serving.values() if m.reason) or group.error or "not ready"
+                error = errors.ModelNotReady(f"model '{name}' failed to load: {why}")
+            del self.after_steps[name]
+            if group is not None:
+                group.waiters += waiters
+                self._answer(group, error)
+            else:
+                for identity, req_id in waiters:
+                    self.out.reply(identity, [protocol.Error(req_id, error.code, error.message).encode()])
 
     def _answer(self, group: Group, error: errors.GepoolError | None) -> None:
         for identity, req_id in group.waiters:

@@ -141,6 +141,8 @@ class Ensembles:
         for group in self.control.groups.values():
             for model in (*group.serving.values(), *group.loading):
                 self._settle(model, settled)
+        if self.control.after_steps:
+            self.control.answer_ensembles()
 
     def _settle(self, model: Model, settled: set[Model]) -> None:
         if model in settled or model.config is None or model.config.ensemble is None or model.source.error:

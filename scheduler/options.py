@@ -8,6 +8,7 @@ from gepool.common.logsettings import LogSettings
 
 DRAIN_TIMEOUT_S = 30.0
 QUEUED_BYTES_SHARE = 4  # by default the queues may hold a quarter of the host's memory
+ALL_MODELS = "*"  # Triton's --load-model that loads every model of the repository (the only one given)
 MODEL_LOAD_TIMEOUT_S = 180.0  # then a model still loading is UNAVAILABLE (below Pool.start()'s own timeout)
 
 
@@ -23,7 +24,7 @@ class FrontOptions:
     log_file: str = ""  # where every process's standard error goes (Triton's log_file, reported); "": unchanged
     exit_grace_s: float = 0.0  # after SIGTERM: report not ready but keep serving this long, then drain
     model_control_mode: str = "none"  # none | explicit | poll (Triton's names)
-    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start
+    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start (ALL_MODELS alone: every model)
     poll_secs: float = 15.0
     curve_secret_key: str | None = None  # a certificate file: turns CURVE on for the client endpoint
     curve_authorized_keys: str | None = None  # a folder of client public keys; none: any key may connect

@@ -121,6 +121,29 @@ def test_exit_on_error_false_serves_the_others_and_strict_readiness_false_report
     assert " DEBUG serving " in err
 
 
+def test_load_model_wildcard_loads_every_model_and_must_be_the_only_one(small_repo, tmp_path):
+    """Triton's --load-model=* in explicit mode (its model_repository_manager.cc): every model, and alone."""
+    repo = small_repo(True)
+    out = subprocess.run([sys.executable, "-m", "gepool.cli", "start", "--model-repository", repo,
+                          "--model-control-mode", "explicit", "--load-model", "*", "--load-model", "echo"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "Wildcard model name '*' must be the ONLY startup model if specified at all." in out.stderr
+    with Started(tmp_path, "--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "*",
+                 "--exit-on-error", "false", "--metrics-port", "0") as pool:
+        assert pool.ready, pool.lines
+        assert "model echo: READY (version 1, 1 worker(s))" in pool.lines
+        assert any(line.startswith("model broken: UNAVAILABLE - ") for line in pool.lines), pool.lines
+        assert not any("'*'" in line for line in pool.lines), pool.lines
+        code, err = pool.stop()
+    assert code == 0, err
+    with Started(tmp_path, "--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "*",
+                 "--metrics-port", "0") as pool:  # --exit-on-error true: the broken one was asked for
+        code, err = pool.stop() if not pool.ready else (None, "")
+    assert not pool.ready and code == 1, (pool.lines, err)
+    assert "gepool: error: model 'broken' failed to load: " in err
+
+
 def test_allow_http_false_and_log_info_false(small_repo, tmp_path):
     http = free_port()
     with Started(tmp_path, "--model-repository", small_repo(False), "--allow-http", "FALSE", "--http-port", str(http),

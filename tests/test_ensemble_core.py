@@ -568,3 +568,67 @@ def test_step_requests_keep_the_ensemble_requests_identity_deadline_and_origin(t
     assert req.origin == protocol.Origin.HTTP and req.arena == protocol.NO_ARENA and req.outputs is None
     assert req.deadline == req.expires == h.clock.now + 2.0
     assert req.nbytes == 32  # its input and its output, one row each
+
+
+# -- explicit model control: an ensemble's steps load with it ------------------------------------
+
+def test_an_explicit_load_of_an_ensemble_loads_its_steps_and_answers_once_they_are_ready(tmp_path, harness):  # noqa: F811
+    for name in "abc":
+        echo_model(tmp_path, name)
+    pipe(tmp_path, "inner", ["b", "c"])
+    chain(tmp_path, "outer", [("a", "INPUT", "OUTPUT"), ("inner", "X", "Y")])
+    h = harness(model_control_mode="explicit")
+    assert h.core.control.groups == {}
+    h.send(protocol.Query(7, "load", {"model": "outer"}))
+    h.tick()
+    assert sorted(h.core.control.groups) == ["a", "b", "c", "inner", "outer"]  # Triton loads what it stands on
+    assert h.out.take() == []  # answered when its steps are ready, not before
+    assert reasons(h)["outer"][0] == ModelState.LOADING
+    h.ready_all()
+    h.tick()
+    (_, loaded, _), = h.out.take()
+    assert isinstance(loaded, protocol.Reply) and loaded.req_id == 7 and loaded.body["loaded"] == "outer"
+    rid = ens_infer(h, 1.0, model="outer")
+    for name in "abc":
+        h.compute(h.core.control.groups[name].default().workers[0])
+    np.testing.assert_array_equal(results(h.out.take())[rid], np.full((1, 4), 8.0, np.float32))
+
+
+def test_an_explicit_load_of_an_ensemble_whose_step_cannot_load_fails_naming_the_step(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    pipe(tmp_path, "pipe", ["a", "missing"])
+    h = harness(model_control_mode="explicit")
+    h.send(protocol.Query(8, "load", {"model": "pipe"}))
+    h.ready_all()
+    h.tick()
+    (_, reply, _), = h.out.take()
+    assert isinstance(reply, protocol.Error) and reply.req_id == 8 and reply.code == errors.ModelNotReady.code
+    assert reply.message == "model 'pipe' failed to load: ensemble 'pipe' step 2 ('missing'): model 'missing' is " \
+                            "not loaded", reply.message
+    assert sorted(h.core.control.groups) == ["a", "pipe"]
+
+
+def test_an_ensemble_load_leaves_a_loaded_step_as_it_serves(tmp_path, harness):  # noqa: F811
+    for name in "ab":
+        echo_model(tmp_path, name)
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness(model_control_mode="explicit", load_models=("a",))
+    h.ready_all()
+    (a_worker,) = h.out.spawned
+    h.send(protocol.Query(9, "load", {"model": "pipe"}))
+    assert [w.model.name for w in h.out.spawned[1:]] == ["b"]  # a is not loaded again
+    h.ready_all()
+    h.tick()
+    (_, loaded, _), = h.out.take()
+    assert isinstance(loaded, protocol.Reply) and loaded.body["loaded"] == "pipe"
+    assert h.core.control.groups["a"].default().workers == [a_worker]
+
+
+def test_the_wildcard_startup_model_loads_the_whole_repository(tmp_path, harness):  # noqa: F811
+    for name in "ab":
+        echo_model(tmp_path, name)
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness(model_control_mode="explicit", load_models=("*",))
+    h.ready_all()
+    assert sorted(h.core.control.groups) == ["a", "b", "pipe"]
+    assert reasons(h)["pipe"] == (ModelState.AVAILABLE, "")

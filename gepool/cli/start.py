@@ -11,6 +11,7 @@ from gepool.http.access import API_NAMES
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_HELP, GRPC_SERVERS, HTTP_SERVERS
 from gepool.http.servers import HELP as HTTP_SERVER_HELP
 from gepool.options import DEFAULT, MODEL_CONTROL_MODES, OPTION_NAMES, PoolOptions
+from gepool.scheduler.options import ALL_MODELS
 
 log = logging.getLogger("gepool.cli")
 FAILED_EXIT = 1
@@ -104,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="none (default): serve the repository as started; explicit: load/unload on request; "
                         "poll: follow the repository's changes")
     p.add_argument("--load-model", dest="load_models", action="append", default=[], metavar="NAME",
-                   help="explicit mode: a model to load at start (repeatable)")
+                   help="explicit mode: a model to load at start (repeatable; '*' alone: every model)")
     p.add_argument("--repository-poll-secs", dest="poll_secs", type=float, default=DEFAULT.poll_secs, metavar="S",
                    help=f"poll mode: seconds between scans (default {DEFAULT.poll_secs:g})")
     p.add_argument("--exit-timeout-secs", dest="exit_grace_s", type=float, default=DEFAULT.exit_grace_s, metavar="S",
@@ -266,6 +267,7 @@ def run(args) -> int:
 def _failed_at_start(status: dict, args) -> list[tuple[str, str]]:
     """(name, reason) of each model asked for at start that is not serving: every model of the
     repository, or in explicit mode those named by --load-model."""
-    asked = set(args.load_models) if args.model_control_mode == "explicit" else None
+    asked = set(args.load_models) if args.model_control_mode == "explicit" and ALL_MODELS not in args.load_models \
+        else None
     return [(name, m["reason"] or m["state"]) for name, m in status["models"].items()
             if m["state"] == "UNAVAILABLE" and (asked is None or name in asked)]
