@@ -95,7 +95,7 @@ class RegionBook:
     def _register(self, region: dict) -> int:
         uid, name = region["uid"], region["name"]
         if (uid, name) in self.regions:
-            raise errors.InvalidArgument(f"shared memory region '{name}' already in manager")
+            raise errors.AlreadyExists(f"shared memory region '{name}' already in manager")
         if sum(owner == uid for owner, _ in self.regions) >= MAX_REGIONS_PER_UID:
             raise errors.InvalidArgument(f"uid {uid} already has {MAX_REGIONS_PER_UID} shared memory regions "
                                          f"registered; unregister some first")

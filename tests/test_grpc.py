@@ -200,6 +200,9 @@ def test_system_shared_memory_inputs_and_outputs(gpool, triton):
         triton.register_system_shared_memory("out", key_out, x.nbytes)
         regions = triton.get_system_shared_memory_status().regions
         assert set(regions) == {"in", "out"} and regions["in"].key == key_in and regions["in"].byte_size == x.nbytes
+        with pytest.raises(InferenceServerException, match="shared memory region 'in' already in manager") as twice:
+            triton.register_system_shared_memory("in", key_in, x.nbytes)
+        assert twice.value.status() == "StatusCode.ALREADY_EXISTS"  # Triton's shared_memory_manager.cc
         inp = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
         inp.set_shared_memory("in", x.nbytes)
         out = grpcclient.InferRequestedOutput("OUTPUT0")

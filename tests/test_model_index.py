@@ -22,7 +22,7 @@ def explicit(tmp_path_factory):
     test_repo.make_models.make_tiny(repo, "tiny")
     test_repo.make_models.make_tiny(repo, "other")
     with Pool(repo, model_control_mode="explicit", load_models=("tiny",), http_port=free_port(),
-              log_level=logging.WARNING) as pool:
+              grpc_port=free_port(), log_level=logging.WARNING) as pool:
         yield pool
 
 
@@ -64,6 +64,23 @@ def test_tritonclient_reads_the_same_index(explicit):
         with pytest.raises(InferenceServerException, match="ghost"):
             triton.load_model("ghost")
         assert "ghost" not in {m["name"] for m in triton.get_model_repository_index()}
+
+
+def test_grpc_reads_the_same_index(explicit):
+    """RepositoryIndex lists what HTTP's index lists: every folder, one row per version (it listed the models held,
+    one row each, so a folder never loaded was missing)."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+
+    c = explicit.client()
+    c.load("other")
+    c.unload("other")
+    assert wait_until(lambda: _index(c)[0].get("state") == "UNAVAILABLE")
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{explicit.grpc_port}") as triton:
+        rows = [{key: value for key, value in (("name", m.name), ("version", m.version), ("state", m.state),
+                                               ("reason", m.reason)) if value}
+                for m in triton.get_model_repository_index().models]
+    assert rows == _index(c) and rows[0] == {"name": "other", "version": "1", "state": "UNAVAILABLE",
+                                             "reason": "unloaded"}, rows
 
 
 @pytest.mark.parametrize("mode", ["none", "explicit", "poll"])

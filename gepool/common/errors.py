@@ -24,6 +24,12 @@ class InvalidArgument(GepoolError):
     code, http_status = "INVALID_ARGUMENT", 400
 
 
+class AlreadyExists(GepoolError):
+    """A name taken already (a shared-memory region registered twice): Triton's ALREADY_EXISTS, 400 over HTTP."""
+
+    code, http_status = "ALREADY_EXISTS", 400
+
+
 class ModelNotFound(GepoolError):
     code, http_status = "MODEL_NOT_FOUND", 400
 

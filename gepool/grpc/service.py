@@ -36,7 +36,7 @@ _STATUS = {  # gepool's error code -> the gRPC status Triton answers with
     "MODEL_NOT_READY": grpc.StatusCode.UNAVAILABLE, "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "REQUEST_TOO_LARGE": grpc.StatusCode.INVALID_ARGUMENT, "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "TIMEOUT": grpc.StatusCode.UNAVAILABLE, "POOL_UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
-    "PROTOCOL": grpc.StatusCode.INTERNAL,
+    "PROTOCOL": grpc.StatusCode.INTERNAL, "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
 }
 
 
@@ -460,12 +460,12 @@ class InferenceService:
 
     # -- repository ------------------------------------------------------------------------
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
-        status = await (await self.gw.front()).status()
+        # the index HTTP's POST /v2/repository/index gives: every model folder, one row per version
+        index = await (await self.gw.front()).query("index", {"ready": request.ready})
         out = pb.RepositoryIndexResponse()
-        for name, m in sorted(status["models"].items()):
-            if request.ready and m["state"] != ModelState.AVAILABLE:
-                continue
-            out.models.add(name=name, version=str(m["version"] or ""), state=m["state"], reason=m["reason"] or "")
+        for row in index["models"]:
+            out.models.add(name=row["name"], version=row.get("version", ""), state=row.get("state", ""),
+                           reason=row.get("reason", ""))
         return out
 
     def may_control(self, request, context) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gepool.common.errors import GepoolError, InvalidArgument, PermissionDenied, Unavailable
+from gepool.common.errors import AlreadyExists, GepoolError, InvalidArgument, PermissionDenied, Unavailable
 from gepool.ipc import naming
 from gepool.scheduler.regions import MAX_REGIONS_PER_UID, VERSION, check_text
 
@@ -208,7 +208,7 @@ class Regions:
 
     def _room(self, uid: int, name: str) -> None:
         if (uid, name) in self.regions:
-            raise InvalidArgument(f"shared memory region '{name}' already in manager")
+            raise AlreadyExists(f"shared memory region '{name}' already in manager")
         if sum(owner == uid for owner, _ in self.regions) >= MAX_REGIONS_PER_UID:
             raise InvalidArgument(f"uid {uid} already has {MAX_REGIONS_PER_UID} shared memory regions registered; "
                                   f"unregister some first")
