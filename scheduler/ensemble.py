@@ -11,6 +11,7 @@ answered from the last step's slot, or from those buffers. Nothing passes throug
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,7 +23,15 @@ from gepool.scheduler.calls import Call, Calls
 from gepool.scheduler.dispatch import send_error
 from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
-from gepool.scheduler.requests import Admission, Request, check_batch, check_names, check_tensor, whole_buffer
+from gepool.scheduler.requests import (
+    Admission,
+    Request,
+    check_batch,
+    check_names,
+    check_tensor,
+    check_text,
+    whole_buffer,
+)
 from gepool.scheduler.stats import CANCELED, failure_reason
 
 log = logging.getLogger("gepool.ensemble")
@@ -91,6 +100,8 @@ def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float
         t = tensors[input_map[name]]
         rows = check_tensor(plan, spec, t.datatype, t.shape, rows, shapes)
         buf = whole_buffer(name, itemsize, t.shape, t.buf)
+        if name in plan.text:
+            check_text(name, buf, math.prod(t.shape))
         shapes.append(t.shape)
         buffers.append(buf)
         total += len(buf)

@@ -9,7 +9,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from gepool.common.config import ModelConfig
+import numpy as np
+
+from gepool.common.config import BACKEND_ONNX, ModelConfig
 from gepool.common.errors import InvalidArgument, PermissionDenied, RequestTooLarge, Timeout, Unavailable
 from gepool.ipc import dtypes, layout, protocol
 from gepool.scheduler.arena_io import ArenaSpan
@@ -128,7 +130,7 @@ class Admission:
     generation: the front admits every request, and the config does not change under it."""
 
     __slots__ = ("config", "slot_bytes", "batched", "inputs", "names", "out_names", "out_order", "out_row_bytes",
-                 "slack", "variable", "fixed_outputs")
+                 "slack", "variable", "fixed_outputs", "text")
 
     def __init__(self, config: ModelConfig, slot_bytes: int) -> None:
         self.config, self.slot_bytes = config, slot_bytes
@@ -143,6 +145,9 @@ class Admission:
         self.slack = (len(config.inputs) + len(config.outputs)) * layout.ALIGN
         self.variable = not all(t.fixed for t in config.inputs)
         self.fixed_outputs = all(t.fixed for t in config.outputs)  # their places are known before running
+        # BYTES inputs that must be UTF-8 text: an onnxruntime model's strings (its Python API takes str)
+        self.text = frozenset(t.name for t in config.inputs if t.datatype == dtypes.BYTES) \
+            if config.backend == BACKEND_ONNX else frozenset()
 
 
 def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: Admission, arenas: Arenas,
@@ -166,6 +171,8 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
             buf = _buffer(name, where, math.prod(shape) * itemsize, frames, arena)
         else:
             buf = _bytes_buffer(name, where, math.prod(shape), frames, arena)
+            if name in plan.text:
+                check_text(name, buf, math.prod(shape))
         buffers.append(buf)
         total += len(buf)
         shapes.append(shape)
@@ -346,6 +353,32 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
     except ValueError as exc:
         raise InvalidArgument(f"input '{name}': {exc}") from None
     return buf
+
+
+def check_text(name: str, buf: memoryview, count: int) -> None:
+    """Each element of a BYTES input UTF-8 text (checked before it joins a batch, whose other requests would fail
+    with it in the worker). Elements of one length are read in one pass: their bytes together decode, and none
+    starts inside a character (so no character spans two of them)."""
+    if count == 0:
+        return
+    if dtypes.uniform_bytes(buf, count):
+        stride = len(buf) // count
+        rows = np.frombuffer(buf, np.uint8).reshape(count, stride)[:, 4:]
+        try:
+            if stride == 4 or (not ((rows[:, 0] & 0xC0) == 0x80).any() and rows.tobytes().decode("utf-8")):
+                return
+        except UnicodeDecodeError:
+            pass
+    else:  # (at most MAX_BYTES_ELEMENTS, checked when its buffer was)
+        offsets = dtypes.bytes_offsets(buf, count)
+        try:
+            for i in range(count):
+                str(buf[offsets[i] + 4:offsets[i + 1]], "utf-8")
+            return
+        except UnicodeDecodeError:
+            pass
+    raise InvalidArgument(f"input '{name}': an onnxruntime model's string tensor takes UTF-8 text, and an element "
+                          f"of this one is not")
 
 
 def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview | ArenaSpan:

@@ -15,7 +15,21 @@ _ORT_TYPES = {
     "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32",
     "tensor(uint64)": "UINT64", "tensor(int8)": "INT8", "tensor(int16)": "INT16", "tensor(int32)": "INT32",
     "tensor(int64)": "INT64", "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",  # (Triton's onnxruntime backend: ONNX STRING is TYPE_STRING)
 }
+
+
+def _as_text(name: str, arr: np.ndarray) -> np.ndarray:
+    """A BYTES input as onnxruntime's Python API takes a string tensor: str elements (it writes a bytes
+    element as its repr, b'...'), each decoded as UTF-8; ValueError naming the first that is not."""
+    out = np.empty(arr.size, dtype=object)
+    for i, item in enumerate(arr.ravel()):
+        try:
+            out[i] = item.decode("utf-8") if isinstance(item, bytes) else str(item)
+        except UnicodeDecodeError:
+            raise ValueError(f"input '{name}': element {i} is not UTF-8 text, and onnxruntime's Python API takes "
+                             f"the elements of a string tensor as text") from None
+    return out.reshape(arr.shape)
 
 
 @register
@@ -43,6 +57,9 @@ class OnnxBackend(SyncBackend):
         self._check(self.session.get_inputs(), config.inputs, "input")
         self._check(self.session.get_outputs(), config.outputs, "output")
         self._bindings: dict[tuple, object] = {}  # onnxruntime IOBinding per layout
+        # an I/O binding takes no string tensor: such a model runs with run(), its text as str
+        self._strings = any(a.type == "tensor(string)" for a in (*self.session.get_inputs(),
+                                                                  *self.session.get_outputs()))
 
     def _check(self, args, declared, kind: str) -> None:
         """Config and model must agree, or every request would fail later with a worse message."""
@@ -67,6 +84,8 @@ class OnnxBackend(SyncBackend):
             raise ValueError(f"the model has inputs the config does not declare: {missing}")
 
     def execute(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        if self._strings:
+            return self._run(inputs, outputs)
         inputs = {name: np.ascontiguousarray(arr) for name, arr in inputs.items()}
         all_bound = all(v is not None for v in outputs.values())
         key = None
@@ -99,3 +118,19 @@ class OnnxBackend(SyncBackend):
         return result
 
 
+
+    def _run(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        """A model with string tensors: BYTES inputs passed as text, string outputs given back as UTF-8 bytes."""
+        feed = {name: _as_text(name, arr) if arr.dtype == object else np.ascontiguousarray(arr)
+                for name, arr in inputs.items()}
+        result = {}
+        for (name, view), got in zip(outputs.items(), self.session.run(list(outputs), feed), strict=True):
+            if got.dtype == object:
+                text = np.empty(got.size, dtype=object)
+                for i, item in enumerate(got.ravel()):  # (one by one: numpy would make a list of bytes S-typed,
+                    text[i] = item.encode("utf-8") if isinstance(item, str) else item  # dropping trailing NULs)
+                got = text.reshape(got.shape)
+            result[name] = got if view is None else view
+            if view is not None:
+                np.copyto(view, got)
+        return result
