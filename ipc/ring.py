@@ -81,6 +81,22 @@ assert _REQ_COUNT_AT + _REQ_COUNT.size <= _REQUESTS_AT
 assert _REQ_ERRORS_AT + REQUEST_ERROR_BYTES <= SLOT_HEADER
 
 
+
+MAX_FAILURE_CODE = 253  # a Failure's code travels in the request's failed byte, as 2 + code
+
+
+class Failure(str):
+    """One request's failure message, and ``code``: the code the model failed it with (a python model's
+    ``pb_utils.TritonError`` code), None where it gave none."""
+
+    code: int | None = None
+
+    @classmethod
+    def of(cls, message: str, code: int | None) -> "Failure":
+        failure = cls(message)
+        failure.code = code
+        return failure
+
 class TensorDesc(NamedTuple):
     """One tensor in a slot's data area (offset relative to the data area), or, in a direct batch, in
     the client's arena the slot names (offset relative to the arena)."""
@@ -178,7 +194,8 @@ class Slot:
 
     def fail_requests(self, messages: dict[int, str]) -> None:
         """Marks single requests of the batch failed, each with its message (the failed share
-        REQUEST_ERROR_BYTES); call before finish() or fail(), whose state write publishes it."""
+        REQUEST_ERROR_BYTES) and the code of a ``Failure``; call before finish() or fail(), whose state write
+        publishes it."""
         count = _REQ_COUNT.unpack_from(self.header, _REQ_COUNT_AT)[0]
         if any(not 0 <= i < count for i in messages):
             raise ValueError(f"slot {self.index}: failed request indices {sorted(messages)} outside 0..{count - 1}")
@@ -188,7 +205,9 @@ class Slot:
             text = messages[i].encode("utf-8", "replace")[:share]
             self.header[pos:pos + len(text)] = text
             rows, mask = _REQUEST.unpack_from(self.header, _REQUESTS_AT + i * _REQUEST.size)[:2]
-            _REQUEST.pack_into(self.header, _REQUESTS_AT + i * _REQUEST.size, rows, mask, 1, len(text))
+            code = getattr(messages[i], "code", None)
+            bad = 2 + code if type(code) is int and 0 <= code <= MAX_FAILURE_CODE else 1  # (1: failed, no code)
+            _REQUEST.pack_into(self.header, _REQUESTS_AT + i * _REQUEST.size, rows, mask, bad, len(text))
             pos += len(text)
         _REQ_COUNT.pack_into(self.header, _REQ_COUNT_AT, count, len(messages))
 
@@ -216,7 +235,7 @@ class Slot:
         return seq, self._read_table(n_in, n_out), error, (t0, t1, t2)
 
     def request_errors(self) -> dict[int, str]:
-        """{request index: message} for the requests the worker failed one by one (usually none)."""
+        """{request index: its Failure} for the requests the worker failed one by one (usually none)."""
         count, failed = _REQ_COUNT.unpack_from(self.header, _REQ_COUNT_AT)
         if not failed:
             return {}
@@ -225,7 +244,8 @@ class Slot:
             _, _, bad, length = _REQUEST.unpack_from(self.header, _REQUESTS_AT + i * _REQUEST.size)
             if bad:
                 length = min(length, _REQ_ERRORS_AT + REQUEST_ERROR_BYTES - pos)
-                out[i] = bytes(self.header[pos:pos + length]).decode("utf-8", "replace")
+                out[i] = Failure.of(bytes(self.header[pos:pos + length]).decode("utf-8", "replace"),
+                                    bad - 2 if bad >= 2 else None)
                 pos += length
         return out
 

@@ -206,7 +206,7 @@ class Dispatcher:
             try:
                 for k, req in enumerate(batch.requests):
                     if k in failed:
-                        self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+                        self.reply_error(model, req, errors.model_failure(model.name, failed[k]))
                         row += req.rows
                         continue
                     try:
@@ -308,7 +308,7 @@ class Dispatcher:
         """Every request hears ``err``, or the message the model gave for it alone (``failed``)."""
         for k, req in enumerate(batch.requests):
             if failed and k in failed:
-                self.reply_error(model, req, errors.ModelError(f"model '{model.name}' failed: {failed[k]}"))
+                self.reply_error(model, req, errors.model_failure(model.name, failed[k]))
             else:
                 self.reply_error(model, req, err)
 

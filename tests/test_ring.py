@@ -77,10 +77,12 @@ def test_request_table_carries_rows_outputs_and_single_failures_across_mappings(
         front_slot.fill(1, 6, one, 0.0, requests=[(2, 0b01), (1, 0b11), (3, 0b10)])
         assert worker_slot.requests() == [(2, 0b01), (1, 0b11), (3, 0b10)]
         worker_slot.set_state(ring.RUNNING)
-        worker_slot.fail_requests({0: "first is bad", 2: "third is bad"})
+        worker_slot.fail_requests({0: "first is bad", 2: ring.Failure.of("third is bad", 3)})
         worker_slot.finish(1, [], 1.0, 2.0)
         assert front_slot.result()[2] == ""  # the batch itself is DONE
-        assert front_slot.request_errors() == {0: "first is bad", 2: "third is bad"}
+        failed = front_slot.request_errors()
+        assert failed == {0: "first is bad", 2: "third is bad"}
+        assert failed[0].code is None and failed[2].code == 3  # a python model's TritonError code
         front_slot.release()
         front_slot.fill(2, 6, one, 0.0, requests=[(6, 1)])  # a refill forgets the last batch's failures
         assert front_slot.request_errors() == {} and worker_slot.requests() == [(6, 1)]
@@ -98,6 +100,9 @@ def test_request_table_bounds(a_ring):
     slot.fill(1, 3, one, 0.0, requests=[(1, 1)] * 3)
     with pytest.raises(ValueError, match="outside 0..2"):
         slot.fail_requests({3: "no such request"})
+    slot.fail_requests({0: ring.Failure.of("a", -1), 1: ring.Failure.of("b", ring.MAX_FAILURE_CODE + 1),
+                        2: ring.Failure.of("c", ring.MAX_FAILURE_CODE)})
+    assert [m.code for m in slot.request_errors().values()] == [None, None, ring.MAX_FAILURE_CODE]  # what fits
     long = "x" * ring.REQUEST_ERROR_BYTES  # three failures share the area: each message is cut to its share
     slot.fail_requests({i: long for i in range(3)})
     got = slot.request_errors()

@@ -110,6 +110,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+CODED = {-10.0: "UNKNOWN", -11.0: "INTERNAL", -12.0: "NOT_FOUND", -13.0: "INVALID_ARG", -14.0: "UNAVAILABLE",
+         -15.0: "UNSUPPORTED", -16.0: "ALREADY_EXISTS", -17.0: "CANCELLED"}
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -120,6 +123,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if x[0, 0] in CODED:  # an error with its code, as python_backend's TritonError(message, code)
+                name = CODED[x[0, 0]]
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("coded " + name, getattr(pb_utils.TritonError, name))))
+                continue
             if x[0, 0] < 0:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError("negative input " + str(float(x[0, 0])) + " refused")))
@@ -216,7 +224,7 @@ def triton_pool(tmp_path_factory):
     _one_model(repo, "bls", BLS_PY, _simple_config("bls"))
     _one_model(repo, "auto_same", AUTO_PY.replace("MAX_BATCH", "16"), _simple_config("auto_same"))
     _one_model(repo, "auto_changes", AUTO_PY.replace("MAX_BATCH", "32"), _simple_config("auto_changes"))
-    with Pool(repo, http_port=free_port()) as pool:
+    with Pool(repo, http_port=free_port(), grpc_port=free_port()) as pool:
         pool.repo = repo
         yield pool
 
@@ -285,6 +293,47 @@ def test_an_error_response_reaches_tritonclient_as_its_message(triton_pool):
     assert "negative input -1.0 refused" in str(answers[1])
     for result in answers[:1] + answers[2:]:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x + 1)
+
+
+# TritonError's code -> (gepool's error class, HTTP status, gRPC status) as Triton answers them (its http_server.cc
+# HttpCodeFromError, grpc_utils.cc)
+CODED = {-10.0: ("Unknown", 400, "UNKNOWN"), -11.0: ("ModelError", 500, "INTERNAL"),
+         -12.0: ("NotFound", 404, "NOT_FOUND"), -13.0: ("InvalidArgument", 400, "INVALID_ARGUMENT"),
+         -14.0: ("Unavailable", 503, "UNAVAILABLE"), -15.0: ("Unsupported", 501, "UNIMPLEMENTED"),
+         -16.0: ("AlreadyExists", 400, "ALREADY_EXISTS"), -17.0: ("Cancelled", 400, "CANCELLED")}
+
+
+def test_an_error_responses_code_is_the_status_it_is_answered_with(triton_pool):
+    httpclient = pytest.importorskip("tritonclient.http")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    def over(client, url: str):
+        def call(value: float) -> InferenceServerException:
+            with client.InferenceServerClient(url) as triton:
+                inp = client.InferInput("INPUT0", [1, 2], "FP32")
+                inp.set_data_from_numpy(np.array([[value, 1.0]], np.float32))
+                with pytest.raises(InferenceServerException) as answered:
+                    triton.infer("picky", [inp])
+            return answered.value
+        return call
+
+    c = triton_pool.client()
+    before = c.stats()["picky"]["failures"]
+    # every call at once: batches of the preferred six go without the model's 5 s delay
+    library = {v: c.infer_async("picky", {"INPUT0": np.array([[v, 1.0]], np.float32)}) for v in CODED}
+    with concurrent.futures.ThreadPoolExecutor(2 * len(CODED)) as pool:
+        by_http = {v: pool.submit(over(httpclient, f"127.0.0.1:{triton_pool.http_port}"), v) for v in CODED}
+        by_grpc = {v: pool.submit(over(grpcclient, f"127.0.0.1:{triton_pool.grpc_port}"), v) for v in CODED}
+        http = {v: f.result(timeout=60) for v, f in by_http.items()}
+        grpc = {v: f.result(timeout=60) for v, f in by_grpc.items()}
+    for value, (name, http_status, grpc_status) in CODED.items():
+        with pytest.raises(errors.GepoolError) as refused:
+            library[value].result(timeout=60)
+        assert type(refused.value) is getattr(errors, name) and "coded " in refused.value.message
+        assert http[value].status() == str(http_status) and "coded " in http[value].message(), (name, http[value])
+        assert grpc[value].status() == f"StatusCode.{grpc_status}", (name, grpc[value])
+    assert c.stats()["picky"]["failures"] == before + 3 * len(CODED)  # each the model's failure, whatever its code
 
 
 def test_args_and_requested_outputs_follow_triton(triton_pool):

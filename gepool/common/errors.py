@@ -83,6 +83,30 @@ class Internal(GepoolError):
     code, http_status = "INTERNAL", 500
 
 
+class Unknown(GepoolError):
+    """A model's failure with TritonError.UNKNOWN: 400 over HTTP, UNKNOWN over gRPC, as Triton answers it."""
+
+    code, http_status = "UNKNOWN", 400
+
+
+class NotFound(GepoolError):
+    """A model's failure with TritonError.NOT_FOUND: 404 over HTTP, NOT_FOUND over gRPC."""
+
+    code, http_status = "NOT_FOUND", 404
+
+
+class Unsupported(GepoolError):
+    """A model's failure with TritonError.UNSUPPORTED: 501 over HTTP, UNIMPLEMENTED over gRPC."""
+
+    code, http_status = "UNSUPPORTED", 501
+
+
+class Cancelled(GepoolError):
+    """A model's failure with TritonError.CANCELLED: 400 over HTTP, CANCELLED over gRPC."""
+
+    code, http_status = "CANCELLED", 400
+
+
 class ConfigError(Exception):
     """A config.pbtxt that cannot be served, located by file, line and field."""
 
@@ -94,6 +118,21 @@ class ConfigError(Exception):
 
 
 _BY_CODE = {cls.code: cls for cls in GepoolError.__subclasses__()}
+# pb_utils.TritonError's codes, in order (UNKNOWN = 0 ... CANCELLED = 7): what a python model's error answers as
+TRITON_ERROR_CODES = ("UNKNOWN", "MODEL_ERROR", "NOT_FOUND", "INVALID_ARGUMENT", "UNAVAILABLE", "UNSUPPORTED",
+                      "ALREADY_EXISTS", "CANCELLED")
+
+
+def model_failure(model: str, message: str) -> ModelError:
+    """A model's failure of one request, answered with the TritonError code it gave (``message.code``: ipc's
+    Failure), as Triton's python backend answers it; INTERNAL or none is MODEL_ERROR (500). Counted as the
+    backend's failure whatever the code (it stays a ModelError)."""
+    err = ModelError(f"model '{model}' failed: {message}")
+    code = getattr(message, "code", None)
+    if type(code) is int and 0 <= code < len(TRITON_ERROR_CODES) and TRITON_ERROR_CODES[code] != ModelError.code:
+        err.code = TRITON_ERROR_CODES[code]
+        err.http_status = _BY_CODE[err.code].http_status
+    return err
 
 
 def from_code(code: str, message: str) -> GepoolError:

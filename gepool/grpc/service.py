@@ -37,6 +37,8 @@ _STATUS = {  # gepool's error code -> the gRPC status Triton answers with
     "REQUEST_TOO_LARGE": grpc.StatusCode.INVALID_ARGUMENT, "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "TIMEOUT": grpc.StatusCode.UNAVAILABLE, "POOL_UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "PROTOCOL": grpc.StatusCode.INTERNAL, "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
+    "UNKNOWN": grpc.StatusCode.UNKNOWN, "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "UNSUPPORTED": grpc.StatusCode.UNIMPLEMENTED, "CANCELLED": grpc.StatusCode.CANCELLED,
 }
 
 

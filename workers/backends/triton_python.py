@@ -9,6 +9,7 @@ import numpy as np
 from gepool.common.config import BACKEND_PYTHON, ModelConfig, TensorConfig
 from gepool.common.render import render
 from gepool.ipc import dtypes
+from gepool.ipc.ring import Failure
 from gepool.workers.backends import triton_python_backend_utils as pb_utils
 from gepool.workers.backends.base import KIND_CPU, RequestSpan, SyncBackend
 from gepool.workers.backends.python import Coroutines
@@ -98,7 +99,7 @@ class TritonPythonBackend(SyncBackend):
                                 f"not a pb_utils.InferenceResponse")
             got: dict[str, np.ndarray] = {}
             if response.has_error():
-                failed[k] = response.error().message()
+                failed[k] = Failure.of(response.error().message(), response.error().code())  # answered with its code
             else:
                 try:
                     got = self._response_arrays(response, span, batched)
