@@ -64,6 +64,25 @@ def test_a_setting_nothing_applies_is_refused_naming_it(tmp_path, base, extra, f
     assert info.value.line == base.count("\n") + 1  # located on the line that sets it
 
 
+@pytest.mark.parametrize("extra, field", [
+    ('model_operations { op_library_filename: [ "x.so" ] }', "model_operations"),
+    ('model_repository_agents { agents [ { name: "checksum" } ] }', "model_repository_agents"),
+    ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "n" data_type: TYPE_INT32 source_input: "x" } ]',
+     "batch_input"),
+    ('batch_output [ { target_name: "y" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "x" } ]',
+     "batch_output"),
+])
+def test_a_triton_field_the_proto_does_not_carry_is_refused_as_unsupported(tmp_path, extra, field):
+    """Not protobuf's 'has no field named', which reads as a misspelled field."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(write(tmp_path, BASE + extra + "\n"), "m")
+    assert info.value.field == field and info.value.line == BASE.count("\n") + 1, str(info.value)
+    assert info.value.message.startswith(f"{field} (") and info.value.message.endswith("is not supported by gepool "
+                                                                                       "yet"), str(info.value)
+    with pytest.raises(ConfigError, match='has no field named "model_operation"'):  # a misspelling stays one
+        parse_config(write(tmp_path, BASE + "model_operation { }\n"), "m")
+
+
 @pytest.mark.parametrize("kind, flag", [("input", "optional"), ("input", "allow_ragged_batch"),
                                         ("input", "is_shape_tensor"), ("output", "is_shape_tensor"),
                                         ("input", "is_non_linear_format_io"), ("output", "is_non_linear_format_io")])

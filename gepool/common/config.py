@@ -16,7 +16,7 @@ from gepool.common import model_config_pb2 as pb
 from gepool.common.ensemble import Ensemble, check_graph, parse_steps
 from gepool.common.errors import ConfigError
 from gepool.common.labels import read_labels
-from gepool.common.unsupported import refuse_for_ensemble, refuse_unimplemented, refuse_unsupported
+from gepool.common.unsupported import not_carried, refuse_for_ensemble, refuse_unimplemented, refuse_unsupported
 from gepool.ipc import dtypes
 
 BACKEND_ONNX = "onnxruntime"
@@ -188,7 +188,8 @@ def read_message(path: str) -> tuple[pb.ModelConfig, str]:
     except text_format.ParseError as exc:
         line = exc.GetLine() if hasattr(exc, "GetLine") else None
         detail = re.sub(r"^\d+:\d+ : ", "", str(exc))
-        raise ConfigError(path, line, _field_in(detail), detail) from None
+        field = _field_in(detail)
+        raise ConfigError(path, line, field, not_carried(detail, field)) from None
     return msg, text
 
 

@@ -17,6 +17,12 @@ from gepool.common.errors import ConfigError
 Fail = Callable[[str, str], ConfigError]  # (field, message) -> the error, located in the config's text
 
 _NOT_YET = "is not supported by gepool yet"
+# Triton's ModelConfig fields that gepool's model_config.proto does not carry: a config naming one is refused with
+# these words, not protobuf's "has no field named" (which reads as a misspelling)
+TRITON_ONLY_FIELDS = {"batch_input": "batch_input (the ragged-batch inputs a backend computes)",
+                      "batch_output": "batch_output (the outputs scattered to ragged requests)",
+                      "model_operations": "model_operations (custom operation libraries)",
+                      "model_repository_agents": "model_repository_agents (repository agents such as checksum)"}
 _TENSOR_FLAGS = ("is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io")
 # parameters Triton's onnxruntime backend reads that gepool's does not (it reads intra_op_thread_count)
 _ORT_PARAMETERS = ("inter_op_thread_count", "execution_mode", "enable_mem_arena", "enable_mem_pattern",
@@ -87,3 +93,10 @@ def refuse_unimplemented(config, fail: Fail) -> None:
     """Parsed, checked and kept in the typed config, but not served yet: one check per feature. None waits
     at present (response_cache and label_filename are served by the front); the next such field goes here."""
     del config, fail
+
+
+def not_carried(detail: str, field: str | None) -> str:
+    """protobuf's refusal of an unknown field, in gepool's words where Triton has the field."""
+    if field in TRITON_ONLY_FIELDS and "has no field named" in detail:
+        return f"{TRITON_ONLY_FIELDS[field]} {_NOT_YET}"
+    return detail
