@@ -168,6 +168,42 @@ def test_malformed_http_gets_400_and_pool_serves_on(http_pool, body, headers, wo
     assert status == 200 and reply["outputs"][0]["data"][:3] == [1.0, 3.0, 5.0]
 
 
+def _raw_post(port: int, model: str, body: bytes) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", f"/v2/models/{model}/infer", body=body, headers={"Inference-Header-Content-Length": "0"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_raw_binary_request_is_the_one_inputs_bytes(http_pool):
+    """Triton's raw binary request: no JSON, the body is the model's one input (batch 1), outputs come binary."""
+    x = np.arange(16, dtype=np.float32)
+    status, headers, body = _raw_post(http_pool.http_port, "tiny", x.tobytes())
+    assert status == 200, body
+    hlen = int(headers["inference-header-content-length"])
+    (out,) = json.loads(body[:hlen])["outputs"]
+    assert out["name"] == "OUTPUT0" and out["shape"] == [1, 16] and out["parameters"] == {"binary_data_size": 64}
+    np.testing.assert_array_equal(np.frombuffer(body[hlen:], np.float32), 2 * x + 1)
+
+    status, headers, body = _raw_post(http_pool.http_port, "shout", b"hello")  # BYTES of shape [1]: the body
+    assert status == 200, body
+    hlen = int(headers["inference-header-content-length"])
+    outs = {o["name"]: o for o in json.loads(body[:hlen])["outputs"]}
+    upper_size = outs["UPPER"]["parameters"]["binary_data_size"]
+    blobs = body[hlen:]
+    assert [o["name"] for o in json.loads(body[:hlen])["outputs"]][0] == "UPPER"
+    assert blobs[:upper_size] == b"\x05\0\0\0HELLO" and np.frombuffer(blobs[upper_size:], np.int32).tolist() == [5]
+
+    status, _, body = _raw_post(http_pool.http_port, "tiny", x.tobytes()[:60])
+    assert status == 400 and json.loads(body)["error"] == ("input 'INPUT0': the raw request's 60 bytes do not make a "
+                                                           "FP32 tensor of shape [1, 16]")
+    status, _, body = _raw_post(http_pool.http_port, "nosuch", x.tobytes())
+    assert status == 400 and "unknown model" in json.loads(body)["error"]
+
+
 def test_the_timeout_parameter_is_the_requests_timeout_in_microseconds():
     from gepool.http import kserve
     body = json.dumps({**GOOD, "parameters": {"timeout": 2500, "priority": 2}}).encode()

@@ -334,3 +334,38 @@ def test_an_integer_out_of_range_is_refused_before_numpy_could_wrap_it(datatype,
         with pytest.raises(InvalidArgument) as caught:
             kserve._from_json("X", datatype, [len(data)], data)
     assert caught.value.message == want
+
+
+# -- Triton's raw binary request (Inference-Header-Content-Length: 0) ---------------------------------------------
+
+def _raw_config(dims: list[int], data_type: str = "TYPE_FP32", max_batch_size: int = 8, inputs: int = 1) -> dict:
+    spec = {"name": "X", "data_type": data_type, "dims": dims}
+    return {"max_batch_size": max_batch_size, "input": [dict(spec, name=f"X{i}" if i else "X") for i in range(inputs)]}
+
+
+def test_a_raw_request_deduces_its_shape_as_triton():
+    x = np.arange(12, dtype=np.float32)
+    req = kserve.raw_request(_raw_config([3, -1]), x.tobytes(), "m")  # batch 1, the variable dim from the size
+    np.testing.assert_array_equal(req.inputs["X"], x.reshape(1, 3, 4))
+    assert req.outputs is None and req.binary_output
+    req = kserve.raw_request(_raw_config([-1], "TYPE_INT64", max_batch_size=0), x.tobytes(), "m")  # no batch dim
+    assert req.inputs["X"].shape == (6,) and req.inputs["X"].dtype == np.int64
+    req = kserve.raw_request(_raw_config([1], "TYPE_STRING"), b"\xffany bytes", "m")
+    assert req.inputs["X"].shape == (1, 1) and req.inputs["X"][0, 0] == b"\xffany bytes"
+
+
+@pytest.mark.parametrize("config, body, words", [
+    (_raw_config([4], inputs=2), b"\0" * 16,
+     "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'm' model configuration"),
+    (_raw_config([-1, -1]), b"\0" * 16,
+     "The shape of the raw input 'X' can not be deduced because there are more than one variable-sized dimension"),
+    (_raw_config([2], "TYPE_STRING"), b"ab", "For BYTE datatype raw input, the model must have input shape [1]"),
+    (_raw_config([-1], "TYPE_STRING"), b"ab", "For BYTE datatype raw input, the model must have input shape [1]"),
+    (_raw_config([4]), b"\0" * 12, "input 'X': the raw request's 12 bytes do not make a FP32 tensor of shape [1, 4]"),
+    (_raw_config([3, -1]), b"\0" * 16, "input 'X': the raw request's 16 bytes do not make a FP32 tensor of shape "
+                                       "[1, 3, 1]"),
+])
+def test_a_raw_request_the_model_cannot_take_is_refused_in_tritons_words(config, body, words):
+    with pytest.raises(InvalidArgument) as refused:
+        kserve.raw_request(config, body, "m")
+    assert refused.value.message == words

@@ -363,6 +363,40 @@ def header_length(body, header_length: str | None) -> int:
     return hlen
 
 
+def raw_request(config: Mapping, body: bytes, model: str) -> InferRequest:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0, no JSON): ``body`` is the bytes of the
+    model's one input, its shape deduced from ``config`` (the model's rendered config) as Triton's
+    infer_request.cc deduces it: batch 1 for a batching model, its one variable dimension from the body's
+    size; a BYTES input's shape must hold one element, the body. Every output comes back binary."""
+    specs = config.get("input") or []
+    if len(specs) != 1:
+        raise InvalidArgument(f"Raw request must only have 1 input (found 1) to be deduced but got {len(specs)} "
+                              f"inputs in '{model}' model configuration")
+    name, dims = specs[0]["name"], [int(d) for d in specs[0].get("dims", [])]
+    datatype = str(specs[0]["data_type"]).removeprefix("TYPE_")
+    datatype = "BYTES" if datatype == "STRING" else datatype
+    variable = [i for i, d in enumerate(dims) if d == -1]
+    if len(variable) > 1:
+        raise InvalidArgument(f"The shape of the raw input '{name}' can not be deduced because there are more than "
+                              f"one variable-sized dimension")
+    batch = [1] if int(config.get("max_batch_size", 0)) > 0 else []
+    count = math.prod(d for d in dims if d != -1)
+    if datatype == dtypes.BYTES:
+        if variable or count != 1:
+            raise InvalidArgument("For BYTE datatype raw input, the model must have input shape [1]")
+        data = np.empty(1, dtype=object)
+        data[0] = bytes(body)
+        return InferRequest({name: data.reshape(batch + dims)}, None, True)
+    dtype = numpy_dtype(datatype)
+    if variable:
+        dims[variable[0]] = len(body) // (count * dtype.itemsize) if count else 0
+    shape = batch + dims
+    if math.prod(shape) * dtype.itemsize != len(body):
+        raise InvalidArgument(f"input '{name}': the raw request's {len(body)} bytes do not make a {datatype} tensor "
+                              f"of shape {shape}")
+    return InferRequest({name: np.frombuffer(body, dtype).reshape(shape)}, None, True)
+
+
 def parse_request(body: bytes, header_length_text: str | None, regions=None, max_json: int | None = None,
                   max_input: int | None = None) -> InferRequest:
     """A request body -> numpy inputs and what to return; InvalidArgument names whatever is wrong.

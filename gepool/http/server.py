@@ -346,7 +346,11 @@ class Gateway:
                 shm = _mentions_shm(body, hlen)
                 if self.regions.stale():  # not only when shm: the key may be spelled with escapes
                     await self.regions.current()
-                if INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
+                if hlen == 0 and header_length is not None:  # no JSON at all: the body is the one input
+                    await self._model_meta(request)  # (an unknown model or version is heard of first)
+                    config = await (await self.front()).query("config", {"model": model})
+                    req = kserve.raw_request(config, body, model)
+                elif INLINE_PARSE_BYTES < hlen <= MAX_JSON_BYTES and not shm:
                     req = await self.offload.parse(body, header_length, self.max_body)
                 elif len(body) > INLINE_PARSE_BYTES or shm:
                     req = await asyncio.to_thread(parse)
@@ -391,7 +395,7 @@ class Gateway:
             hlen = kserve.header_length(body, header_length)
         except errors.GepoolError:
             return False
-        if _mentions_shm(body, hlen):
+        if _mentions_shm(body, hlen) or hlen == 0 and header_length is not None:  # (a raw request: the handler's)
             return False
         try:
             req = self.templates.parse(body, _no_regions, MAX_JSON_BYTES, max_body) if header_length is None \
