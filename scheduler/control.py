@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from gepool.common import errors
+from gepool.common.ensemble import MAX_NESTING
 from gepool.common.errors import ConfigError
 from gepool.common.repository import Reading, load_sources, model_dir, model_names, signature
 from gepool.ipc import protocol
@@ -25,6 +26,14 @@ from gepool.scheduler.states import ModelState, WorkerState, check_model
 log = logging.getLogger("gepool.control")
 
 MODES = ("none", "explicit", "poll")
+
+
+def _folder(repository: str, name: str) -> bool:
+    """Whether ``name`` is a model folder of the repository (as a load request may name one)."""
+    try:
+        return os.path.isdir(model_dir(repository, name))
+    except ValueError:
+        return False
 
 
 def cpu_threads(budget: int, instances: int) -> int:
@@ -96,10 +105,18 @@ class ModelControl:
                 raise errors.ModelNotFound(f"Request for unknown model: '{name}' is not loaded")
             self.unload(name)
             return {"unloaded": name}
-        self.load(name, waiter)
+        try:
+            self.load(name, waiter)
+        except BaseException:  # answered by the caller with what was raised: the waiter is not answered again
+            for waiting in (self.after_steps.get(name, []), getattr(self.groups.get(name), "waiters", [])):
+                if waiter in waiting:
+                    waiting.remove(waiter)
+            if not self.after_steps.get(name, True):
+                del self.after_steps[name]
+            raise
         return None
 
-    def load(self, name: str, waiter: tuple[bytes, int] | None = None) -> None:
+    def load(self, name: str, waiter: tuple[bytes, int] | None = None, depth: int = 0) -> None:
         """Starts a new generation of every selected version beside what serves now. In explicit mode an
         ensemble's step models that are not held are loaded with it (as Triton loads an ensemble's
         dependencies), and its load is answered once none of them is loading (``answer_ensembles``)."""
@@ -118,11 +135,11 @@ class ModelControl:
                  and src.config.ensemble is not None for step in src.config.ensemble.steps}
         if waiter is not None:
             (self.after_steps.setdefault(name, []) if steps else group.waiters).append(waiter)
-        if self.mode == "explicit":
+        if self.mode == "explicit" and depth < MAX_NESTING:  # (deeper, the ensemble's own check names the chain)
             for step in sorted(steps):  # (this group is held already: a cycle of ensembles ends here)
                 held = self.groups.get(step)
-                if (held is None or held.unloading) and os.path.isdir(os.path.join(self.opts.repository, step)):
-                    self.load(step)
+                if (held is None or held.unloading) and _folder(self.opts.repository, step):
+                    self.load(step, depth=depth + 1)
         for src in sources:
             self.generation += 1
             model = Model(src, group.version_stats(src.version), self.generation, self.clock,

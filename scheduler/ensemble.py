@@ -100,12 +100,19 @@ def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float
         t = tensors[input_map[name]]
         rows = check_tensor(plan, spec, t.datatype, t.shape, rows, shapes)
         buf = whole_buffer(name, itemsize, t.shape, t.buf)
-        if name in plan.text:
-            check_text(name, buf, math.prod(t.shape))
         shapes.append(t.shape)
         buffers.append(buf)
         total += len(buf)
     rows, total, key = check_batch(plan, shapes, rows, total)
+    for (name, *_), shape, buf in zip(plan.inputs, shapes, buffers, strict=True):
+        if name in plan.text:
+            try:
+                check_text(name, buf, math.prod(shape))
+            except errors.InvalidArgument as exc:
+                if input_map[name] in run.model.admission.names:  # the client's own tensor
+                    raise
+                raise errors.ModelError(f"{exc.message} (tensor '{input_map[name]}', an earlier step's output)") \
+                    from None
     outer = run.req
     return Request(outer.identity, outer.req_id, plan.config.name, shapes, buffers, rows, total, None,
                    protocol.NO_ARENA, 0, 0, now, key, origin=outer.origin, priority=outer.priority,

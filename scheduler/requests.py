@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import hmac
 import math
 import operator
@@ -72,6 +73,7 @@ class Request:
 # A BYTES tensor of elements of different lengths is checked element by element, in Python, in the
 # front's one thread: past this many elements that walk would hold up every other client.
 MAX_BYTES_ELEMENTS = 1 << 16
+TEXT_CHUNK_BYTES = 1 << 20  # check_text decodes this much at a time: its memory does not grow with the tensor
 BYTES_PREFIX = 4  # each serialized element starts with its uint32 length
 
 _INT_FIELDS = ("req_id", "version", "timeout_us", "priority", "arena", "out_offset", "out_size", "deadline_us")
@@ -171,12 +173,14 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
             buf = _buffer(name, where, math.prod(shape) * itemsize, frames, arena)
         else:
             buf = _bytes_buffer(name, where, math.prod(shape), frames, arena)
-            if name in plan.text:
-                check_text(name, buf, math.prod(shape))
         buffers.append(buf)
         total += len(buf)
         shapes.append(shape)
     rows, total, key = check_batch(plan, shapes, rows, total)
+    if plan.text:  # after check_batch: what is read is no more than the model's slot holds
+        for (name, *_), shape, buf in zip(plan.inputs, shapes, buffers, strict=True):
+            if name in plan.text:
+                check_text(name, buf, math.prod(shape))
     outputs, classify = (None, None) if msg.outputs is None else requested_outputs(msg.outputs, config)
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
@@ -357,28 +361,36 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
 
 def check_text(name: str, buf: memoryview, count: int) -> None:
     """Each element of a BYTES input UTF-8 text (checked before it joins a batch, whose other requests would fail
-    with it in the worker). Elements of one length are read in one pass: their bytes together decode, and none
-    starts inside a character (so no character spans two of them)."""
-    if count == 0:
-        return
-    if dtypes.uniform_bytes(buf, count):
-        stride = len(buf) // count
-        rows = np.frombuffer(buf, np.uint8).reshape(count, stride)[:, 4:]
-        try:
-            if stride == 4 or (not ((rows[:, 0] & 0xC0) == 0x80).any() and rows.tobytes().decode("utf-8")):
-                return
-        except UnicodeDecodeError:
-            pass
-    else:  # (at most MAX_BYTES_ELEMENTS, checked when its buffer was)
-        offsets = dtypes.bytes_offsets(buf, count)
-        try:
-            for i in range(count):
-                str(buf[offsets[i] + 4:offsets[i + 1]], "utf-8")
-            return
-        except UnicodeDecodeError:
-            pass
-    raise InvalidArgument(f"input '{name}': an onnxruntime model's string tensor takes UTF-8 text, and an element "
-                          f"of this one is not")
+    with it in the worker), read TEXT_CHUNK_BYTES at a time. Elements of one length are read in one pass: their
+    bytes together decode, and none starts inside a character (so no character spans two of them)."""
+    if count and not _utf8_elements(buf, count):
+        raise InvalidArgument(f"input '{name}': an onnxruntime model's string tensor takes UTF-8 text, and an "
+                              f"element of this one is not")
+
+
+def _utf8_elements(buf: memoryview, count: int) -> bool:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        if dtypes.uniform_bytes(buf, count):
+            stride = len(buf) // count
+            if stride == 4:
+                return True
+            rows = np.frombuffer(buf, np.uint8).reshape(count, stride)[:, 4:]
+            if ((rows[:, 0] & 0xC0) == 0x80).any():
+                return False
+            step = max(1, TEXT_CHUNK_BYTES // (stride - 4))
+            for at in range(0, count, step):
+                decoder.decode(rows[at:at + step].tobytes())
+            decoder.decode(b"", final=True)
+            return True
+        offsets = dtypes.bytes_offsets(buf, count)  # (at most MAX_BYTES_ELEMENTS, as its buffer's check allowed)
+        for i in range(count):
+            for at in range(offsets[i] + 4, offsets[i + 1], TEXT_CHUNK_BYTES):
+                decoder.decode(buf[at:min(at + TEXT_CHUNK_BYTES, offsets[i + 1])])
+            decoder.decode(b"", final=True)  # (and resets it for the next element)
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _buffer(name: str, where: object, nbytes: int, frames: list, arena: Arena | None) -> memoryview | ArenaSpan:

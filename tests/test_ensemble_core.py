@@ -632,3 +632,61 @@ def test_the_wildcard_startup_model_loads_the_whole_repository(tmp_path, harness
     h.ready_all()
     assert sorted(h.core.control.groups) == ["a", "b", "pipe"]
     assert reasons(h)["pipe"] == (ModelState.AVAILABLE, "")
+
+
+def test_an_exception_while_loading_an_ensembles_steps_answers_the_load_once(tmp_path, harness):  # noqa: F811
+    for name in "ab":
+        echo_model(tmp_path, name)
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness(model_control_mode="explicit")
+    place = h.out.place
+
+    def no_room(config):
+        if config.name == "b":
+            raise OSError(28, "No space left on device")
+        return place(config)
+
+    h.out.place = no_room
+    h.send(protocol.Query(1, "load", {"model": "pipe"}))
+    h.ready_all()
+    h.tick(200)
+    answers = [(type(msg).__name__, msg.req_id) for _, msg, _ in h.out.take()]
+    assert answers == [("Error", 1)], answers  # the failure, and not the waiting load's answer as well
+    assert h.core.control.after_steps == {}
+
+
+def test_a_steps_coded_failure_keeps_its_code_through_the_ensemble(tmp_path, harness):  # noqa: F811
+    """A python model's TritonError(..., INVALID_ARG) is a 400 through an ensemble as it is alone."""
+    from gepool.ipc.ring import Failure
+
+    for name in "ab":
+        echo_model(tmp_path, name)
+    pipe(tmp_path, "pipe", ["a", "b"])
+    h = harness()
+    for w in h.out.spawned:  # as a python model's worker reports itself: it answers each request alone
+        h.core.on_worker_message(protocol.WorkerReady(w.id, protocol.PROTOCOL_VERSION, w.process.pid,
+                                                      {"per_request": True}))
+    h.tick()
+    rid = ens_infer(h, 1.0)
+    w = h.core.control.groups["a"].default().workers[0]
+    rung, w.bell.rung = w.bell.rung, []
+    for index, _ in rung:
+        slot = w.ring.slots[index]
+        slot.fail_requests({0: Failure.of("bad value", 3)})  # as the worker marks a request its model refused
+        slot.fail("bad value", h.clock.now, h.clock.now)
+    h.core.on_completions(w, rung)
+    h.step()
+    err = results(h.out.take())[rid]
+    assert err.code == errors.InvalidArgument.code, err
+    assert err.message == "ensemble 'pipe' step 1 ('a'): model 'a' failed: bad value", err.message
+
+
+def test_a_step_name_outside_the_repository_is_not_loaded(tmp_path, harness):  # noqa: F811
+    echo_model(tmp_path, "a")
+    pipe(tmp_path, "pipe", ["a", str(tmp_path / "a")])  # an absolute path to a real model folder
+    h = harness(model_control_mode="explicit")
+    h.send(protocol.Query(3, "load", {"model": "pipe"}))
+    h.ready_all()
+    assert sorted(h.core.control.groups) == ["a", "pipe"]
+    (_, reply, _), = h.out.take()
+    assert isinstance(reply, protocol.Error) and "is not loaded" in reply.message, reply

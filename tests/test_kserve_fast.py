@@ -364,6 +364,8 @@ def test_a_raw_request_deduces_its_shape_as_triton():
     (_raw_config([4]), b"\0" * 12, "input 'X': the raw request's 12 bytes do not make a FP32 tensor of shape [1, 4]"),
     (_raw_config([3, -1]), b"\0" * 16, "input 'X': the raw request's 16 bytes do not make a FP32 tensor of shape "
                                        "[1, 3, 1]"),
+    (_raw_config([2 ** 62, 2 ** 62, -1]), b"", "input 'X': the shape [1, 4611686018427387904, 4611686018427387904, 0] "
+                                              "the model's config gives cannot be made"),
 ])
 def test_a_raw_request_the_model_cannot_take_is_refused_in_tritons_words(config, body, words):
     with pytest.raises(InvalidArgument) as refused:

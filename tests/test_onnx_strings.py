@@ -72,15 +72,25 @@ def test_an_element_that_is_not_utf8_is_refused_naming_the_input(pool, texts):
                                      "element of this one is not")
 
 
-def test_check_text_reads_each_element_alone():
-    def ok(*items: bytes) -> bool:
-        buf = memoryview(dtypes.serialize_bytes(np.array(items, dtype=object)))
-        try:
-            check_text("S", buf, len(items))
-        except errors.InvalidArgument:
-            return False
-        return True
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_check_text_reads_each_element_alone(monkeypatch, chunk):
+    """In chunks of any size (a character split across two chunks is still one character)."""
+    monkeypatch.setattr("gepool.scheduler.requests.TEXT_CHUNK_BYTES", chunk)
+    test_check_text_reads_each_element_alone_unchunked()
+    assert _ok("日本語".encode(), "語本日".encode()) and _ok("é" * 7, "a" * 5) and not _ok("é".encode() * 3, b"ab\xff")
 
+
+def _ok(*items) -> bool:
+    buf = memoryview(dtypes.serialize_bytes(np.array(items, dtype=object)))
+    try:
+        check_text("S", buf, len(items))
+    except errors.InvalidArgument:
+        return False
+    return True
+
+
+def test_check_text_reads_each_element_alone_unchunked():
+    ok = _ok
     assert ok(b"\xc3\xa9", b"ab") and ok(b"", b"") and ok(b"abc", b"d\x00") and ok()
     assert not ok(b"\xc3", b"\xa9") and not ok(b"ab\xc3", b"\xa9cd") and not ok(b"\x80a", b"bc")
     assert not ok(b"ok", b"\xff") and not ok(b"\xe2\x82", b"x")

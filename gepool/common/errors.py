@@ -123,16 +123,19 @@ TRITON_ERROR_CODES = ("UNKNOWN", "MODEL_ERROR", "NOT_FOUND", "INVALID_ARGUMENT",
                       "ALREADY_EXISTS", "CANCELLED")
 
 
+# a model's failure with each code: a ModelError (counted as the backend's), answered with that code's status;
+# a class, not an instance's attributes, so that an ensemble rewording it (type(err)(...)) keeps the code
+_CODED_FAILURES = {code: type(f"ModelError{_BY_CODE[code].__name__}", (ModelError,),
+                              {"code": code, "http_status": _BY_CODE[code].http_status})
+                   for code in TRITON_ERROR_CODES if code != ModelError.code}
+
+
 def model_failure(model: str, message: str) -> ModelError:
     """A model's failure of one request, answered with the TritonError code it gave (``message.code``: ipc's
-    Failure), as Triton's python backend answers it; INTERNAL or none is MODEL_ERROR (500). Counted as the
-    backend's failure whatever the code (it stays a ModelError)."""
-    err = ModelError(f"model '{model}' failed: {message}")
+    Failure), as Triton's python backend answers it; INTERNAL or none is MODEL_ERROR (500)."""
     code = getattr(message, "code", None)
-    if type(code) is int and 0 <= code < len(TRITON_ERROR_CODES) and TRITON_ERROR_CODES[code] != ModelError.code:
-        err.code = TRITON_ERROR_CODES[code]
-        err.http_status = _BY_CODE[err.code].http_status
-    return err
+    coded = TRITON_ERROR_CODES[code] if type(code) is int and 0 <= code < len(TRITON_ERROR_CODES) else None
+    return _CODED_FAILURES.get(coded, ModelError)(f"model '{model}' failed: {message}")
 
 
 def from_code(code: str, message: str) -> GepoolError:

@@ -9,6 +9,7 @@ that are parsed into the typed config and wait for their implementation: drop a 
 feature lands.
 """
 
+import re
 from collections.abc import Callable
 
 from gepool.common import model_config_pb2 as pb
@@ -17,12 +18,19 @@ from gepool.common.errors import ConfigError
 Fail = Callable[[str, str], ConfigError]  # (field, message) -> the error, located in the config's text
 
 _NOT_YET = "is not supported by gepool yet"
-# Triton's ModelConfig fields that gepool's model_config.proto does not carry: a config naming one is refused with
+# Triton's model_config.proto fields that gepool's does not carry, by message: a config naming one is refused with
 # these words, not protobuf's "has no field named" (which reads as a misspelling)
-TRITON_ONLY_FIELDS = {"batch_input": "batch_input (the ragged-batch inputs a backend computes)",
-                      "batch_output": "batch_output (the outputs scattered to ragged requests)",
-                      "model_operations": "model_operations (custom operation libraries)",
-                      "model_repository_agents": "model_repository_agents (repository agents such as checksum)"}
+TRITON_ONLY_FIELDS = {
+    "ModelConfig": {"batch_input": "batch_input (the ragged-batch inputs a backend computes)",
+                    "batch_output": "batch_output (the outputs scattered to ragged requests)",
+                    "model_metrics": "model_metrics (custom metric settings)",
+                    "model_operations": "model_operations (custom operation libraries)",
+                    "model_repository_agents": "model_repository_agents (repository agents such as checksum)"},
+    "ModelEnsembling": {"max_inflight_requests": "ensemble_scheduling.max_inflight_requests"},
+    "ModelOptimizationPolicy.Cuda": {"graph_spec": "optimization.cuda.graph_spec"},
+    "ModelSequenceBatching": {name: f"sequence_batching.{name}" for name in
+                              ("control_input", "direct", "iterative_sequence", "oldest", "state")},
+}
 _TENSOR_FLAGS = ("is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io")
 # parameters Triton's onnxruntime backend reads that gepool's does not (it reads intra_op_thread_count)
 _ORT_PARAMETERS = ("inter_op_thread_count", "execution_mode", "enable_mem_arena", "enable_mem_pattern",
@@ -96,7 +104,7 @@ def refuse_unimplemented(config, fail: Fail) -> None:
 
 
 def not_carried(detail: str, field: str | None) -> str:
-    """protobuf's refusal of an unknown field, in gepool's words where Triton has the field."""
-    if field in TRITON_ONLY_FIELDS and "has no field named" in detail:
-        return f"{TRITON_ONLY_FIELDS[field]} {_NOT_YET}"
-    return detail
+    """protobuf's refusal of an unknown field, in gepool's words where Triton's message has the field."""
+    found = re.search(r'Message type "gepool\.inference\.([\w.]+)" has no field named', detail)
+    words = TRITON_ONLY_FIELDS.get(found.group(1), {}).get(field) if found else None
+    return f"{words} {_NOT_YET}" if words else detail

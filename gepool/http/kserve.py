@@ -391,10 +391,13 @@ def raw_request(config: Mapping, body: bytes, model: str) -> InferRequest:
     if variable:
         dims[variable[0]] = len(body) // (count * dtype.itemsize) if count else 0
     shape = batch + dims
-    if math.prod(shape) * dtype.itemsize != len(body):
+    if math.prod(shape) * dtype.itemsize != len(body) or len(shape) > MAX_DIMS:  # (Python's product: exact)
         raise InvalidArgument(f"input '{name}': the raw request's {len(body)} bytes do not make a {datatype} tensor "
                               f"of shape {shape}")
-    return InferRequest({name: np.frombuffer(body, dtype).reshape(shape)}, None, True)
+    try:
+        return InferRequest({name: np.frombuffer(body, dtype).reshape(shape)}, None, True)
+    except ValueError:  # a shape numpy cannot hold (dims past its index type, whose product is 0 bytes)
+        raise InvalidArgument(f"input '{name}': the shape {shape} the model's config gives cannot be made") from None
 
 
 def parse_request(body: bytes, header_length_text: str | None, regions=None, max_json: int | None = None,
