@@ -80,8 +80,6 @@ _REQ_ERRORS_AT = _REQUESTS_AT + MAX_REQUESTS * _REQUEST.size
 assert _REQ_COUNT_AT + _REQ_COUNT.size <= _REQUESTS_AT
 assert _REQ_ERRORS_AT + REQUEST_ERROR_BYTES <= SLOT_HEADER
 
-
-
 MAX_FAILURE_CODE = 253  # a Failure's code travels in the request's failed byte, as 2 + code
 
 
@@ -96,6 +94,7 @@ class Failure(str):
         failure = cls(message)
         failure.code = code
         return failure
+
 
 class TensorDesc(NamedTuple):
     """One tensor in a slot's data area (offset relative to the data area), or, in a direct batch, in

@@ -19,7 +19,7 @@ from gepool.scheduler.batcher import QueueBudget
 from gepool.scheduler.books import Workers
 from gepool.scheduler.groups import Group
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
-from gepool.scheduler.options import ALL_MODELS, FrontOptions, queued_bytes_limit
+from gepool.scheduler.options import FrontOptions, named_at_start, queued_bytes_limit
 from gepool.scheduler.outbox import Outbox
 from gepool.scheduler.states import ModelState, WorkerState, check_model
 
@@ -74,9 +74,8 @@ class ModelControl:
         opts = self.opts
         if not os.path.isdir(opts.repository):  # in every mode: explicit loads would only fail later
             raise FileNotFoundError(f"model repository '{opts.repository}' does not exist or is not a directory")
-        some = self.mode == "explicit" and ALL_MODELS not in opts.load_models
-        names = list(opts.load_models) if some else model_names(opts.repository)
-        for name in names:
+        named = named_at_start(self.mode, opts.load_models)  # (explicit mode with none named loads none)
+        for name in model_names(opts.repository) if named is None else named:
             self.load(name)
         if self.mode == "poll":
             self.poll_at = self.clock() + opts.poll_secs
@@ -107,11 +106,12 @@ class ModelControl:
             return {"unloaded": name}
         try:
             self.load(name, waiter)
-        except BaseException:  # answered by the caller with what was raised: the waiter is not answered again
-            for waiting in (self.after_steps.get(name, []), getattr(self.groups.get(name), "waiters", [])):
-                if waiter in waiting:
+        except BaseException:  # the caller answers with what was raised: the waiter is not answered again
+            group = self.groups.get(name)
+            for waiting in (self.after_steps.get(name), group.waiters if group is not None else None):
+                if waiting and waiter in waiting:
                     waiting.remove(waiter)
-            if not self.after_steps.get(name, True):
+            if self.after_steps.get(name) == []:
                 del self.after_steps[name]
             raise
         return None

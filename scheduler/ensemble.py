@@ -11,7 +11,6 @@ answered from the last step's slot, or from those buffers. Nothing passes throug
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -25,11 +24,12 @@ from gepool.scheduler.handoff import Copies, Link, Tensor
 from gepool.scheduler.models import AVAILABLE, LOADING, UNAVAILABLE, Model
 from gepool.scheduler.requests import (
     Admission,
+    NotText,
     Request,
     check_batch,
     check_names,
     check_tensor,
-    check_text,
+    check_texts,
     whole_buffer,
 )
 from gepool.scheduler.stats import CANCELED, failure_reason
@@ -104,15 +104,12 @@ def _admit_step(plan: Admission, input_map: dict[str, str], run: Run, now: float
         buffers.append(buf)
         total += len(buf)
     rows, total, key = check_batch(plan, shapes, rows, total)
-    for (name, *_), shape, buf in zip(plan.inputs, shapes, buffers, strict=True):
-        if name in plan.text:
-            try:
-                check_text(name, buf, math.prod(shape))
-            except errors.InvalidArgument as exc:
-                if input_map[name] in run.model.admission.names:  # the client's own tensor
-                    raise
-                raise errors.ModelError(f"{exc.message} (tensor '{input_map[name]}', an earlier step's output)") \
-                    from None
+    try:
+        check_texts(plan, shapes, buffers)
+    except NotText as exc:
+        if input_map[exc.input] in run.model.admission.names:  # the client's own tensor
+            raise
+        raise errors.ModelError(f"{exc.message} (tensor '{input_map[exc.input]}', an earlier step's output)") from None
     outer = run.req
     return Request(outer.identity, outer.req_id, plan.config.name, shapes, buffers, rows, total, None,
                    protocol.NO_ARENA, 0, 0, now, key, origin=outer.origin, priority=outer.priority,

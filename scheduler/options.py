@@ -12,6 +12,12 @@ ALL_MODELS = "*"  # Triton's --load-model that loads every model of the reposito
 MODEL_LOAD_TIMEOUT_S = 180.0  # then a model still loading is UNAVAILABLE (below Pool.start()'s own timeout)
 
 
+def named_at_start(mode: str, load_models: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The models a pool loads by name at start (explicit mode's --load-model), or None for every model of the
+    repository (the other modes, and ALL_MODELS)."""
+    return tuple(load_models) if mode == "explicit" and ALL_MODELS not in load_models else None
+
+
 @dataclass
 class FrontOptions:
     repository: str

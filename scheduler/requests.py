@@ -177,10 +177,7 @@ def admit(msg: protocol.Infer, identity: bytes, frames: list[memoryview], plan: 
         total += len(buf)
         shapes.append(shape)
     rows, total, key = check_batch(plan, shapes, rows, total)
-    if plan.text:  # after check_batch: what is read is no more than the model's slot holds
-        for (name, *_), shape, buf in zip(plan.inputs, shapes, buffers, strict=True):
-            if name in plan.text:
-                check_text(name, buf, math.prod(shape))
+    check_texts(plan, shapes, buffers)
     outputs, classify = (None, None) if msg.outputs is None else requested_outputs(msg.outputs, config)
     return Request(identity, msg.req_id, config.name, shapes, buffers, rows, total, outputs,
                    msg.arena, msg.out_offset, msg.out_size, now, key,
@@ -359,13 +356,29 @@ def _bytes_buffer(name: str, where: object, count: int, frames: list, arena: Are
     return buf
 
 
+class NotText(InvalidArgument):
+    """An onnxruntime model's string input holding an element that is not UTF-8 text (``input``: its name)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"input '{name}': an onnxruntime model's string tensor takes UTF-8 text, and an element "
+                         f"of this one is not")
+        self.input = name
+
+
+def check_texts(plan: Admission, shapes: list[tuple[int, ...]], buffers: list) -> None:
+    """``check_text`` on each of the plan's text inputs; called after ``check_batch``, so that no more is read
+    than the model's slot holds."""
+    for (name, *_), shape, buf in zip(plan.inputs, shapes, buffers, strict=True):
+        if name in plan.text:
+            check_text(name, buf, math.prod(shape))
+
+
 def check_text(name: str, buf: memoryview, count: int) -> None:
     """Each element of a BYTES input UTF-8 text (checked before it joins a batch, whose other requests would fail
     with it in the worker), read TEXT_CHUNK_BYTES at a time. Elements of one length are read in one pass: their
     bytes together decode, and none starts inside a character (so no character spans two of them)."""
     if count and not _utf8_elements(buf, count):
-        raise InvalidArgument(f"input '{name}': an onnxruntime model's string tensor takes UTF-8 text, and an "
-                              f"element of this one is not")
+        raise NotText(name)
 
 
 def _utf8_elements(buf: memoryview, count: int) -> bool:

@@ -572,6 +572,13 @@ def test_step_requests_keep_the_ensemble_requests_identity_deadline_and_origin(t
 
 # -- explicit model control: an ensemble's steps load with it ------------------------------------
 
+def ab_pipe(repo) -> None:
+    """Echo models a and b, and the ensemble pipe: X -> a -> b -> Y."""
+    for name in "ab":
+        echo_model(repo, name)
+    pipe(repo, "pipe", ["a", "b"])
+
+
 def test_an_explicit_load_of_an_ensemble_loads_its_steps_and_answers_once_they_are_ready(tmp_path, harness):  # noqa: F811
     for name in "abc":
         echo_model(tmp_path, name)
@@ -609,9 +616,7 @@ def test_an_explicit_load_of_an_ensemble_whose_step_cannot_load_fails_naming_the
 
 
 def test_an_ensemble_load_leaves_a_loaded_step_as_it_serves(tmp_path, harness):  # noqa: F811
-    for name in "ab":
-        echo_model(tmp_path, name)
-    pipe(tmp_path, "pipe", ["a", "b"])
+    ab_pipe(tmp_path)
     h = harness(model_control_mode="explicit", load_models=("a",))
     h.ready_all()
     (a_worker,) = h.out.spawned
@@ -625,9 +630,7 @@ def test_an_ensemble_load_leaves_a_loaded_step_as_it_serves(tmp_path, harness): 
 
 
 def test_the_wildcard_startup_model_loads_the_whole_repository(tmp_path, harness):  # noqa: F811
-    for name in "ab":
-        echo_model(tmp_path, name)
-    pipe(tmp_path, "pipe", ["a", "b"])
+    ab_pipe(tmp_path)
     h = harness(model_control_mode="explicit", load_models=("*",))
     h.ready_all()
     assert sorted(h.core.control.groups) == ["a", "b", "pipe"]
@@ -635,9 +638,7 @@ def test_the_wildcard_startup_model_loads_the_whole_repository(tmp_path, harness
 
 
 def test_an_exception_while_loading_an_ensembles_steps_answers_the_load_once(tmp_path, harness):  # noqa: F811
-    for name in "ab":
-        echo_model(tmp_path, name)
-    pipe(tmp_path, "pipe", ["a", "b"])
+    ab_pipe(tmp_path)
     h = harness(model_control_mode="explicit")
     place = h.out.place
 
@@ -659,9 +660,7 @@ def test_a_steps_coded_failure_keeps_its_code_through_the_ensemble(tmp_path, har
     """A python model's TritonError(..., INVALID_ARG) is a 400 through an ensemble as it is alone."""
     from gepool.ipc.ring import Failure
 
-    for name in "ab":
-        echo_model(tmp_path, name)
-    pipe(tmp_path, "pipe", ["a", "b"])
+    ab_pipe(tmp_path)
     h = harness()
     for w in h.out.spawned:  # as a python model's worker reports itself: it answers each request alone
         h.core.on_worker_message(protocol.WorkerReady(w.id, protocol.PROTOCOL_VERSION, w.process.pid,

@@ -11,7 +11,7 @@ from gepool.http.access import API_NAMES
 from gepool.http.servers import DEFAULT_GRPC_SERVER, DEFAULT_HTTP_SERVER, GRPC_HELP, GRPC_SERVERS, HTTP_SERVERS
 from gepool.http.servers import HELP as HTTP_SERVER_HELP
 from gepool.options import DEFAULT, MODEL_CONTROL_MODES, OPTION_NAMES, PoolOptions
-from gepool.scheduler.options import ALL_MODELS
+from gepool.scheduler.options import named_at_start
 
 log = logging.getLogger("gepool.cli")
 FAILED_EXIT = 1
@@ -267,7 +267,7 @@ def run(args) -> int:
 def _failed_at_start(status: dict, args) -> list[tuple[str, str]]:
     """(name, reason) of each model asked for at start that is not serving: every model of the
     repository, or in explicit mode those named by --load-model."""
-    asked = set(args.load_models) if args.model_control_mode == "explicit" and ALL_MODELS not in args.load_models \
-        else None
+    named = named_at_start(args.model_control_mode, args.load_models)
+    asked = None if named is None else set(named)
     return [(name, m["reason"] or m["state"]) for name, m in status["models"].items()
             if m["state"] == "UNAVAILABLE" and (asked is None or name in asked)]

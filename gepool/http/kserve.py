@@ -363,6 +363,11 @@ def header_length(body, header_length: str | None) -> int:
     return hlen
 
 
+def is_raw(hlen: int, header_length_text: str | None) -> bool:
+    """Whether a body is Triton's raw binary request: an Inference-Header-Content-Length of 0, no JSON at all."""
+    return hlen == 0 and header_length_text is not None
+
+
 def raw_request(config: Mapping, body: bytes, model: str) -> InferRequest:
     """Triton's raw binary request (Inference-Header-Content-Length: 0, no JSON): ``body`` is the bytes of the
     model's one input, its shape deduced from ``config`` (the model's rendered config) as Triton's

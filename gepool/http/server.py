@@ -346,7 +346,7 @@ class Gateway:
                 shm = _mentions_shm(body, hlen)
                 if self.regions.stale():  # not only when shm: the key may be spelled with escapes
                     await self.regions.current()
-                if hlen == 0 and header_length is not None:  # no JSON at all: the body is the one input
+                if kserve.is_raw(hlen, header_length):  # the body is the one input
                     await self._model_meta(request)  # (an unknown model or version is heard of first)
                     config = await (await self.front()).query("config", {"model": model})
                     req = kserve.raw_request(config, body, model)
@@ -395,7 +395,7 @@ class Gateway:
             hlen = kserve.header_length(body, header_length)
         except errors.GepoolError:
             return False
-        if _mentions_shm(body, hlen) or hlen == 0 and header_length is not None:  # (a raw request: the handler's)
+        if _mentions_shm(body, hlen) or kserve.is_raw(hlen, header_length):  # (a raw request: the handler's)
             return False
         try:
             req = self.templates.parse(body, _no_regions, MAX_JSON_BYTES, max_body) if header_length is None \

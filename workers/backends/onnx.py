@@ -117,8 +117,6 @@ class OnnxBackend(SyncBackend):
             result[name] = view if view is not None else produced[i].numpy()
         return result
 
-
-
     def _run(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """A model with string tensors: BYTES inputs passed as text, string outputs given back as UTF-8 bytes."""
         feed = {name: _as_text(name, arr) if arr.dtype == object else np.ascontiguousarray(arr)

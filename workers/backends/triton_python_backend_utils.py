@@ -14,13 +14,15 @@ import struct
 
 import numpy as np
 
+from gepool.common.errors import TRITON_ERROR_CODES
+
 _log = logging.getLogger("gepool.model")
 
 NOT_YET = "is not supported by gepool yet"
-# gepool's error codes -> TritonError's, for the error response of a BLS call
-_ERROR_CODES = {"INVALID_ARGUMENT": 3, "MODEL_NOT_FOUND": 2, "NOT_FOUND": 2, "UNAVAILABLE": 4,
-                "MODEL_NOT_READY": 4, "POOL_UNAVAILABLE": 4, "TIMEOUT": 4, "REQUEST_TOO_LARGE": 3, "UNKNOWN": 0,
-                "UNSUPPORTED": 5, "ALREADY_EXISTS": 6, "CANCELLED": 7}
+# gepool's error codes -> TritonError's, for the error response of a BLS call: TritonError's own, and gepool's
+# others as Triton would have classed them
+_ERROR_CODES = {**{code: i for i, code in enumerate(TRITON_ERROR_CODES)}, "MODEL_NOT_FOUND": 2,
+                "MODEL_NOT_READY": 4, "POOL_UNAVAILABLE": 4, "TIMEOUT": 4, "REQUEST_TOO_LARGE": 3}
 
 TRITON_STRING_TO_NUMPY = {
     "TYPE_BOOL": bool, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
